@@ -1,0 +1,340 @@
+"""RedisLock: an owner-checked Redis lease with a watchdog, fair waiting and fencing tokens.
+
+Failure timeline, for a holder with ``ttl`` T (the lease):
+
+* the holder process dies (SIGKILL, OOM): nothing renews the lease, the key
+  expires at most T after the last renewal, and waiters notice then at the
+  latest (a release wakes them at once; an expiry is seen at the holder's TTL);
+* the holder is paused or cut off for longer than T: the lease expires and
+  another owner may take the lock. The watchdog reports the loss within one
+  renewal interval of the process running again (``lost``, the ``lock_lost``
+  signal, an ERROR log), a later ``release()`` raises ``LockNotOwned`` and
+  leaves the new owner alone, and the new owner's ``fence`` is greater, so a
+  resource that checks fences rejects the stale holder's writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time as mod_time
+import weakref
+from types import TracebackType
+from typing import Any
+
+import redis
+import redis.cluster
+from redis.exceptions import RedisError
+
+from ._durations import Duration, seconds, to_ms
+from ._scripts import ACQUIRE, RELEASE, RENEW
+from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
+from .watchdog import Lease, get_watchdog
+
+__all__ = ["MIN_WATCHDOG_TTL", "RedisLock", "companion_key"]
+
+logger = logging.getLogger(__name__)
+
+#: Shortest lease the watchdog renews (every ttl/3, so at least every 0.1 s).
+MIN_WATCHDOG_TTL = 0.3
+#: Extra time a queued waiter counts as alive beyond its own wait.
+_WAITER_GRACE = 2.0
+
+
+def companion_key(name: str, suffix: str) -> str:
+    """A key in ``name``'s Redis Cluster hash slot, for data that belongs to the lock."""
+    start = name.find("{")
+    if start != -1:
+        end = name.find("}", start + 1)
+        if end > start + 1:  # ``name`` has a hash tag: the companion reuses it
+            return f"{name}:{suffix}"
+    return f"{{{name}}}:{suffix}"
+
+
+@functools.cache
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def _blocking_pop(client: redis.Redis, key: str, wait: float) -> str | None:
+    """BLPOP ``key`` for up to ``wait`` seconds, whatever the client's socket_timeout.
+
+    The reply is awaited with ``select`` for the whole wait, so a short
+    ``socket_timeout`` (redis-py's default is 5 s) does not turn the wait into
+    a poll. A server silent past its own timeout means a broken connection.
+    """
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_command("BLPOP", key, f"{wait:.3f}")
+        if not connection.can_read(wait + 1.0):
+            connection.disconnect()
+            raise redis.exceptions.TimeoutError(f"no reply to BLPOP {key!r} within {wait + 1.0:.3f}s")
+        reply = connection.read_response()
+    finally:
+        pool.release(connection)
+    return None if reply is None else _text(reply[1])
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisLock:
+    """A lock on the Redis key ``name`` that only its owner can release or extend.
+
+    ``ttl`` (seconds or timedelta) is the lease: an unrenewed hold expires
+    after it. With ``watchdog=True`` the process's watchdog renews the lease
+    every ``ttl/3`` while the lock is held. ``fair=True`` hands the lock to
+    waiters in arrival order. ``timeout`` is how long ``acquire()`` and the
+    ``with`` block wait by default (``None``: no limit). ``holder`` describes
+    the owner to others (``LockNotAcquired.holder``); by default
+    ``"<host>:<pid>"``.
+
+    Re-entrant per object: acquiring again while this object holds the lock
+    raises a hold count (no round trip) and ``release()`` lowers it; the last
+    release frees the key. Share the key, not the object, between threads
+    that must exclude each other. All users of one key should agree on
+    ``fair``.
+
+    ``token`` and ``fence`` describe the current hold (``None`` when not
+    held); ``fence`` is greater than every earlier holder's, so a resource
+    that remembers the highest fence it saw can reject a stale holder.
+    ``lost`` is set when the watchdog finds the lock gone or taken over.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis | redis.cluster.RedisCluster,
+        name: str | bytes,
+        ttl: Duration = 30.0,
+        *,
+        watchdog: bool = True,
+        fair: bool = False,
+        timeout: Duration | None = None,
+        holder: str | None = None,
+    ) -> None:
+        if not isinstance(client, (redis.Redis, redis.cluster.RedisCluster)):
+            raise LockConfigurationError(
+                f"client must be a redis.Redis or redis.cluster.RedisCluster, got {type(client).__name__}"
+            )
+        if isinstance(name, bytes):
+            try:
+                name = name.decode()
+            except UnicodeDecodeError:
+                raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
+        if not isinstance(name, str) or not name:
+            raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
+        self.ttl = seconds(ttl, "ttl")
+        if self.ttl <= 0:
+            raise LockConfigurationError(f"ttl must be > 0 seconds, got {ttl!r}")
+        if watchdog and self.ttl < MIN_WATCHDOG_TTL:
+            raise LockConfigurationError(
+                f"ttl must be >= {MIN_WATCHDOG_TTL} seconds for the watchdog to renew it "
+                f"(every ttl/3), got {ttl!r}; use a longer ttl or watchdog=False"
+            )
+        self.timeout = None if timeout is None else seconds(timeout, "timeout")
+        if holder is not None and not isinstance(holder, str):
+            raise LockConfigurationError(f"holder must be a str, got {holder!r}")
+        self.client = client
+        self.name = name
+        self.watchdog = bool(watchdog)
+        self.fair = bool(fair)
+        self.holder = holder
+        self.token: str | None = None
+        self.fence: int | None = None
+        self.lost = threading.Event()
+        self._keys = (name, companion_key(name, "queue"), companion_key(name, "waiters"))
+        self._wake_prefix = companion_key(name, "wake:")
+        self._ttl_ms = to_ms(self.ttl)
+        self._count = 0
+        self._pid = 0
+        self._lease: Lease | None = None
+        self._state = threading.Lock()
+        #: (holder, ttl in seconds) seen by the last failed attempt
+        self._busy: tuple[str | None, float | None] = (None, None)
+
+    def __repr__(self) -> str:
+        return f"<RedisLock {self.name!r} ttl={self.ttl} held={self._count}>"
+
+    # -- acquiring -----------------------------------------------------------
+
+    def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
+        """Take the lock; ``True`` once held, ``False`` if not within ``timeout``.
+
+        ``timeout`` (seconds or timedelta; default: the constructor's, where
+        ``None`` waits without limit) bounds the wait with one monotonic
+        deadline. A waiter sleeps until a release wakes it, or until the
+        holder's TTL runs out (a holder that died), never polling. Free lock:
+        one round trip. Raises ``LockLost`` when re-entering a hold the
+        watchdog found lost.
+        """
+        if timeout is not None and not blocking:
+            raise LockConfigurationError("timeout cannot be given with blocking=False")
+        wait = self.timeout if timeout is None else seconds(timeout, "timeout")
+        with self._state:
+            if self._held_here():
+                if self.lost.is_set():
+                    raise LockLost(self.name)
+                self._count += 1
+                return True
+        token = secrets.token_hex(16)
+        holder = self.holder if self.holder is not None else f"{_hostname()}:{os.getpid()}"
+        deadline = None if wait is None else mod_time.monotonic() + wait
+        sent_at, fence = self._wait_for(token, holder, blocking, deadline)
+        if fence is None:
+            return False
+        with self._state:
+            self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+            self.lost.clear()
+            if self.watchdog:
+                self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
+                get_watchdog().add(self._lease, sent_at)
+        return True
+
+    def _wait_for(
+        self, token: str, holder: str, blocking: bool, deadline: float | None
+    ) -> tuple[float, int | None]:
+        """Attempts until granted or past ``deadline``; returns (send time, fence or None)."""
+        queued = False
+        try:
+            while True:
+                sent_at = mod_time.monotonic()
+                waiting = blocking and (deadline is None or sent_at < deadline)
+                reply = ACQUIRE(
+                    self.client,
+                    self._keys,
+                    [
+                        token,
+                        self._ttl_ms,
+                        holder,
+                        "1" if self.fair else "0",
+                        "wait" if waiting else "try",
+                        to_ms(self.ttl + _WAITER_GRACE),
+                        self._wake_prefix,
+                        "1" if queued else "0",
+                    ],
+                )
+                if int(reply[0]) == 1:
+                    queued = False
+                    return sent_at, int(reply[1])
+                queued = waiting
+                pttl = int(reply[1])
+                self._busy = (None if reply[2] is None else _text(reply[2]), max(pttl, 0) / 1000)
+                if not waiting:
+                    return sent_at, None
+                message = self._sleep(token, deadline, pttl)
+                if message is not None and self.fair:  # handed over by the release
+                    queued = False
+                    return sent_at, int(message)
+        finally:
+            if queued:  # interrupted while queued: leave the queue, and the lock if it came
+                self._abandon(token, holder)
+
+    def _sleep(self, token: str, deadline: float | None, pttl_ms: int) -> str | None:
+        """Blocks until woken by a release, the holder's TTL runs out, or ``deadline``."""
+        waits = [self.ttl, pttl_ms / 1000 if pttl_ms > 0 else self.ttl]
+        if deadline is not None:
+            waits.append(deadline - mod_time.monotonic())
+        key = self._wake_prefix + token
+        node = self.client
+        if isinstance(node, redis.cluster.RedisCluster):
+            node = node.get_node_from_key(key).redis_connection
+        return _blocking_pop(node, key, max(min(waits), 0.001))
+
+    def _abandon(self, token: str, holder: str) -> None:
+        try:
+            reply = ACQUIRE(
+                self.client,
+                self._keys,
+                [token, self._ttl_ms, holder, "1" if self.fair else "0", "try", 1, self._wake_prefix, "1"],
+            )
+            if int(reply[0]) == 1:
+                RELEASE(self.client, self._keys, [token, "1" if self.fair else "0", self._wake_prefix])
+        except RedisError as exc:
+            logger.warning("lock %r: could not leave the waiter queue: %s", self.name, exc)
+
+    # -- holding -------------------------------------------------------------
+
+    def _held_here(self) -> bool:
+        """Held by this object in this process (a forked child holds nothing it inherited)."""
+        return self._count > 0 and self._pid == os.getpid()
+
+    def release(self) -> None:
+        """Lower the hold count; at zero, free the key (one round trip, owner-checked).
+
+        Raises ``LockNotOwned`` (changing nothing in Redis) when this object
+        does not hold the lock, or no longer does (expired or taken over). On
+        a Redis error the hold stays as it was and the error propagates.
+        """
+        with self._state:
+            if not self._held_here():
+                raise LockNotOwned(self.name)
+            if self._count > 1:
+                self._count -= 1
+                return
+            lease, token = self._lease, self.token
+            if lease is not None:
+                get_watchdog().discard(lease)
+        try:
+            released = RELEASE(self.client, self._keys, [token or "", "1" if self.fair else "0", self._wake_prefix])
+        except RedisError:
+            if lease is not None:
+                lease.cancelled = False
+                get_watchdog().add(lease, lease.expires - lease.ttl)
+            raise
+        with self._state:
+            self.token, self.fence, self._count, self._lease = None, None, 0, None
+        if not int(released):
+            raise LockNotOwned(self.name)
+
+    def extend(self, ttl: Duration | None = None) -> None:
+        """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it, never adding.
+
+        Owner-checked in one round trip; raises ``LockNotOwned`` (and sets
+        ``lost``) when this object does not hold the lock. The watchdog, if
+        on, goes on renewing to the lock's own ``ttl``.
+        """
+        new_ttl = self.ttl if ttl is None else seconds(ttl, "ttl")
+        if new_ttl <= 0:
+            raise LockConfigurationError(f"ttl must be > 0 seconds, got {ttl!r}")
+        with self._state:
+            if not self._held_here():
+                raise LockNotOwned(self.name)
+            token = self.token
+        if not int(RENEW(self.client, [self.name], [token or "", to_ms(new_ttl)])[0]):
+            self.lost.set()
+            raise LockNotOwned(self.name)
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock (one round trip)."""
+        return bool(self.client.exists(self.name))
+
+    def owned(self) -> bool:
+        """Whether this object holds the lock, as Redis sees it now (one round trip)."""
+        with self._state:
+            if not self._held_here():
+                return False
+            token = self.token
+        current = self.client.hget(self.name, "token")
+        return current is not None and _text(current) == token
+
+    # -- context manager -----------------------------------------------------
+
+    def __enter__(self) -> RedisLock:
+        if not self.acquire(timeout=self.timeout):
+            holder, ttl = self._busy
+            raise LockNotAcquired(self.name, holder, ttl)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

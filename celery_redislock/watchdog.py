@@ -1,0 +1,201 @@
+"""One renewer per process for every held lock that asked for one.
+
+Contract:
+
+* A lease is renewed every ``interval`` (``ttl / 3``) counted from the send
+  time of its last successful renewal; leases that fall due close together are
+  renewed together, one round trip per client per ``BATCH`` leases.
+* ``discard()`` stops renewing a lease before its owner sends the release; a
+  renewal already in flight is owner-checked in Redis, so it can neither
+  resurrect nor extend a released lock, and its result is ignored.
+* A lease whose renewal answers "not owned" is lost at once; one whose
+  renewals fail (Redis unreachable) until ``last success + ttl`` is lost then.
+  A lost lease is reported by an ERROR log naming the key, the owner's
+  ``lost`` event and the ``lock_lost`` signal, and is renewed no more.
+* The thread never raises; it exits when nothing is left to renew and starts
+  again with the next lease. After ``fork()`` the child starts with no leases
+  and its own thread: a lease is renewed only by the process that took it.
+* A lease whose lock object was garbage-collected is dropped (left to expire),
+  so renewal never outlives what it guards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time as mod_time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from . import signals
+from ._scripts import RENEW
+
+if TYPE_CHECKING:
+    from .lock import RedisLock
+
+__all__ = ["BATCH", "Lease", "Watchdog", "get_watchdog"]
+
+logger = logging.getLogger(__name__)
+
+#: Most leases renewed by one script call (one round trip).
+BATCH = 2000
+
+
+@dataclass(eq=False)
+class Lease:
+    """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds."""
+
+    client: Any
+    key: str
+    token: str
+    ttl: float
+    owner: weakref.ref[RedisLock]
+    #: monotonic time of the next renewal
+    due: float = 0.0
+    #: monotonic time at which the hold runs out unless renewed
+    expires: float = 0.0
+    #: set by ``discard()``; results of a renewal in flight are then ignored
+    cancelled: bool = field(default=False)
+
+    @property
+    def interval(self) -> float:
+        return self.ttl / 3
+
+
+class Watchdog:
+    """Renews leases in batches on a daemon thread; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cond = threading.Condition()
+        self._leases: set[Lease] = set()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: Lease, sent_at: float) -> None:
+        """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``."""
+        lease.due = sent_at + lease.interval
+        lease.expires = sent_at + lease.ttl
+        with self._cond:
+            self._leases.add(lease)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-redislock-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (before its release is sent)."""
+        with self._cond:
+            lease.cancelled = True
+            self._leases.discard(lease)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                self._renew(batch)
+            except Exception:  # the thread must survive anything
+                logger.exception("celery-redislock watchdog: unexpected error; carrying on")
+                with self._cond:
+                    self._cond.wait(0.1)
+
+    def _next_batch(self) -> list[Lease] | None:
+        """Waits until a lease is due; returns every lease due within half its interval."""
+        with self._cond:
+            while True:
+                if not self._leases:
+                    self._thread = None
+                    return None
+                now = mod_time.monotonic()
+                due = [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
+                if any(lease.due <= now for lease in due):
+                    return due
+                self._cond.wait(min(lease.due for lease in self._leases) - now)
+
+    def _renew(self, leases: Iterable[Lease]) -> None:
+        by_client: dict[int, list[Lease]] = defaultdict(list)
+        for lease in leases:
+            if lease.owner() is None:  # the lock object is gone: let the key expire
+                self.discard(lease)
+            else:
+                by_client[id(lease.client)].append(lease)
+        for group in by_client.values():
+            for start in range(0, len(group), BATCH):
+                self._renew_batch(group[start : start + BATCH])
+
+    def _renew_batch(self, batch: list[Lease]) -> None:
+        args: list[str | int] = []
+        for lease in batch:
+            args += [lease.token, max(1, round(lease.ttl * 1000))]
+        sent_at = mod_time.monotonic()
+        try:
+            replies = RENEW(batch[0].client, [lease.key for lease in batch], args)
+        except RedisError as exc:
+            now = mod_time.monotonic()
+            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %s", len(batch), exc)
+            for lease in batch:
+                if now >= lease.expires:
+                    self._lose(lease, "expired")
+                else:
+                    lease.due = now + min(lease.interval / 3, 1.0)
+            return
+        for lease, renewed in zip(batch, replies):
+            if lease.cancelled:
+                continue
+            if int(renewed):
+                lease.due = sent_at + lease.interval
+                lease.expires = sent_at + lease.ttl
+            else:
+                self._lose(lease, "not owned")
+
+    def _lose(self, lease: Lease, reason: str) -> None:
+        with self._cond:
+            if lease.cancelled:
+                return
+            self.discard(lease)
+        logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
+        lock = lease.owner()
+        if lock is None:
+            return
+        lock.lost.set()
+        signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
+
+
+# The one per-process watchdog (by contract) and what guards its creation;
+# both are replaced in a forked child, whose inherited ones belong to the parent.
+_watchdog: Watchdog | None = None
+_create = threading.Lock()
+_fork_hook_registered = False
+
+
+def _forget_after_fork() -> None:
+    global _watchdog, _create
+    _watchdog = None
+    _create = threading.Lock()
+
+
+def get_watchdog() -> Watchdog:
+    """This process's watchdog, created on first use and again after ``fork()``."""
+    global _watchdog, _fork_hook_registered
+    watchdog = _watchdog
+    if watchdog is not None and watchdog.pid == os.getpid():
+        return watchdog
+    with _create:
+        if _watchdog is None or _watchdog.pid != os.getpid():
+            if not _fork_hook_registered:
+                os.register_at_fork(after_in_child=_forget_after_fork)
+                _fork_hook_registered = True
+            _watchdog = Watchdog()
+        return _watchdog
