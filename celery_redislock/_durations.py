@@ -17,9 +17,7 @@ def seconds(value: object, what: str) -> float:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         result = float(value)
     else:
-        raise LockConfigurationError(
-            f"{what} must be a number of seconds or a timedelta, got {value!r}"
-        )
+        raise LockConfigurationError(f"{what} must be a number of seconds or a timedelta, got {value!r}")
     if not math.isfinite(result) or result < 0:
         raise LockConfigurationError(f"{what} must be finite and >= 0 seconds, got {value!r}")
     return result

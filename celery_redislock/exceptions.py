@@ -65,7 +65,9 @@ class LockNotOwned(RedisLockError):
         self.key = key
 
     def __str__(self) -> str:
-        return f"lock {self.key!r} is not held by this owner (never acquired, released, expired or taken over)"
+        return (
+            f"lock {self.key!r} is not held by this owner (never acquired, released, expired or taken over)"
+        )
 
 
 class LockLost(RedisLockError):

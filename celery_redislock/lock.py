@@ -46,12 +46,21 @@ _WAITER_GRACE = 2.0
 
 
 def companion_key(name: str, suffix: str) -> str:
-    """A key in ``name``'s Redis Cluster hash slot, for data that belongs to the lock."""
+    """A key in ``name``'s Redis Cluster hash slot, for data that belongs to the lock.
+
+    Raises ``LockConfigurationError`` for a name whose slot no companion can
+    share: one with a ``}`` but no hash tag (Redis hashes the first non-empty
+    ``{...}``).
+    """
     start = name.find("{")
     if start != -1:
         end = name.find("}", start + 1)
         if end > start + 1:  # ``name`` has a hash tag: the companion reuses it
             return f"{name}:{suffix}"
+    if "}" in name:
+        raise LockConfigurationError(
+            f"name {name!r} has a '}}' but no hash tag; use a name without '}}' or with a {{tag}}"
+        )
     return f"{{{name}}}:{suffix}"
 
 
@@ -70,11 +79,13 @@ def _blocking_pop(client: redis.Redis, key: str, wait: float) -> str | None:
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
-        connection.send_command("BLPOP", key, f"{wait:.3f}")
+        connection.send_command("BLPOP", key, f"{wait:.3f}")  # type: ignore[no-untyped-call]
         if not connection.can_read(wait + 1.0):
-            connection.disconnect()
             raise redis.exceptions.TimeoutError(f"no reply to BLPOP {key!r} within {wait + 1.0:.3f}s")
         reply = connection.read_response()
+    except BaseException:  # a reply may still be on its way: the connection is not reusable
+        connection.disconnect()  # type: ignore[no-untyped-call]
+        raise
     finally:
         pool.release(connection)
     return None if reply is None else _text(reply[1])
@@ -228,9 +239,9 @@ class RedisLock:
                 if not waiting:
                     return sent_at, None
                 message = self._sleep(token, deadline, pttl)
-                if message is not None and self.fair:  # handed over by the release
+                if message is not None and self.fair:  # handed over just now by the release
                     queued = False
-                    return sent_at, int(message)
+                    return mod_time.monotonic(), int(message)
         finally:
             if queued:  # interrupted while queued: leave the queue, and the lock if it came
                 self._abandon(token, holder)
@@ -243,7 +254,7 @@ class RedisLock:
         key = self._wake_prefix + token
         node = self.client
         if isinstance(node, redis.cluster.RedisCluster):
-            node = node.get_node_from_key(key).redis_connection
+            node = node.get_node_from_key(key).redis_connection  # type: ignore[no-untyped-call]
         return _blocking_pop(node, key, max(min(waits), 0.001))
 
     def _abandon(self, token: str, holder: str) -> None:
@@ -281,7 +292,9 @@ class RedisLock:
             if lease is not None:
                 get_watchdog().discard(lease)
         try:
-            released = RELEASE(self.client, self._keys, [token or "", "1" if self.fair else "0", self._wake_prefix])
+            released = RELEASE(
+                self.client, self._keys, [token or "", "1" if self.fair else "0", self._wake_prefix]
+            )
         except RedisError:
             if lease is not None:
                 lease.cancelled = False

