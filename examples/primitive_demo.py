@@ -73,9 +73,7 @@ def watchdog(client: redis.Redis) -> None:
     with RedisLock(client, "demo:long", ttl=1) as lock:
         for second in range(1, 4):
             lock.lost.wait(1.0)
-            say(
-                f"   {second}s in: still owned={lock.owned()}, TTL left {client.pttl('demo:long')} ms"
-            )
+            say(f"   {second}s in: still owned={lock.owned()}, TTL left {client.pttl('demo:long')} ms")
 
 
 def fencing(client: redis.Redis) -> None:

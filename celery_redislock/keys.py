@@ -1,0 +1,93 @@
+"""Task signature -> lock key.
+
+A call's key is ``{prefix}:{task name}:{digest}``, the digest being the
+SHA-256 of the canonical JSON of its arguments: bound to the signature of the
+task's ``run`` (defaults applied, a bound ``self`` dropped), encoded as
+Celery's JSON serializer encodes them (datetime, UUID, Decimal, bytes...),
+with dict keys sorted. So ``f(1, b=2)``, ``f(1, 2)``, ``f(a=1, b=2)`` and
+``f(1)`` (``b=2`` being the default) share one key, the key is the same
+before and after the message's trip through the broker, and no argument value
+appears in a key name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kombu.utils.json import JSONEncoder
+
+from .exceptions import LockKeyError
+
+__all__ = ["LockOn", "call_digest", "lock_key"]
+
+#: ``None`` (every argument), parameter names (only those), or a callable
+#: ``(*args, **kwargs) -> JSON-able value``.
+LockOn = Sequence[str] | Callable[..., Any] | None
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(
+        value, cls=JSONEncoder, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
+    )
+
+
+def _keyed_value(
+    task_name: str, run: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], lock_on: LockOn
+) -> Any:
+    """What the key stands for: the bound arguments, the named ones, or the callable's value."""
+    if callable(lock_on):
+        try:
+            return lock_on(*args, **kwargs)
+        except Exception as exc:
+            raise LockKeyError(task_name, "lock_on", f"(the callable) raised {exc!r}") from exc
+    try:
+        bound = inspect.signature(run).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise LockKeyError(task_name, "*", f"list does not match the task's signature: {exc}") from None
+    bound.apply_defaults()
+    if lock_on is None:
+        return bound.arguments
+    missing = [name for name in lock_on if name not in bound.arguments]
+    if missing:
+        raise LockKeyError(task_name, missing[0], "named in lock_on is not a parameter of the task")
+    return {name: bound.arguments[name] for name in lock_on}
+
+
+def call_digest(
+    task_name: str,
+    run: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    lock_on: LockOn = None,
+) -> str:
+    """SHA-256 hex digest of a call's canonical arguments; ``LockKeyError`` names what cannot be keyed."""
+    value = _keyed_value(task_name, run, args, kwargs or {}, lock_on)
+    try:
+        text = _canonical(value)
+    except (TypeError, ValueError) as exc:
+        culprit = "lock_on"
+        if isinstance(value, dict) and not callable(lock_on):
+            culprit = next((name for name, item in value.items() if not _encodable(item)), "*")
+        raise LockKeyError(
+            task_name,
+            culprit,
+            f"cannot be encoded by Celery's JSON serializer ({exc}); "
+            "pass JSON-able values or choose the key with lock_on",
+        ) from None
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        _canonical(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def lock_key(prefix: str, task_name: str, digest: str) -> str:
+    return f"{prefix}:{task_name}:{digest}"
