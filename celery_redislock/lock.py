@@ -28,19 +28,21 @@ from typing import Any
 
 import redis
 import redis.cluster
-from redis.exceptions import RedisError
 
 from ._durations import Duration, seconds, to_ms
+from ._redis import call_with_timeout, node_client
 from ._scripts import ACQUIRE, RELEASE, RENEW
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
 from .watchdog import Lease, get_watchdog
 
-__all__ = ["MIN_WATCHDOG_TTL", "RedisLock", "companion_key"]
+__all__ = ["MAX_TTL", "MIN_WATCHDOG_TTL", "RedisLock", "companion_key"]
 
 logger = logging.getLogger(__name__)
 
 #: Shortest lease the watchdog renews (every ttl/3, so at least every 0.1 s).
 MIN_WATCHDOG_TTL = 0.3
+#: Longest lease accepted (Redis refuses expiry times past its range).
+MAX_TTL = 365 * 24 * 3600.0
 #: Extra time a queued waiter counts as alive beyond its own wait.
 _WAITER_GRACE = 2.0
 
@@ -69,26 +71,17 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
-def _blocking_pop(client: redis.Redis, key: str, wait: float) -> str | None:
-    """BLPOP ``key`` for up to ``wait`` seconds, whatever the client's socket_timeout.
-
-    The reply is awaited with ``select`` for the whole wait, so a short
-    ``socket_timeout`` (redis-py's default is 5 s) does not turn the wait into
-    a poll. A server silent past its own timeout means a broken connection.
-    """
-    pool = client.connection_pool
-    connection = pool.get_connection()
-    try:
-        connection.send_command("BLPOP", key, f"{wait:.3f}")  # type: ignore[no-untyped-call]
-        if not connection.can_read(wait + 1.0):
-            raise redis.exceptions.TimeoutError(f"no reply to BLPOP {key!r} within {wait + 1.0:.3f}s")
-        reply = connection.read_response()
-    except BaseException:  # a reply may still be on its way: the connection is not reusable
-        connection.disconnect()  # type: ignore[no-untyped-call]
-        raise
-    finally:
-        pool.release(connection)
-    return None if reply is None else _text(reply[1])
+def _lease_seconds(ttl: object, watchdog: bool) -> float:
+    """A lease length in seconds, or ``LockConfigurationError`` saying what is allowed."""
+    value = seconds(ttl, "ttl")
+    if not 0 < value <= MAX_TTL:
+        raise LockConfigurationError(f"ttl must be > 0 and <= {MAX_TTL:.0f} seconds, got {ttl!r}")
+    if watchdog and value < MIN_WATCHDOG_TTL:
+        raise LockConfigurationError(
+            f"ttl must be >= {MIN_WATCHDOG_TTL} seconds for the watchdog to renew it "
+            f"(every ttl/3), got {ttl!r}; use a longer ttl or watchdog=False"
+        )
+    return value
 
 
 def _text(value: Any) -> str:
@@ -140,14 +133,7 @@ class RedisLock:
                 raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
         if not isinstance(name, str) or not name:
             raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
-        self.ttl = seconds(ttl, "ttl")
-        if self.ttl <= 0:
-            raise LockConfigurationError(f"ttl must be > 0 seconds, got {ttl!r}")
-        if watchdog and self.ttl < MIN_WATCHDOG_TTL:
-            raise LockConfigurationError(
-                f"ttl must be >= {MIN_WATCHDOG_TTL} seconds for the watchdog to renew it "
-                f"(every ttl/3), got {ttl!r}; use a longer ttl or watchdog=False"
-            )
+        self.ttl = _lease_seconds(ttl, watchdog)
         self.timeout = None if timeout is None else seconds(timeout, "timeout")
         if holder is not None and not isinstance(holder, str):
             raise LockConfigurationError(f"holder must be a str, got {holder!r}")
@@ -210,12 +196,21 @@ class RedisLock:
     def _wait_for(
         self, token: str, holder: str, blocking: bool, deadline: float | None
     ) -> tuple[float, int | None]:
-        """Attempts until granted or past ``deadline``; returns (send time, fence or None)."""
-        queued = False
+        """Attempts until granted or past ``deadline``.
+
+        Returns (a monotonic time no later than the grant, the fence), or
+        (_, None) when not granted. Interrupted (an exception, KeyboardInterrupt
+        or a Celery time limit included) after an attempt may have reached
+        Redis, it leaves the queue and releases the lock if it came.
+        """
+        fair = "1" if self.fair else "0"
+        member = f"{self._ttl_ms}:{token}:{fair}:{holder}"
+        queued = sent = False
         try:
             while True:
                 sent_at = mod_time.monotonic()
                 waiting = blocking and (deadline is None or sent_at < deadline)
+                sent = True
                 reply = ACQUIRE(
                     self.client,
                     self._keys,
@@ -223,7 +218,7 @@ class RedisLock:
                         token,
                         self._ttl_ms,
                         holder,
-                        "1" if self.fair else "0",
+                        fair,
                         "wait" if waiting else "try",
                         to_ms(self.ttl + _WAITER_GRACE),
                         self._wake_prefix,
@@ -231,42 +226,35 @@ class RedisLock:
                     ],
                 )
                 if int(reply[0]) == 1:
-                    queued = False
                     return sent_at, int(reply[1])
-                queued = waiting
-                pttl = int(reply[1])
-                self._busy = (None if reply[2] is None else _text(reply[2]), max(pttl, 0) / 1000)
                 if not waiting:
                     return sent_at, None
+                queued = True
+                pttl = int(reply[1])
+                self._busy = (None if reply[2] is None else _text(reply[2]), max(pttl, 0) / 1000)
                 message = self._sleep(token, deadline, pttl)
-                if message is not None and self.fair:  # handed over just now by the release
-                    queued = False
-                    return mod_time.monotonic(), int(message)
-        finally:
-            if queued:  # interrupted while queued: leave the queue, and the lock if it came
-                self._abandon(token, holder)
+                if message not in (None, "retry"):  # handed over after our last attempt was sent
+                    return sent_at, int(message)
+        except BaseException:
+            if sent:
+                self._abandon(token, member)
+            raise
 
     def _sleep(self, token: str, deadline: float | None, pttl_ms: int) -> str | None:
         """Blocks until woken by a release, the holder's TTL runs out, or ``deadline``."""
         waits = [self.ttl, pttl_ms / 1000 if pttl_ms > 0 else self.ttl]
         if deadline is not None:
             waits.append(deadline - mod_time.monotonic())
+        wait = max(min(waits), 0.001)
         key = self._wake_prefix + token
-        node = self.client
-        if isinstance(node, redis.cluster.RedisCluster):
-            node = node.get_node_from_key(key).redis_connection  # type: ignore[no-untyped-call]
-        return _blocking_pop(node, key, max(min(waits), 0.001))
+        reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        return None if reply is None else _text(reply[1])
 
-    def _abandon(self, token: str, holder: str) -> None:
+    def _abandon(self, token: str, member: str) -> None:
+        """Leave the queue, and release the lock if it was granted meanwhile."""
         try:
-            reply = ACQUIRE(
-                self.client,
-                self._keys,
-                [token, self._ttl_ms, holder, "1" if self.fair else "0", "try", 1, self._wake_prefix, "1"],
-            )
-            if int(reply[0]) == 1:
-                RELEASE(self.client, self._keys, [token, "1" if self.fair else "0", self._wake_prefix])
-        except RedisError as exc:
+            RELEASE(self.client, self._keys, [token, self._wake_prefix, member])
+        except Exception as exc:
             logger.warning("lock %r: could not leave the waiter queue: %s", self.name, exc)
 
     # -- holding -------------------------------------------------------------
@@ -279,8 +267,10 @@ class RedisLock:
         """Lower the hold count; at zero, free the key (one round trip, owner-checked).
 
         Raises ``LockNotOwned`` (changing nothing in Redis) when this object
-        does not hold the lock, or no longer does (expired or taken over). On
-        a Redis error the hold stays as it was and the error propagates.
+        does not hold the lock, or no longer does (expired or taken over).
+        Renewal stops before the release is sent. On a Redis error the outcome
+        is unknown: the error propagates and the hold is kept, so ``release()``
+        can be retried; unrenewed, the key expires within ``ttl`` anyway.
         """
         with self._state:
             if not self._held_here():
@@ -288,18 +278,10 @@ class RedisLock:
             if self._count > 1:
                 self._count -= 1
                 return
-            lease, token = self._lease, self.token
-            if lease is not None:
-                get_watchdog().discard(lease)
-        try:
-            released = RELEASE(
-                self.client, self._keys, [token or "", "1" if self.fair else "0", self._wake_prefix]
-            )
-        except RedisError:
-            if lease is not None:
-                lease.cancelled = False
-                get_watchdog().add(lease, lease.expires - lease.ttl)
-            raise
+            token = self.token or ""
+            if self._lease is not None:
+                get_watchdog().discard(self._lease)
+        released = RELEASE(self.client, self._keys, [token, self._wake_prefix, ""])
         with self._state:
             self.token, self.fence, self._count, self._lease = None, None, 0, None
         if not int(released):
@@ -309,19 +291,20 @@ class RedisLock:
         """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it, never adding.
 
         Owner-checked in one round trip; raises ``LockNotOwned`` (and sets
-        ``lost``) when this object does not hold the lock. The watchdog, if
-        on, goes on renewing to the lock's own ``ttl``.
+        ``lost``) when this object does not hold the lock. With the watchdog,
+        the hold is renewed to ``ttl`` from then on (every ``ttl/3``).
         """
-        new_ttl = self.ttl if ttl is None else seconds(ttl, "ttl")
-        if new_ttl <= 0:
-            raise LockConfigurationError(f"ttl must be > 0 seconds, got {ttl!r}")
+        new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
         with self._state:
             if not self._held_here():
                 raise LockNotOwned(self.name)
-            token = self.token
-        if not int(RENEW(self.client, [self.name], [token or "", to_ms(new_ttl)])[0]):
+            token, lease = self.token or "", self._lease
+        sent_at = mod_time.monotonic()
+        if not int(RENEW(self.client, [self.name], [token, to_ms(new_ttl)])[0]):
             self.lost.set()
             raise LockNotOwned(self.name)
+        if lease is not None:
+            get_watchdog().reschedule(lease, new_ttl, sent_at)
 
     def locked(self) -> bool:
         """Whether anyone holds the lock (one round trip)."""
@@ -350,4 +333,18 @@ class RedisLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        if exc is None:
+            self.release()
+            return
+        try:  # the body's exception is the one to see
+            self.release()
+        except LockNotOwned:
+            logger.warning("lock %r was not held any more when its with-block raised", self.name)
+
+    def _mark_lost(self, lease: Lease) -> bool:
+        """Called by the watchdog: set ``lost`` if ``lease`` is still this object's hold."""
+        with self._state:
+            if self._lease is not lease:
+                return False
+            self.lost.set()
+            return True

@@ -4,7 +4,10 @@ Contract:
 
 * A lease is renewed every ``interval`` (``ttl / 3``) counted from the send
   time of its last successful renewal; leases that fall due close together are
-  renewed together, one round trip per client per ``BATCH`` leases.
+  renewed together, one round trip per client (per Cluster hash slot) per
+  ``BATCH`` leases. Each round trip waits at most until the batch's earliest
+  lease would run out (at least one interval), so a stalled server or network
+  cannot hold the thread past the point where it must report a loss.
 * ``discard()`` stops renewing a lease before its owner sends the release; a
   renewal already in flight is owner-checked in Redis, so it can neither
   resurrect nor extend a released lock, and its result is ignored.
@@ -12,6 +15,8 @@ Contract:
   renewals fail (Redis unreachable) until ``last success + ttl`` is lost then.
   A lost lease is reported by an ERROR log naming the key, the owner's
   ``lost`` event and the ``lock_lost`` signal, and is renewed no more.
+  Reports are made after the tick's renewals are sent; ``lock_lost``
+  receivers run on this thread and must return quickly.
 * The thread never raises; it exits when nothing is left to renew and starts
   again with the next lease. After ``fork()`` the child starts with no leases
   and its own thread: a lease is renewed only by the process that took it.
@@ -31,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
+import redis.cluster
 
 from . import signals
 from ._scripts import RENEW
@@ -96,6 +101,15 @@ class Watchdog:
             lease.cancelled = True
             self._leases.discard(lease)
 
+    def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
+        """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now on."""
+        with self._cond:
+            if lease in self._leases:
+                lease.ttl = ttl
+                lease.due = sent_at + lease.interval
+                lease.expires = sent_at + ttl
+                self._cond.notify()
+
     def __len__(self) -> int:
         return len(self._leases)
 
@@ -125,51 +139,57 @@ class Watchdog:
                 self._cond.wait(min(lease.due for lease in self._leases) - now)
 
     def _renew(self, leases: Iterable[Lease]) -> None:
-        by_client: dict[int, list[Lease]] = defaultdict(list)
+        groups: dict[tuple[int, int], list[Lease]] = defaultdict(list)
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
                 self.discard(lease)
-            else:
-                by_client[id(lease.client)].append(lease)
-        for group in by_client.values():
+                continue
+            client = lease.client
+            slot = 0
+            if isinstance(client, redis.cluster.RedisCluster):  # one script call per hash slot
+                slot = client.keyslot(lease.key)  # type: ignore[no-untyped-call]
+            groups[id(client), slot].append(lease)
+        lost: list[tuple[Lease, str]] = []
+        for group in groups.values():
             for start in range(0, len(group), BATCH):
-                self._renew_batch(group[start : start + BATCH])
+                lost += self._renew_batch(group[start : start + BATCH])
+        for lease, reason in lost:
+            self._report(lease, reason)
 
-    def _renew_batch(self, batch: list[Lease]) -> None:
+    def _renew_batch(self, batch: list[Lease]) -> list[tuple[Lease, str]]:
+        """Renews one batch in one round trip; returns the leases found lost, with why."""
         args: list[str | int] = []
         for lease in batch:
             args += [lease.token, max(1, round(lease.ttl * 1000))]
         sent_at = mod_time.monotonic()
+        earliest_end = min(lease.expires for lease in batch)
+        patience = max(earliest_end - sent_at, min(lease.interval for lease in batch))
         try:
-            replies = RENEW(batch[0].client, [lease.key for lease in batch], args)
-        except RedisError as exc:
+            replies = RENEW(batch[0].client, [lease.key for lease in batch], args, timeout=patience)
+        except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             now = mod_time.monotonic()
-            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %s", len(batch), exc)
+            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
             for lease in batch:
-                if now >= lease.expires:
-                    self._lose(lease, "expired")
-                else:
-                    lease.due = now + min(lease.interval / 3, 1.0)
-            return
+                lease.due = now + min(lease.interval / 3, 1.0)
+            return [(lease, "expired") for lease in batch if now >= lease.expires]
+        lost = []
         for lease, renewed in zip(batch, replies, strict=True):
-            if lease.cancelled:
-                continue
             if int(renewed):
                 lease.due = sent_at + lease.interval
                 lease.expires = sent_at + lease.ttl
             else:
-                self._lose(lease, "not owned")
+                lost.append((lease, "not owned"))
+        return lost
 
-    def _lose(self, lease: Lease, reason: str) -> None:
+    def _report(self, lease: Lease, reason: str) -> None:
         with self._cond:
-            if lease.cancelled:
+            if lease.cancelled:  # released meanwhile: nothing was lost
                 return
             self.discard(lease)
-        logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
         lock = lease.owner()
-        if lock is None:
+        if lock is None or not lock._mark_lost(lease):
             return
-        lock.lost.set()
+        logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
         signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
 
 

@@ -363,12 +363,13 @@ def test_decode_responses_client(redis_server: RedisServer, name: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"ttl": 0}, "ttl must be > 0"),
+        ({"ttl": 0}, "ttl must be > 0 and <= 31536000 seconds"),
         ({"ttl": -1}, "ttl must be finite and >= 0"),
         ({"ttl": float("inf")}, "ttl must be finite"),
         ({"ttl": "30"}, "ttl must be a number of seconds or a timedelta"),
         ({"ttl": True}, "ttl must be a number"),
         ({"ttl": 0.1}, "ttl must be >= 0.3 seconds for the watchdog"),
+        ({"ttl": 1e17}, "ttl must be > 0 and <= 31536000 seconds"),
         ({"timeout": -0.5}, "timeout must be finite and >= 0"),
         ({"name": 42}, "name must be a non-empty str or bytes"),
         ({"name": ""}, "name must be a non-empty str or bytes"),

@@ -1,0 +1,192 @@
+"""Regressions from review: mixed fairness, hand-over timing, stalls, poisoned batches, interrupts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+import celery_redislock.lock as lock_module
+from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock
+from celery_redislock.lock import companion_key
+from celery_redislock.testing import RedisServer
+
+
+def wait_until_queued(client: redis.Redis, name: str, count: int = 1) -> None:
+    deadline = time.monotonic() + 10
+    while client.zcard(companion_key(name, "queue")) < count:
+        assert time.monotonic() < deadline, "the waiter never queued"
+
+
+def test_fair_and_unfair_users_of_one_key_still_exclude(client: redis.Redis, prefix: str) -> None:
+    name = f"{prefix}:k"
+    unfair_holder = RedisLock(client, name, ttl=5)
+    fair_waiter = RedisLock(client, name, ttl=5, fair=True)
+    unfair_holder.acquire()
+    thread = threading.Thread(target=fair_waiter.acquire)
+    thread.start()
+    wait_until_queued(client, name)
+    unfair_holder.release()  # the fair waiter is handed the lock, whoever releases
+    thread.join()
+    assert fair_waiter.owned()
+    assert not RedisLock(client, name, ttl=5).acquire(blocking=False)
+    fair_waiter.release()
+
+    fair_holder, unfair_waiter = RedisLock(client, name, ttl=5, fair=True), RedisLock(client, name, ttl=5)
+    fair_holder.acquire()
+    thread = threading.Thread(target=unfair_waiter.acquire)
+    thread.start()
+    wait_until_queued(client, name)
+    fair_holder.release()  # the unfair waiter is told to retry, and wins the free lock
+    thread.join()
+    assert unfair_waiter.owned()
+    assert not RedisLock(client, name, ttl=5).acquire(blocking=False)
+    unfair_waiter.release()
+
+
+def test_a_handover_received_late_is_still_held(
+    client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pause between the failed attempt and BLPOP must not make the watchdog miss the lease."""
+    real_call = lock_module.call_with_timeout
+
+    def paused_call(*args: Any) -> Any:
+        threading.Event().wait(0.5)  # an injected pause (GC, scheduling) before the BLPOP is sent
+        return real_call(*args)
+
+    monkeypatch.setattr(lock_module, "call_with_timeout", paused_call)
+    name = f"{prefix}:k"
+    holder, waiter = RedisLock(client, name, ttl=0.6, fair=True), RedisLock(client, name, ttl=0.6, fair=True)
+    holder.acquire()
+    thread = threading.Thread(target=waiter.acquire)
+    thread.start()
+    wait_until_queued(client, name)
+    holder.release()  # hands over with a 0.6 s TTL while the waiter is still paused
+    thread.join()
+    assert not waiter.lost.wait(1.5)
+    assert waiter.owned()
+    waiter.release()
+
+
+def test_a_stalled_server_is_reported_and_does_not_stall_other_leases(
+    fresh_server: RedisServer, redis_server: RedisServer, prefix: str
+) -> None:
+    stalled = RedisLock(fresh_server.client(), f"{prefix}:stalled", ttl=0.6)
+    healthy = RedisLock(redis_server.client(), f"{prefix}:healthy", ttl=0.6)
+    stalled.acquire()
+    healthy.acquire()
+    os.kill(fresh_server.pid, signal.SIGSTOP)
+    try:
+        assert stalled.lost.wait(10)  # renewals get no answer: lost once the lease ran out
+        assert not healthy.lost.wait(1.5)  # meanwhile the other server's lease kept being renewed
+        assert healthy.owned()
+    finally:
+        os.kill(fresh_server.pid, signal.SIGCONT)
+    healthy.release()
+    assert fresh_server.client().exists(f"{prefix}:stalled") == 0  # expired, not renewed
+
+
+def test_a_key_of_another_type_loses_only_its_own_lease(client: redis.Redis, prefix: str) -> None:
+    locks = [RedisLock(client, f"{prefix}:{i}", ttl=0.6) for i in range(3)]
+    for lock in locks:
+        lock.acquire()
+    client.delete(f"{prefix}:0")
+    client.set(f"{prefix}:0", "not a lock", px=60_000)
+    assert locks[0].lost.wait(5)
+    assert not locks[1].lost.wait(1.0) and not locks[2].lost.is_set()
+    assert locks[1].owned() and locks[2].owned()
+    for lock in locks[1:]:
+        lock.release()
+    client.delete(f"{prefix}:0")
+
+
+def test_an_interrupt_after_the_attempt_leaves_nothing_held(
+    client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_acquire = lock_module.ACQUIRE
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        real_acquire(*args, **kwargs)  # the attempt reached Redis...
+        raise KeyboardInterrupt  # ...and the caller was interrupted before it saw the reply
+
+    monkeypatch.setattr(lock_module, "ACQUIRE", interrupted)
+    lock = RedisLock(client, f"{prefix}:k", ttl=30)
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire()
+    assert lock.token is None
+    assert client.exists(f"{prefix}:k") == 0
+
+
+def test_an_interrupted_waiter_leaves_the_queue(
+    client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: Any) -> Any:
+        raise KeyboardInterrupt
+
+    name = f"{prefix}:k"
+    holder = RedisLock(client, name, ttl=5)
+    holder.acquire()
+    monkeypatch.setattr(lock_module, "call_with_timeout", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        RedisLock(client, name, ttl=5, fair=True).acquire()
+    assert client.exists(companion_key(name, "queue"), companion_key(name, "waiters")) == 0
+    holder.release()
+
+
+def test_extend_with_the_watchdog_renews_to_the_new_ttl(client: redis.Redis, prefix: str) -> None:
+    lock = RedisLock(client, f"{prefix}:k", ttl=30)
+    lock.acquire()
+    lock.extend(0.6)  # renewed to 0.6 s every 0.2 s from now on
+    assert not lock.lost.wait(2.0)
+    assert 0 < client.pttl(f"{prefix}:k") <= 600
+    with pytest.raises(LockConfigurationError, match=r"ttl must be >= 0\.3"):
+        lock.extend(0.1)
+    lock.release()
+
+
+def test_with_block_error_is_not_hidden_by_a_lost_lock(client: redis.Redis, prefix: str) -> None:
+    def body() -> None:
+        with RedisLock(client, f"{prefix}:k", ttl=5):
+            client.delete(f"{prefix}:k")
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        body()
+    with pytest.raises(LockNotOwned), RedisLock(client, f"{prefix}:k", ttl=5):
+        client.delete(f"{prefix}:k")
+
+
+def test_waiting_with_decode_responses(redis_server: RedisServer, prefix: str) -> None:
+    client = redis_server.client(decode_responses=True)
+    for fair in (False, True):
+        holder, waiter = (
+            RedisLock(client, f"{prefix}:k", ttl=5, fair=fair),
+            RedisLock(client, f"{prefix}:k", ttl=5, fair=fair),
+        )
+        holder.acquire()
+        thread = threading.Thread(target=waiter.acquire)
+        thread.start()
+        wait_until_queued(client, f"{prefix}:k")  # type: ignore[arg-type]
+        holder.release()
+        thread.join()
+        assert waiter.owned()
+        waiter.release()
+
+
+def test_reentry_after_loss_raises_only_for_the_lost_hold(client: redis.Redis, prefix: str) -> None:
+    lock = RedisLock(client, f"{prefix}:k", ttl=0.6)
+    lock.acquire()
+    client.delete(f"{prefix}:k")
+    assert lock.lost.wait(5)
+    with pytest.raises(LockLost):
+        lock.acquire()
+    with pytest.raises(LockNotOwned):
+        lock.release()
+    assert lock.acquire(blocking=False)  # a new hold starts clean
+    assert not lock.lost.is_set()
+    lock.release()
