@@ -1,19 +1,20 @@
 """Every Lua script the package runs, each with its KEYS/ARGV/return contract.
 
-A lock is one hash at ``KEYS[1]`` with the fields ``token`` (the owner's
-128-bit random token), ``fence`` (the fencing token of this hold) and
-``holder`` (a free-form description of the owner). Waiters of a blocking
-acquire add two companion keys, which share the lock's cluster hash slot:
-a queue (sorted set, member -> arrival time in microseconds) and their
-deadlines (sorted set, member -> server time in ms after which the waiter
-counts as gone). A waiter member is ``"<ttl ms>:<token>:<fair 1|0>:<holder>"``.
-A woken waiter finds one message in its own list ``<wake prefix><token>``:
-``"retry"`` (the lock is free: try again) or, for a fair waiter, the fence of
-the hold just handed to it. Whether a waiter is handed the lock depends on
-its own ``fair`` flag, whoever releases.
+A lock is one string at ``KEYS[1]``: ``"<token>:<fence>:<holder>"``, where the
+token is the owner's 128-bit random token (32 hex digits), the fence is the
+fencing token of this hold (decimal) and the holder a free-form description of
+the owner. Ownership is the token prefix. Waiters of a blocking acquire add two
+companion keys, which share the lock's cluster hash slot: a queue (sorted set,
+member -> arrival time in microseconds) and their deadlines (sorted set,
+member -> server time in ms after which the waiter counts as gone). A waiter
+member is ``"<ttl ms>:<token>:<fair 1|0>:<holder>"``. A woken waiter finds one
+message in its own list, named like the queue with ``wake:<token>`` in place
+of its final ``queue``: ``"retry"`` (the lock is free: try again) or, for a
+fair waiter, the fence of the hold just handed to it. Whether a waiter is
+handed the lock depends on its own ``fair`` flag, whoever releases.
 
-Every key written gets a TTL in the same script; nothing outlives its use.
-Times come from the Redis server clock (``TIME``), never from a client clock.
+Every key written gets a TTL in the same command or script; nothing outlives
+its use. Times come from the Redis server clock (``TIME``), never a client's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ._redis import call_with_timeout, node_client
 
 _HELPERS = """
 local lock, queue, deadlines = KEYS[1], KEYS[2], KEYS[3]
+local wake_prefix = string.sub(queue, 1, -6) .. 'wake:'  -- the queue's name ends in 'queue'
 
 -- The server clock as (ms, us).
 local function server_time()
@@ -37,14 +39,13 @@ local function server_time()
   return s * 1000 + math.floor(us / 1000), s * 1000000 + us
 end
 
--- Makes `token` the owner for `ttl_ms`; returns its fence: the server clock in
--- microseconds, and at least `floor` + 1 (the previous holder's fence, when known).
-local function take(token, ttl_ms, holder, floor)
-  local _, fence = server_time()
-  if fence <= floor then fence = floor + 1 end
-  redis.call('HSET', lock, 'token', token, 'fence', string.format('%.0f', fence), 'holder', holder)
-  redis.call('PEXPIRE', lock, ttl_ms)
-  return fence
+local function owns(value, token) return value and string.sub(value, 1, 32) == token end
+local function fence_of(value) return tonumber(string.match(value, '^%x+:(%d+):')) end
+local function holder_of(value) return value and string.match(value, '^%x+:%d+:(.*)$') end
+
+-- The lock value of a hold by `token` with fence `fence`.
+local function hold(token, fence, holder)
+  return token .. ':' .. string.format('%.0f', fence) .. ':' .. holder
 end
 
 -- Drops the waiters whose deadline has passed (they died or gave up unseen).
@@ -55,8 +56,9 @@ local function evict(now_ms)
   end
 end
 
--- Wakes the first live waiter; a fair one is handed the lock (which must be free).
-local function wake_next(wake_prefix, floor, now_ms)
+-- Wakes the first live waiter; a fair one is handed the (free) lock, with a
+-- fence above `floor` (the previous holder's).
+local function wake_next(floor, now_ms, now_us)
   evict(now_ms)
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if not head then return end
@@ -64,7 +66,11 @@ local function wake_next(wake_prefix, floor, now_ms)
   redis.call('ZREM', deadlines, head)
   local ttl_ms, token, fair, holder = string.match(head, '^(%d+):(%x+):([01]):(.*)$')
   local message = 'retry'
-  if fair == '1' then message = string.format('%.0f', take(token, tonumber(ttl_ms), holder, floor)) end
+  if fair == '1' then
+    local fence = math.max(now_us, floor + 1)
+    redis.call('SET', lock, hold(token, fence, holder), 'PX', ttl_ms)
+    message = string.format('%.0f', fence)
+  end
   local wake = wake_prefix .. token
   redis.call('DEL', wake)
   redis.call('RPUSH', wake, message)
@@ -81,80 +87,82 @@ end
 
 _ACQUIRE = """
 -- KEYS[1] lock, KEYS[2] waiter queue, KEYS[3] waiter deadlines.
--- ARGV[1] token (hex), ARGV[2] ttl in ms, ARGV[3] holder description,
+-- ARGV[1] token (32 hex digits), ARGV[2] ttl in ms, ARGV[3] holder description,
 -- ARGV[4] '1' fair (a free lock goes to the first waiter) or '0' (first come),
--- ARGV[5] 'wait' (when busy, join or stay in the queue) or 'try' (when busy, leave it),
--- ARGV[6] waiter lease in ms (a queued waiter that does not call again within it is dropped),
--- ARGV[7] wake list prefix, ARGV[8] '1' when the caller may be queued already.
+-- ARGV[5] what to do when the lock is busy: 'try' (nothing), 'wait' (join the
+-- queue), 'again' (stay queued), 'last' (leave the queue). A queued waiter
+-- counts as gone when it has not called again within its ttl + 2 s.
 -- Returns {1, fence} when the caller owns the lock now (its TTL set to ARGV[2]),
 --         {0, the lock's PTTL in ms, its holder description} when not. A failed
 -- attempt never touches the holder's TTL.
 local token, ttl_ms, holder, fair, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local lease_ms, wake_prefix, queued = tonumber(ARGV[6]), ARGV[7], ARGV[8] == '1'
+local queued = mode == 'again' or mode == 'last'
 local wake = wake_prefix .. token
 local member = ARGV[2] .. ':' .. token .. ':' .. fair .. ':' .. holder
-local current = redis.call('HGET', lock, 'token')
-if current == token then  -- handed over while we were away from the wake list
+local now_ms, now_us = server_time()
+local head = nil
+if fair == '1' then
+  evict(now_ms)
+  head = redis.call('ZRANGE', queue, 0, 0)[1]
+end
+local first = not head or head == member
+if first and redis.call('SET', lock, hold(token, now_us, holder), 'NX', 'PX', ttl_ms) then
+  if queued then leave(member, wake) end
+  return {1, now_us}
+end
+local current = redis.call('GET', lock)
+if owns(current, token) then  -- handed over while we were away from the wake list
   leave(member, wake)
   redis.call('PEXPIRE', lock, ttl_ms)
-  return {1, tonumber(redis.call('HGET', lock, 'fence'))}
+  return {1, fence_of(current)}
 end
-local now_ms, now_us = server_time()
-if not current then
-  local head = nil
-  if fair == '1' then
-    evict(now_ms)
-    head = redis.call('ZRANGE', queue, 0, 0)[1]
-  end
-  if not head or head == member then
-    if queued then leave(member, wake) end
-    return {1, take(token, ttl_ms, holder, 0)}
-  end
-  wake_next(wake_prefix, 0, now_ms)
+if not current then  -- free, but the first fair waiter comes before us
+  wake_next(0, now_ms, now_us)
+  current = redis.call('GET', lock)
 end
-if mode == 'wait' then
+if mode == 'wait' or mode == 'again' then
   redis.call('ZADD', queue, 'NX', now_us, member)
-  redis.call('ZADD', deadlines, now_ms + lease_ms, member)
+  redis.call('ZADD', deadlines, now_ms + ttl_ms + 2000, member)
   local last = redis.call('ZRANGE', deadlines, -1, -1, 'WITHSCORES')[2]
   local keep = math.max(1, tonumber(last) - now_ms)
   redis.call('PEXPIRE', queue, keep)
   redis.call('PEXPIRE', deadlines, keep)
-elseif queued then
+elseif mode == 'last' then
   leave(member, wake)
 end
-return {0, redis.call('PTTL', lock), redis.call('HGET', lock, 'holder')}
+return {0, redis.call('PTTL', lock), holder_of(current)}
 """
 
 _RELEASE = """
 -- KEYS[1] lock, KEYS[2] waiter queue, KEYS[3] waiter deadlines.
--- ARGV[1] token, ARGV[2] wake list prefix, ARGV[3] the caller's waiter member
--- ('' when it never waited).
+-- ARGV[1] token, ARGV[2] the caller's waiter member ('' when it never waited).
 -- Returns 1 when the caller owned the lock and it is released (the first
 -- waiter woken, or if fair handed the lock), 0 when the caller did not own it:
 -- then the lock is untouched and the caller, if it was queued, leaves the queue.
-local token, wake_prefix, member = ARGV[1], ARGV[2], ARGV[3]
-if redis.call('HGET', lock, 'token') ~= token then
+local token, member = ARGV[1], ARGV[2]
+local current = redis.call('GET', lock)
+if not owns(current, token) then
   if member ~= '' then leave(member, wake_prefix .. token) end
   return 0
 end
-local floor = tonumber(redis.call('HGET', lock, 'fence'))
 redis.call('DEL', lock)
 if redis.call('EXISTS', queue) == 1 then
-  local now_ms = server_time()
-  wake_next(wake_prefix, floor, now_ms)
+  local now_ms, now_us = server_time()
+  wake_next(fence_of(current), now_ms, now_us)
 end
 return 1
 """
 
 _RENEW = """
--- KEYS[i] lock i; ARGV[2i-1] its owner's token, ARGV[2i] its new TTL in ms.
--- Sets each lock's TTL to the given value (replacing, never adding) where the
--- token still owns it. Returns a list with 1 (renewed) or 0 (not owned: gone
--- or held by another token, left untouched) per key.
+-- KEYS[i] lock i; ARGV[1] the new TTL in ms; ARGV[i + 1] the token owning lock i.
+-- Sets each lock's TTL to ARGV[1] (replacing, never adding) where its token
+-- still owns it. Returns a list with 1 (renewed) or 0 (not owned: gone, held
+-- by another token, or not a lock at all; left untouched) per key.
 local renewed = {}
 for i, key in ipairs(KEYS) do
-  if redis.pcall('HGET', key, 'token') == ARGV[2 * i - 1] then  -- pcall: a foreign key type is "not owned"
-    redis.call('PEXPIRE', key, ARGV[2 * i])
+  local value = redis.pcall('GET', key)  -- pcall: a key of another type is "not owned"
+  if type(value) == 'string' and string.sub(value, 1, 32) == ARGV[i + 1] then
+    redis.call('PEXPIRE', key, ARGV[1])
     renewed[i] = 1
   else
     renewed[i] = 0

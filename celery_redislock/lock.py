@@ -43,8 +43,6 @@ logger = logging.getLogger(__name__)
 MIN_WATCHDOG_TTL = 0.3
 #: Longest lease accepted (Redis refuses expiry times past its range).
 MAX_TTL = 365 * 24 * 3600.0
-#: Extra time a queued waiter counts as alive beyond its own wait.
-_WAITER_GRACE = 2.0
 
 
 def companion_key(name: str, suffix: str) -> str:
@@ -210,21 +208,9 @@ class RedisLock:
             while True:
                 sent_at = mod_time.monotonic()
                 waiting = blocking and (deadline is None or sent_at < deadline)
+                mode = ("again" if waiting else "last") if queued else ("wait" if waiting else "try")
                 sent = True
-                reply = ACQUIRE(
-                    self.client,
-                    self._keys,
-                    [
-                        token,
-                        self._ttl_ms,
-                        holder,
-                        fair,
-                        "wait" if waiting else "try",
-                        to_ms(self.ttl + _WAITER_GRACE),
-                        self._wake_prefix,
-                        "1" if queued else "0",
-                    ],
-                )
+                reply = ACQUIRE(self.client, self._keys, [token, self._ttl_ms, holder, fair, mode])
                 if int(reply[0]) == 1:
                     return sent_at, int(reply[1])
                 if not waiting:
@@ -253,7 +239,7 @@ class RedisLock:
     def _abandon(self, token: str, member: str) -> None:
         """Leave the queue, and release the lock if it was granted meanwhile."""
         try:
-            RELEASE(self.client, self._keys, [token, self._wake_prefix, member])
+            RELEASE(self.client, self._keys, [token, member])
         except Exception as exc:
             logger.warning("lock %r: could not leave the waiter queue: %s", self.name, exc)
 
@@ -281,7 +267,7 @@ class RedisLock:
             token = self.token or ""
             if self._lease is not None:
                 get_watchdog().discard(self._lease)
-        released = RELEASE(self.client, self._keys, [token, self._wake_prefix, ""])
+        released = RELEASE(self.client, self._keys, [token, ""])
         with self._state:
             self.token, self.fence, self._count, self._lease = None, None, 0, None
         if not int(released):
@@ -300,7 +286,7 @@ class RedisLock:
                 raise LockNotOwned(self.name)
             token, lease = self.token or "", self._lease
         sent_at = mod_time.monotonic()
-        if not int(RENEW(self.client, [self.name], [token, to_ms(new_ttl)])[0]):
+        if not int(RENEW(self.client, [self.name], [to_ms(new_ttl), token])[0]):
             self.lost.set()
             raise LockNotOwned(self.name)
         if lease is not None:
@@ -316,8 +302,8 @@ class RedisLock:
             if not self._held_here():
                 return False
             token = self.token
-        current = self.client.hget(self.name, "token")
-        return current is not None and _text(current) == token
+        current = self.client.get(self.name)
+        return current is not None and _text(current)[:32] == token
 
     # -- context manager -----------------------------------------------------
 

@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time as mod_time
@@ -61,6 +62,8 @@ class Lease:
     token: str
     ttl: float
     owner: weakref.ref[RedisLock]
+    #: seconds between renewals (ttl / 3)
+    interval: float = 0.0
     #: monotonic time of the next renewal
     due: float = 0.0
     #: monotonic time at which the hold runs out unless renewed
@@ -68,9 +71,10 @@ class Lease:
     #: set by ``discard()``; results of a renewal in flight are then ignored
     cancelled: bool = field(default=False)
 
-    @property
-    def interval(self) -> float:
-        return self.ttl / 3
+    def renewed(self, ttl: float, sent_at: float) -> None:
+        """Redis set the lease to ``ttl`` on a request sent at ``sent_at``."""
+        self.ttl, self.interval = ttl, ttl / 3
+        self.due, self.expires = sent_at + self.interval, sent_at + ttl
 
 
 class Watchdog:
@@ -81,11 +85,12 @@ class Watchdog:
         self._cond = threading.Condition()
         self._leases: set[Lease] = set()
         self._thread: threading.Thread | None = None
+        #: when the sleeping thread will wake by itself (-inf while it is busy)
+        self._wake_at = -math.inf
 
     def add(self, lease: Lease, sent_at: float) -> None:
         """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``."""
-        lease.due = sent_at + lease.interval
-        lease.expires = sent_at + lease.ttl
+        lease.renewed(lease.ttl, sent_at)
         with self._cond:
             self._leases.add(lease)
             if self._thread is None:
@@ -93,7 +98,8 @@ class Watchdog:
                     target=self._run, name="celery-redislock-watchdog", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif lease.due < self._wake_at:  # wake the thread only when it would be late
+                self._cond.notify()
 
     def discard(self, lease: Lease) -> None:
         """Stop renewing ``lease`` (before its release is sent)."""
@@ -105,10 +111,9 @@ class Watchdog:
         """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now on."""
         with self._cond:
             if lease in self._leases:
-                lease.ttl = ttl
-                lease.due = sent_at + lease.interval
-                lease.expires = sent_at + ttl
-                self._cond.notify()
+                lease.renewed(ttl, sent_at)
+                if lease.due < self._wake_at:
+                    self._cond.notify()
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -133,39 +138,45 @@ class Watchdog:
                     self._thread = None
                     return None
                 now = mod_time.monotonic()
-                due = [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
-                if any(lease.due <= now for lease in due):
-                    return due
-                self._cond.wait(min(lease.due for lease in self._leases) - now)
+                earliest = min(lease.due for lease in self._leases)
+                if earliest <= now:
+                    self._wake_at = -math.inf
+                    return [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
+                self._wake_at = earliest
+                self._cond.wait(earliest - now)
 
     def _renew(self, leases: Iterable[Lease]) -> None:
-        groups: dict[tuple[int, int], list[Lease]] = defaultdict(list)
+        groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
+        cluster: dict[int, bool] = {}
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
                 self.discard(lease)
                 continue
             client = lease.client
-            slot = 0
-            if isinstance(client, redis.cluster.RedisCluster):  # one script call per hash slot
-                slot = client.keyslot(lease.key)  # type: ignore[no-untyped-call]
-            groups[id(client), slot].append(lease)
+            if id(client) not in cluster:
+                cluster[id(client)] = isinstance(client, redis.cluster.RedisCluster)
+            # one script call per client, Cluster hash slot and lease length
+            slot = client.keyslot(lease.key) if cluster[id(client)] else 0
+            groups[id(client), slot, round(lease.ttl * 1000)].append(lease)
         lost: list[tuple[Lease, str]] = []
-        for group in groups.values():
+        for (_, _, ttl_ms), group in groups.items():
             for start in range(0, len(group), BATCH):
-                lost += self._renew_batch(group[start : start + BATCH])
+                lost += self._renew_batch(group[start : start + BATCH], ttl_ms)
         for lease, reason in lost:
             self._report(lease, reason)
 
-    def _renew_batch(self, batch: list[Lease]) -> list[tuple[Lease, str]]:
+    def _renew_batch(self, batch: list[Lease], ttl_ms: int) -> list[tuple[Lease, str]]:
         """Renews one batch in one round trip; returns the leases found lost, with why."""
-        args: list[str | int] = []
-        for lease in batch:
-            args += [lease.token, max(1, round(lease.ttl * 1000))]
         sent_at = mod_time.monotonic()
         earliest_end = min(lease.expires for lease in batch)
-        patience = max(earliest_end - sent_at, min(lease.interval for lease in batch))
+        patience = max(earliest_end - sent_at, batch[0].interval)
         try:
-            replies = RENEW(batch[0].client, [lease.key for lease in batch], args, timeout=patience)
+            replies = RENEW(
+                batch[0].client,
+                [lease.key for lease in batch],
+                [ttl_ms, *(lease.token for lease in batch)],
+                timeout=patience,
+            )
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             now = mod_time.monotonic()
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
@@ -173,10 +184,10 @@ class Watchdog:
                 lease.due = now + min(lease.interval / 3, 1.0)
             return [(lease, "expired") for lease in batch if now >= lease.expires]
         lost = []
+        ttl = batch[0].ttl
         for lease, renewed in zip(batch, replies, strict=True):
-            if int(renewed):
-                lease.due = sent_at + lease.interval
-                lease.expires = sent_at + lease.ttl
+            if renewed:
+                lease.renewed(ttl, sent_at)
             else:
                 lost.append((lease, "not owned"))
         return lost
