@@ -3,15 +3,18 @@
 A lock is one string at ``KEYS[1]``: ``"<token>:<fence>:<holder>"``, where the
 token is the owner's 128-bit random token (32 hex digits), the fence is the
 fencing token of this hold (decimal) and the holder a free-form description of
-the owner. Ownership is the token prefix. Waiters of a blocking acquire add two
-companion keys, which share the lock's cluster hash slot: a queue (sorted set,
-member -> arrival time in microseconds) and their deadlines (sorted set,
-member -> server time in ms after which the waiter counts as gone). A waiter
-member is ``"<ttl ms>:<token>:<fair 1|0>:<holder>"``. A woken waiter finds one
-message in its own list, named like the queue with ``wake:<token>`` in place
-of its final ``queue``: ``"retry"`` (the lock is free: try again) or, for a
-fair waiter, the fence of the hold just handed to it. Whether a waiter is
-handed the lock depends on its own ``fair`` flag, whoever releases.
+the owner. Ownership is the token prefix.
+
+Waiters of a blocking acquire use companion keys, named in the scripts from
+the lock's name as ``lock.companion_key`` names them, so that they share its
+cluster hash slot: a queue (sorted set, member -> arrival time in
+microseconds), the waiters' deadlines (sorted set, member -> server time in ms
+after which the waiter counts as gone), and one wake list per waiter
+(``wake:<token>``). A waiter member is ``"<ttl ms>:<token>:<fair 1|0>:<holder>"``.
+A woken waiter finds one message in its wake list: ``"retry"`` (the lock is
+free: try again) or, for a fair waiter, the fence of the hold just handed to
+it. Whether a waiter is handed the lock depends on its own ``fair`` flag,
+whoever releases.
 
 Every key written gets a TTL in the same command or script; nothing outlives
 its use. Times come from the Redis server clock (``TIME``), never a client's.
@@ -29,8 +32,17 @@ from redis.exceptions import NoScriptError
 from ._redis import call_with_timeout, node_client
 
 _HELPERS = """
-local lock, queue, deadlines = KEYS[1], KEYS[2], KEYS[3]
-local wake_prefix = string.sub(queue, 1, -6) .. 'wake:'  -- the queue's name ends in 'queue'
+-- The companion keys of the lock KEYS[1], in its cluster hash slot: its own
+-- hash tag if it has one, else the whole name as the tag (lock.companion_key).
+local lock = KEYS[1]
+local function companion_prefix(name)
+  local open = string.find(name, '{', 1, true)
+  local close = open and string.find(name, '}', open + 1, true)
+  if close and close > open + 1 then return name .. ':' end
+  return '{' .. name .. '}:'
+end
+local prefix = companion_prefix(lock)
+local queue, deadlines, wake_prefix = prefix .. 'queue', prefix .. 'waiters', prefix .. 'wake:'
 
 -- The server clock as (ms, us).
 local function server_time()
@@ -86,7 +98,7 @@ end
 """
 
 _ACQUIRE = """
--- KEYS[1] lock, KEYS[2] waiter queue, KEYS[3] waiter deadlines.
+-- KEYS[1] lock (the queue, deadlines and wake lists are its companions).
 -- ARGV[1] token (32 hex digits), ARGV[2] ttl in ms, ARGV[3] holder description,
 -- ARGV[4] '1' fair (a free lock goes to the first waiter) or '0' (first come),
 -- ARGV[5] what to do when the lock is busy: 'try' (nothing), 'wait' (join the
@@ -134,7 +146,7 @@ return {0, redis.call('PTTL', lock), holder_of(current)}
 """
 
 _RELEASE = """
--- KEYS[1] lock, KEYS[2] waiter queue, KEYS[3] waiter deadlines.
+-- KEYS[1] lock (the queue, deadlines and wake lists are its companions).
 -- ARGV[1] token, ARGV[2] the caller's waiter member ('' when it never waited).
 -- Returns 1 when the caller owned the lock and it is released (the first
 -- waiter woken, or if fair handed the lock), 0 when the caller did not own it:

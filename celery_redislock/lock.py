@@ -143,8 +143,8 @@ class RedisLock:
         self.token: str | None = None
         self.fence: int | None = None
         self.lost = threading.Event()
-        self._keys = (name, companion_key(name, "queue"), companion_key(name, "waiters"))
-        self._wake_prefix = companion_key(name, "wake:")
+        self._keys = (name,)
+        self._wake_prefix = companion_key(name, "wake:")  # also checks the name can have companions
         self._ttl_ms = to_ms(self.ttl)
         self._count = 0
         self._pid = 0
