@@ -29,8 +29,6 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from ._redis import call_with_timeout, node_client
-
 _HELPERS = """
 -- The companion keys of the lock KEYS[1], in its cluster hash slot: its own
 -- hash tag if it has one, else the whole name as the tag (lock.companion_key).
@@ -194,22 +192,25 @@ class Script:
     def __post_init__(self) -> None:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
-    def __call__(
-        self, client: Any, keys: Sequence[str], args: Sequence[str | int], timeout: float | None = None
-    ) -> Any:
-        """Run on ``client``; with ``timeout``, wait at most that long for the reply (else TimeoutError)."""
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
         try:
-            return self._send(client, keys, command, timeout)
+            return client.execute_command(*command)
         except NoScriptError:
             client.script_load(self.source)
-            return self._send(client, keys, command, timeout)
-
-    @staticmethod
-    def _send(client: Any, keys: Sequence[str], command: tuple[str | int, ...], timeout: float | None) -> Any:
-        if timeout is None:
             return client.execute_command(*command)
-        return call_with_timeout(node_client(client, keys[0]), timeout, *command)
+
+    def run_on(self, connection: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """Run on one ``redis.connection.Connection``, bounded by its own socket timeouts."""
+        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        connection.send_command(*command)
+        try:
+            return connection.read_response()
+        except NoScriptError:
+            connection.send_command("SCRIPT", "LOAD", self.source)
+            connection.read_response()
+            connection.send_command(*command)
+            return connection.read_response()
 
 
 ACQUIRE = Script(_HELPERS + _ACQUIRE)

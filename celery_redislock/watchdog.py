@@ -5,9 +5,10 @@ Contract:
 * A lease is renewed every ``interval`` (``ttl / 3``) counted from the send
   time of its last successful renewal; leases that fall due close together are
   renewed together, one round trip per client (per Cluster hash slot) per
-  ``BATCH`` leases. Each round trip waits at most until the batch's earliest
-  lease would run out (at least one interval), so a stalled server or network
-  cannot hold the thread past the point where it must report a loss.
+  ``BATCH`` leases. Renewals use connections of the watchdog's own whose
+  connect and read timeouts are half an interval, so a stalled server or
+  network can neither stop the thread from reporting a loss nor starve the
+  leases held on other servers: they are still renewed well within their TTL.
 * ``discard()`` stops renewing a lease before its owner sends the release; a
   renewal already in flight is owner-checked in Redis, so it can neither
   resurrect nor extend a released lock, and its result is ignored.
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import redis.cluster
 
 from . import signals
+from ._redis import node_client
 from ._scripts import RENEW
 
 if TYPE_CHECKING:
@@ -51,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 #: Most leases renewed by one script call (one round trip).
 BATCH = 2000
+#: Seconds after which an unused renewal connection is closed.
+_IDLE = 120.0
 
 
 @dataclass(eq=False)
@@ -87,6 +91,9 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         #: when the sleeping thread will wake by itself (-inf while it is busy)
         self._wake_at = -math.inf
+        #: the thread's own connections: (id of client or Cluster node, timeout)
+        #: -> (that client, connection, monotonic time of last use)
+        self._connections: dict[tuple[int, float], tuple[Any, Any, float]] = {}
 
     def add(self, lease: Lease, sent_at: float) -> None:
         """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``."""
@@ -168,14 +175,10 @@ class Watchdog:
     def _renew_batch(self, batch: list[Lease], ttl_ms: int) -> list[tuple[Lease, str]]:
         """Renews one batch in one round trip; returns the leases found lost, with why."""
         sent_at = mod_time.monotonic()
-        earliest_end = min(lease.expires for lease in batch)
-        patience = max(earliest_end - sent_at, batch[0].interval)
         try:
-            replies = RENEW(
-                batch[0].client,
-                [lease.key for lease in batch],
-                [ttl_ms, *(lease.token for lease in batch)],
-                timeout=patience,
+            connection = self._connection(batch[0], batch[0].interval / 2)
+            replies = RENEW.run_on(
+                connection, [lease.key for lease in batch], [ttl_ms, *(lease.token for lease in batch)]
             )
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             now = mod_time.monotonic()
@@ -191,6 +194,28 @@ class Watchdog:
             else:
                 lost.append((lease, "not owned"))
         return lost
+
+    def _connection(self, lease: Lease, timeout: float) -> Any:
+        """The thread's connection to the server holding ``lease``, with ``timeout`` for connect and reads.
+
+        Connections unused for ``_IDLE`` seconds are closed, and with them the
+        reference to their client (which keeps ids from being reused meanwhile).
+        """
+        now = mod_time.monotonic()
+        for slot, (_, idle, last_used) in list(self._connections.items()):
+            if now - last_used > _IDLE:
+                idle.disconnect()
+                del self._connections[slot]
+        client = node_client(lease.client, lease.key)
+        slot = (id(client), timeout)
+        if slot in self._connections:
+            connection = self._connections[slot][1]
+        else:
+            pool = client.connection_pool
+            kwargs = {**pool.connection_kwargs, "socket_timeout": timeout, "socket_connect_timeout": timeout}
+            connection = pool.connection_class(**kwargs)
+        self._connections[slot] = (client, connection, now)
+        return connection
 
     def _report(self, lease: Lease, reason: str) -> None:
         with self._cond:
