@@ -213,11 +213,11 @@ class RedisLock:
                 reply = ACQUIRE(self.client, self._keys, [token, self._ttl_ms, holder, fair, mode])
                 if int(reply[0]) == 1:
                     return sent_at, int(reply[1])
+                pttl = int(reply[1])
+                self._busy = (None if reply[2] is None else _text(reply[2]), max(pttl, 0) / 1000)
                 if not waiting:
                     return sent_at, None
                 queued = True
-                pttl = int(reply[1])
-                self._busy = (None if reply[2] is None else _text(reply[2]), max(pttl, 0) / 1000)
                 message = self._sleep(token, deadline, pttl)
                 if message not in (None, "retry"):  # handed over after our last attempt was sent
                     return sent_at, int(message)
@@ -308,7 +308,7 @@ class RedisLock:
     # -- context manager -----------------------------------------------------
 
     def __enter__(self) -> RedisLock:
-        if not self.acquire(timeout=self.timeout):
+        if not self.acquire():
             holder, ttl = self._busy
             raise LockNotAcquired(self.name, holder, ttl)
         return self

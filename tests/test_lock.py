@@ -352,10 +352,11 @@ def test_decode_responses_client(redis_server: RedisServer, name: str) -> None:
     client = redis_server.client(decode_responses=True)
     holder = RedisLock(client, name, ttl=5, holder="h1")
     holder.acquire()
-    other = RedisLock(client, name, ttl=5)
-    with pytest.raises(LockNotAcquired) as info, other.__class__(client, name, ttl=5, timeout=0.05):
-        pass
-    assert info.value.holder == "h1"
+    for timeout in (0, 0.05):  # refused on the first attempt, and after waiting
+        with pytest.raises(LockNotAcquired) as info, RedisLock(client, name, ttl=5, timeout=timeout):
+            pytest.fail("entered a held lock")
+        assert info.value.holder == "h1"
+        assert info.value.ttl is not None and 0 < info.value.ttl <= 5
     assert holder.owned()
     holder.release()
 
