@@ -15,6 +15,7 @@ from .exceptions import (
     RedisLockError,
 )
 from .lock import RedisLock
+from .task import LockedTask, install, task_lock_key
 
 __all__ = [
     "DuplicateTask",
@@ -23,9 +24,12 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockNotOwned",
+    "LockedTask",
     "RedisLock",
     "RedisLockError",
     "__version__",
+    "install",
+    "task_lock_key",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,201 @@
+"""Task options and app settings: resolved once, validated, frozen.
+
+A task's option ``lock_<x>`` comes from the task attribute (``@app.task(lock_<x>=...)``,
+a subclass, or ``task_annotations``), else from the app setting
+``redislock_<x>``, else from the default below. ``None`` means "not set" at
+the first two levels. Every value is checked when the task is bound to its
+app; a bad one raises ``LockConfigurationError`` naming the task, the option
+(or setting), the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._durations import seconds
+from .exceptions import LockConfigurationError
+from .keys import LockOn
+from .lock import MAX_TTL, MIN_WATCHDOG_TTL
+
+__all__ = [
+    "APP_SETTINGS",
+    "EXECUTION_MODES",
+    "MODES",
+    "TASK_OPTIONS",
+    "AppSettings",
+    "LockOptions",
+    "app_settings",
+    "task_options",
+]
+
+MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing", "until_expired")
+#: Modes that hold a lock while the body runs.
+EXECUTION_MODES = frozenset(
+    {"while_executing", "until_executed", "until_and_while_executing", "until_expired"}
+)
+BUSY = ("skip", "retry", "wait", "raise")
+DUPLICATE = ("return", "raise")
+ON_LOST = ("log", "raise")
+ON_ERROR = ("fail", "run")
+URL_SCHEMES = ("redis", "rediss", "unix")
+
+#: Option name (without ``lock_``) -> library default; ``lock_busy`` and
+#: ``lock_wait_timeout`` have defaults that depend on other options.
+TASK_OPTIONS: Mapping[str, Any] = {
+    "mode": "while_executing",
+    "on": None,
+    "ttl": 30.0,
+    "busy": None,
+    "duplicate": "return",
+    "queue_ttl": 3600.0,
+    "period": None,
+    "retry_delay": 5.0,
+    "wait_timeout": None,
+    "on_lost": "log",
+}
+APP_SETTINGS: Mapping[str, Any] = {"url": None, "prefix": "redislock", "on_error": "fail"}
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """A task's resolved lock options (durations in seconds)."""
+
+    mode: str
+    on: LockOn
+    ttl: float
+    busy: str
+    duplicate: str
+    queue_ttl: float
+    period: float | None
+    retry_delay: float
+    wait_timeout: float
+    on_lost: str
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """An app's ``redislock_*`` settings; ``url`` is ``None`` until resolved from the broker URL."""
+
+    url: str | None
+    prefix: str
+    on_error: str
+
+
+class _Problem:
+    """Builds ``LockConfigurationError`` messages for one task or app."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self, option: str, value: object, allowed: str) -> LockConfigurationError:
+        return LockConfigurationError(f"{self.where}: {option}={value!r} is not valid; {allowed}")
+
+
+def _choice(problem: _Problem, option: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise problem(option, value, "allowed: " + ", ".join(repr(item) for item in allowed))
+    return str(value)
+
+
+def _duration(problem: _Problem, option: str, value: object, low: float, high: float = MAX_TTL) -> float:
+    allowed = f"allowed: seconds (int/float) or a timedelta, >= {low:g} and <= {high:g}"
+    try:
+        result = seconds(value, option)
+    except LockConfigurationError:
+        raise problem(option, value, allowed) from None
+    if not low <= result <= high:
+        raise problem(option, value, allowed)
+    return result
+
+
+def _lock_on(problem: _Problem, value: object, run: Callable[..., Any]) -> LockOn:
+    if value is None or callable(value):
+        return value
+    allowed = "allowed: None, a tuple of the task's parameter names, or a callable"
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise problem("lock_on", value, allowed)
+    names = tuple(value)
+    if not all(isinstance(name, str) for name in names):
+        raise problem("lock_on", value, allowed)
+    try:
+        parameters = inspect.signature(run).parameters
+    except (TypeError, ValueError):  # a run() without a signature: checked at call time
+        return names
+    unknown = [name for name in names if name not in parameters]
+    if unknown:
+        listed = ", ".join(parameters)
+        raise problem("lock_on", value, f"{unknown[0]!r} is not a parameter of the task ({listed})")
+    return names
+
+
+def _unknown(problem: _Problem, kind: str, name: str, known: list[str]) -> LockConfigurationError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
+    return LockConfigurationError(f"{problem.where}: unknown {kind} {name!r}{hint}")
+
+
+def app_settings(app: Any) -> AppSettings:
+    """The app's ``redislock_*`` settings, validated (unknown ``redislock_*`` names included)."""
+    problem = _Problem(f"app {app.main or app!r}")
+    known = [f"redislock_{name}" for name in APP_SETTINGS] + [f"redislock_{name}" for name in TASK_OPTIONS]
+    for key in list(app.conf):
+        name = str(key).lower().removeprefix("celery_")
+        if name.startswith("redislock_") and name not in known:
+            raise _unknown(problem, "setting", name, known)
+    url = app.conf.get("redislock_url")
+    if url is not None:
+        scheme = url.partition("://")[0] if isinstance(url, str) else None
+        if scheme not in URL_SCHEMES:
+            allowed = "allowed: a redis://, rediss:// or unix:// URL"
+            raise problem("redislock_url", url, allowed)
+    prefix = app.conf.get("redislock_prefix") or APP_SETTINGS["prefix"]
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+        raise problem("redislock_prefix", prefix, "allowed: a non-empty str without '{' or '}'")
+    on_error = _choice(problem, "redislock_on_error", app.conf.get("redislock_on_error") or "fail", ON_ERROR)
+    return AppSettings(url=url, prefix=prefix, on_error=on_error)
+
+
+def task_options(task: type[Any], app: Any) -> LockOptions:
+    """Options of the task class ``task``: attribute > ``app.conf.redislock_*`` > default, validated."""
+    problem = _Problem(f"task {task.name!r}")
+    known = [f"lock_{name}" for name in TASK_OPTIONS]
+    for name in dir(task):
+        if name.startswith("lock_") and name not in known and not callable(getattr(task, name)):
+            raise _unknown(problem, "task option", name, known)
+
+    def raw(name: str) -> tuple[str, Any]:
+        value = getattr(task, f"lock_{name}", None)
+        if value is not None:
+            return f"lock_{name}", value
+        value = app.conf.get(f"redislock_{name}")
+        if value is not None:
+            return f"redislock_{name}", value
+        return f"lock_{name}", TASK_OPTIONS[name]
+
+    mode = _choice(problem, *raw("mode"), MODES)
+    option, ttl_value = raw("ttl")
+    ttl = _duration(problem, option, ttl_value, MIN_WATCHDOG_TTL)
+    option, busy = raw("busy")
+    busy = busy or ("retry" if mode == "until_and_while_executing" else "skip")
+    busy = _choice(problem, option, busy, BUSY)
+    option, period_value = raw("period")
+    period = None if period_value is None else _duration(problem, option, period_value, 0.001)
+    if mode == "until_expired" and period is None:
+        raise problem("lock_period", None, "until_expired needs it: how long the lock stays after a run")
+    option, wait_value = raw("wait_timeout")
+    return LockOptions(
+        mode=mode,
+        on=_lock_on(problem, raw("on")[1], task.run),
+        ttl=ttl,
+        busy=busy,
+        duplicate=_choice(problem, *raw("duplicate"), DUPLICATE),
+        queue_ttl=_duration(problem, *raw("queue_ttl"), 0.001),
+        period=period,
+        retry_delay=_duration(problem, *raw("retry_delay"), 0),
+        wait_timeout=ttl if wait_value is None else _duration(problem, option, wait_value, 0),
+        on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
+    )

@@ -1,0 +1,184 @@
+"""Tasks for the LockedTask tests.
+
+``make_app`` builds an app on the test's Redis (broker, results and locks)
+with its own key prefix and queue. In-process workers use it directly;
+worker subprocesses run ``celery -A tests.taskapp worker`` and build the same
+app from ``TASKAPP_URL``, ``TASKAPP_PREFIX`` and ``TASKAPP_QUEUE``.
+
+Bodies record what they do in the list ``{prefix}:events`` (entries
+``"<event> <task> <x> <task id> <pid> <fence>"``) and block, where a test
+needs a slow body, on the list ``{prefix}:gate:<x>`` until the test pushes to
+it: tests synchronise on these events, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import redis
+from celery import Celery, Task
+from celery.exceptions import Ignore, Reject
+from celery.signals import worker_ready
+
+from celery_redislock import LockedTask, signals
+
+EVENTS_TTL_MS = 600_000
+#: Longest a gated body waits for its gate before giving up (a test that failed to open it).
+GATE_TIMEOUT = 60
+
+
+class Recorder:
+    """Writes the events and reads the gates of one test's prefix."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.prefix = prefix
+        self.events_key = f"{prefix}:events"
+
+    def record(self, event: str, task: Task[Any, Any], x: object) -> None:
+        request = task.request
+        entry = f"{event} {task.name.rsplit('.', 1)[-1]} {x} {request.id} {os.getpid()} "
+        entry += str(getattr(request, "lock_fence", None))
+        self.push(self.events_key, entry)
+
+    def push(self, key: str, *values: str) -> None:
+        """RPUSH with the TTL set in the same transaction."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, *values)
+            pipe.pexpire(key, EVENTS_TTL_MS)
+            pipe.execute()
+
+    def gate_key(self, x: object) -> str:
+        return f"{self.prefix}:gate:{x}"
+
+    def wait_gate(self, x: object, poll: float | None = None) -> bool:
+        """Block until the test opens ``x``'s gate; ``poll`` seconds per BLPOP, so that an
+        asynchronous exception (``LockLost``) reaches the body between two."""
+        if poll is None:
+            return self.client.blpop([self.gate_key(x)], timeout=GATE_TIMEOUT) is not None
+        for _ in range(int(GATE_TIMEOUT / poll)):
+            if self.client.blpop([self.gate_key(x)], timeout=poll) is not None:
+                return True
+        return False
+
+    def open_gate(self, x: object, times: int = 1) -> None:
+        self.push(self.gate_key(x), *["open"] * times)
+
+    def events(self) -> list[list[str]]:
+        return [entry.decode().split(" ") for entry in self.client.lrange(self.events_key, 0, -1)]
+
+
+def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
+    app = Celery("taskapp", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        redislock_url=url,
+        redislock_prefix=prefix,
+        task_default_queue=queue,
+        result_expires=600,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_prefetch_multiplier=1,
+        **conf,
+    )
+    recorder = Recorder(url, prefix)
+    app.recorder = recorder  # type: ignore[attr-defined]
+    locked_task = functools.partial(app.task, base=LockedTask, bind=True, shared=False)
+
+    def gated(self: Task[Any, Any], x: object, gate: bool = False) -> object:
+        recorder.record("start", self, x)
+        if gate:
+            recorder.wait_gate(x)
+        recorder.record("end", self, x)
+        return x
+
+    for busy in ("skip", "retry", "wait", "raise"):
+        locked_task(name=f"taskapp.hold_{busy}", lock_busy=busy, lock_retry_delay=0.2)(
+            gated
+        )
+
+    @locked_task(name="taskapp.per_user", lock_on=("user_id",))
+    def per_user(self: Task[Any, Any], user_id: int, item: int, gate: bool = False) -> object:
+        return gated(self, f"{user_id}-{item}", gate)
+
+    @locked_task(name="taskapp.per_task", lock_on=())
+    def per_task(self: Task[Any, Any], x: object, gate: bool = False) -> object:
+        return gated(self, x, gate)
+
+    @locked_task(name="taskapp.outcome")
+    def outcome(self: Task[Any, Any], kind: str, x: object) -> object:
+        recorder.record(f"{kind}@{self.request.retries}", self, x)
+        if kind == "failure":
+            raise ValueError("the body failed")
+        if kind == "retry" and self.request.retries == 0:
+            raise self.retry(countdown=0)
+        if kind == "ignore":
+            raise Ignore()
+        if kind == "reject":
+            raise Reject("rejected by the body", requeue=False)
+        return x
+
+    @locked_task(name="taskapp.long", lock_ttl=0.6)
+    def long(self: Task[Any, Any], x: object, renewals: int) -> bool:
+        """Runs for ``renewals`` x ``lock_ttl``; whether the lock is still this body's at the end."""
+        recorder.record("start", self, x)
+        recorder.client.blpop([recorder.gate_key(x)], timeout=0.6 * renewals)  # the body's own duration
+        value = recorder.client.get(self.request.lock_key)
+        owned = value is not None and int(value.split(b":")[1]) == self.request.lock_fence
+        recorder.record("end", self, x)
+        return owned and not self.request.lock_lost
+
+    @locked_task(name="taskapp.lost", lock_ttl=0.6, lock_on_lost="raise")
+    def lost(self: Task[Any, Any], x: object) -> str:
+        recorder.record("start", self, x)
+        recorder.wait_gate(x, poll=0.05)
+        recorder.record("end", self, x)  # only if LockLost did not stop the body
+        return "not stopped"
+
+    @locked_task(name="taskapp.lost_logged", lock_ttl=0.6)
+    def lost_logged(self: Task[Any, Any], x: object) -> object:
+        recorder.record("start", self, x)
+        for _ in range(GATE_TIMEOUT * 20):  # until the watchdog marks the request
+            if self.request.lock_lost:
+                break
+            recorder.client.blpop([recorder.gate_key(f"never-{x}")], timeout=0.05)
+        recorder.record("noticed", self, x)
+        recorder.wait_gate(x)
+        return x
+
+    @locked_task(name="taskapp.crash", lock_ttl=300)
+    def crash(self: Task[Any, Any], x: object, gate: bool = True) -> object:
+        """A long lease: after a kill, only the worker's main process can free it in time."""
+        return gated(self, x, gate)
+
+    @locked_task(name="taskapp.nested", lock_on=("x",))
+    def nested(self: Task[Any, Any], x: object, depth: int) -> object:
+        recorder.record(f"depth{depth}", self, x)
+        return [depth, self.request.lock_fence, *([] if depth == 0 else nested(x, depth - 1))]
+
+    return app
+
+
+@worker_ready.connect
+def _announce_ready(sender: Any = None, **_: Any) -> None:
+    """A worker subprocess tells the test it consumes (``{prefix}:ready``)."""
+    if app is not None:
+        app.recorder.push(f"{app.recorder.prefix}:ready", sender.hostname)
+
+
+@signals.lock_busy.connect
+def _record_busy(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    sender.app.recorder.record("busy", sender, sender.request.args[0] if sender.request.args else None)
+
+
+@signals.lock_released.connect
+def _record_released(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    sender.app.recorder.record("released", sender, sender.request.args[0] if sender.request.args else None)
+
+
+app: Celery | None = (
+    make_app(os.environ["TASKAPP_URL"], os.environ["TASKAPP_PREFIX"], os.environ["TASKAPP_QUEUE"])
+    if "TASKAPP_URL" in os.environ
+    else None
+)

@@ -1,0 +1,80 @@
+"""Celery workers for the tests: in-process (threads pool) or subprocesses stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout: float = 20.0, what: str | Callable[[], str] = "condition") -> T:
+    """Poll ``check`` until it returns something truthy, or fail after ``timeout`` seconds
+    (``what``, or what it returns then, says what was awaited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what if isinstance(what, str) else what()}")
+        time.sleep(0.01)  # a polling step with a deadline, not a synchronisation
+
+
+@contextmanager
+def threads_worker(app: Celery, concurrency: int = 4) -> Iterator[Any]:
+    """An in-process worker (threads pool) consuming ``app``'s default queue."""
+    with start_worker(app, pool="threads", concurrency=concurrency, perform_ping_check=False) as worker:
+        yield worker
+
+
+class WorkerProcess:
+    """``celery -A tests.taskapp worker`` in a subprocess of its own session, stopped by its pid."""
+
+    def __init__(self, url: str, prefix: str, queue: str, pool: str, concurrency: int, name: str) -> None:
+        self.env = {**os.environ, "TASKAPP_URL": url, "TASKAPP_PREFIX": prefix, "TASKAPP_QUEUE": queue}
+        self.args = [
+            sys.executable, "-m", "celery", "-A", "tests.taskapp", "worker",
+            "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+        ]
+        self.log = Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Warm shutdown (SIGTERM), then SIGKILL to the worker's process group if it hangs."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.process.wait(timeout=15)
