@@ -24,15 +24,15 @@ Scenarios, each run for every contender in the same invocation:
 
 Round trips are counted client-side, never inferred from timings: every
 client is built on ``CountingConnection``, a ``redis.connection.Connection``
-subclass that counts each command it serialises -- one per ``send_command``
-(how redis-py sends a single command), one per ``pack_command`` (hand-packed
-commands) and one per command in ``pack_commands`` (pipelines). These three
-paths do not call each other, so every command is counted exactly once; a
-sanity check asserts that one ``SET`` counts 1 and a pipeline of three
-``GET`` counts 3. A command waits for its reply, so for these libraries (none
-pipelines) commands equal network round trips. Connection set-up commands are
-counted too, but every contender warms up its connections before measuring.
-Each process counts its own commands; forked workers report theirs.
+subclass that counts each reply it reads (``read_response``). Every command
+gets exactly one reply, read once, however it was packed and sent (redis-py's
+``send_command``, a pipeline, or a hand-packed ``send_packed_command`` as the
+watchdog's batches), so every command is counted exactly once; a sanity check
+asserts that one ``SET`` counts 1 and a pipeline of three ``GET`` counts 3. A
+command waits for its reply, so for these libraries (none pipelines) commands
+equal network round trips. Connection set-up commands are counted too, but
+every contender warms up its connections before measuring. Each process counts
+its own commands; forked workers report theirs.
 
 Run ``python bench/lock_bench.py --help`` for the options. The results are
 printed and written as JSON to ``bench/results/lock_bench.json``; missed
@@ -59,7 +59,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +101,7 @@ HOLD = 0.001  # seconds a contended critical section lasts
 
 
 class CountingConnection(Connection):
-    """A redis-py connection that counts every command it serialises (see the module docstring)."""
+    """A redis-py connection that counts every reply it reads, one per command (see the module docstring)."""
 
     sent = 0
     _lock = threading.Lock()
@@ -117,18 +117,9 @@ class CountingConnection(Connection):
         cls._lock = threading.Lock()
         cls.sent = 0
 
-    def send_command(self, *args: Any, **kwargs: Any) -> None:
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
         self.add(1)
-        super().send_command(*args, **kwargs)  # type: ignore[no-untyped-call]
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        self.add(1)
-        return super().pack_command(*args)  # type: ignore[no-untyped-call, no-any-return]
-
-    def pack_commands(self, commands: Iterable[Any]) -> list[bytes]:
-        commands = list(commands)
-        self.add(len(commands))
-        return super().pack_commands(commands)  # type: ignore[no-untyped-call, no-any-return]
+        return super().read_response(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
 def counting_client(url: str) -> redis.Redis:
