@@ -10,7 +10,8 @@ the lock's name as ``lock.companion_key`` names them, so that they share its
 cluster hash slot: a queue (sorted set, member -> arrival time in
 microseconds), the waiters' deadlines (sorted set, member -> server time in ms
 after which the waiter counts as gone), and one wake list per waiter
-(``wake:<token>``). A waiter member is ``"<ttl ms>:<token>:<fair 1|0>:<holder>"``.
+(``wake:<token>``). A waiter member is ``"<ttl ms>:<token>:<fair 1|0>:<holder>"``,
+which is also how an acquire describes its caller.
 A woken waiter finds one message in its wake list: ``"retry"`` (the lock is
 free: try again) or, for a fair waiter, the fence of the hold just handed to
 it. Whether a waiter is handed the lock depends on its own ``fair`` flag,
@@ -42,9 +43,8 @@ end
 local prefix = companion_prefix(lock)
 local queue, deadlines, wake_prefix = prefix .. 'queue', prefix .. 'waiters', prefix .. 'wake:'
 
--- The server clock as (ms, us).
-local function server_time()
-  local t = redis.call('TIME')
+-- The server clock as (ms, us), from a TIME reply.
+local function clock(t)
   local s, us = tonumber(t[1]), tonumber(t[2])
   return s * 1000 + math.floor(us / 1000), s * 1000000 + us
 end
@@ -95,36 +95,48 @@ local function leave(member, wake)
 end
 """
 
-_ACQUIRE = """
+_ACQUIRE_FREE = """
 -- KEYS[1] lock (the queue, deadlines and wake lists are its companions).
--- ARGV[1] token (32 hex digits), ARGV[2] ttl in ms, ARGV[3] holder description,
--- ARGV[4] '1' fair (a free lock goes to the first waiter) or '0' (first come),
--- ARGV[5] what to do when the lock is busy: 'try' (nothing), 'wait' (join the
--- queue), 'again' (stay queued), 'last' (leave the queue). A queued waiter
--- counts as gone when it has not called again within its ttl + 2 s.
--- Returns {1, fence} when the caller owns the lock now (its TTL set to ARGV[2]),
---         {0, the lock's PTTL in ms, its holder description} when not. A failed
--- attempt never touches the holder's TTL.
-local token, ttl_ms, holder, fair, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+-- ARGV[1] the caller's waiter member: its ttl in ms, token, fairness ('1': a
+-- free lock goes to the first waiter) and holder description. ARGV[2] what to
+-- do when the lock is busy: 'try' (nothing), 'wait' (join the queue), 'again'
+-- (stay queued), 'last' (leave the queue). A queued waiter counts as gone when
+-- it has not called again within its ttl + 2 s.
+-- Returns the fence (an integer) when the caller owns the lock now (its TTL
+-- set to the member's ttl), {the lock's PTTL in ms, its holder description or
+-- nil} when not. A failed attempt never touches the holder's TTL.
+local member, mode = ARGV[1], ARGV[2]
+local ttl_ms, token, fair, holder = string.match(member, '^(%d+):(%x+):([01]):(.*)$')
 local queued = mode == 'again' or mode == 'last'
+local time = redis.call('TIME')
+-- An unqueued first-come attempt, before the helpers are set up: the fence is
+-- TIME's seconds and zero-padded microseconds, written out.
+if fair == '0' and not queued then
+  local fence = time[1] .. string.rep('0', 6 - #time[2]) .. time[2]
+  if redis.call('SET', KEYS[1], token .. ':' .. fence .. ':' .. holder, 'NX', 'PX', ttl_ms) then
+    return tonumber(fence)
+  end
+end
+"""
+
+_ACQUIRE = """
 local wake = wake_prefix .. token
-local member = ARGV[2] .. ':' .. token .. ':' .. fair .. ':' .. holder
-local now_ms, now_us = server_time()
+local now_ms, now_us = clock(time)
 local head = nil
 if fair == '1' then
   evict(now_ms)
   head = redis.call('ZRANGE', queue, 0, 0)[1]
 end
-local first = not head or head == member
-if first and redis.call('SET', lock, hold(token, now_us, holder), 'NX', 'PX', ttl_ms) then
+if (fair == '1' or queued) and (not head or head == member)
+    and redis.call('SET', lock, hold(token, now_us, holder), 'NX', 'PX', ttl_ms) then
   if queued then leave(member, wake) end
-  return {1, now_us}
+  return now_us
 end
 local current = redis.call('GET', lock)
 if owns(current, token) then  -- handed over while we were away from the wake list
   leave(member, wake)
   redis.call('PEXPIRE', lock, ttl_ms)
-  return {1, fence_of(current)}
+  return fence_of(current)
 end
 if not current then  -- free, but the first fair waiter comes before us
   wake_next(0, now_ms, now_us)
@@ -132,7 +144,7 @@ if not current then  -- free, but the first fair waiter comes before us
 end
 if mode == 'wait' or mode == 'again' then
   redis.call('ZADD', queue, 'NX', now_us, member)
-  redis.call('ZADD', deadlines, now_ms + ttl_ms + 2000, member)
+  redis.call('ZADD', deadlines, now_ms + tonumber(ttl_ms) + 2000, member)
   local last = redis.call('ZRANGE', deadlines, -1, -1, 'WITHSCORES')[2]
   local keep = math.max(1, tonumber(last) - now_ms)
   redis.call('PEXPIRE', queue, keep)
@@ -140,24 +152,25 @@ if mode == 'wait' or mode == 'again' then
 elseif mode == 'last' then
   leave(member, wake)
 end
-return {0, redis.call('PTTL', lock), holder_of(current)}
+return {redis.call('PTTL', lock), holder_of(current) or false}
 """
 
 _RELEASE = """
 -- KEYS[1] lock (the queue, deadlines and wake lists are its companions).
--- ARGV[1] token, ARGV[2] the caller's waiter member ('' when it never waited).
+-- ARGV[1] token, ARGV[2] the caller's waiter member (absent or '' when it
+-- never waited).
 -- Returns 1 when the caller owned the lock and it is released (the first
 -- waiter woken, or if fair handed the lock), 0 when the caller did not own it:
 -- then the lock is untouched and the caller, if it was queued, leaves the queue.
 local token, member = ARGV[1], ARGV[2]
 local current = redis.call('GET', lock)
 if not owns(current, token) then
-  if member ~= '' then leave(member, wake_prefix .. token) end
+  if member and member ~= '' then leave(member, wake_prefix .. token) end
   return 0
 end
 redis.call('DEL', lock)
 if redis.call('EXISTS', queue) == 1 then
-  local now_ms, now_us = server_time()
+  local now_ms, now_us = clock(redis.call('TIME'))
   wake_next(fence_of(current), now_ms, now_us)
 end
 return 1
@@ -166,19 +179,18 @@ return 1
 _RENEW = """
 -- KEYS[i] lock i; ARGV[1] the new TTL in ms; ARGV[i + 1] the token owning lock i.
 -- Sets each lock's TTL to ARGV[1] (replacing, never adding) where its token
--- still owns it. Returns a list with 1 (renewed) or 0 (not owned: gone, held
--- by another token, or not a lock at all; left untouched) per key.
-local renewed = {}
+-- still owns it. Returns the positions (1-based) of the keys not owned: gone,
+-- held by another token, or not a lock at all (those are left untouched).
+local lost = {}
 for i, key in ipairs(KEYS) do
   local value = redis.pcall('GET', key)  -- pcall: a key of another type is "not owned"
   if type(value) == 'string' and string.sub(value, 1, 32) == ARGV[i + 1] then
     redis.call('PEXPIRE', key, ARGV[1])
-    renewed[i] = 1
   else
-    renewed[i] = 0
+    lost[#lost + 1] = i
   end
 end
-return renewed
+return lost
 """
 
 
@@ -200,19 +212,38 @@ class Script:
             client.script_load(self.source)
             return client.execute_command(*command)
 
-    def run_on(self, connection: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        """Run on one ``redis.connection.Connection``, bounded by its own socket timeouts."""
-        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
-        connection.send_command(*command)
+    def run_on(self, connection: Any, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
+        """Run on one ``redis.connection.Connection``, bounded by its own socket timeouts.
+
+        ``keys`` and ``args`` are already RESP bulk strings (``bulk()``), so a
+        caller sending many can pack each once; the command is sent in one write.
+        """
+        command = [
+            b"".join(
+                (
+                    b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 + len(keys) + len(args)),
+                    bulk(self.sha.encode()),
+                    bulk(b"%d" % len(keys)),
+                    *keys,
+                    *args,
+                )
+            )
+        ]
+        connection.send_packed_command(command)
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("SCRIPT", "LOAD", self.source)
             connection.read_response()
-            connection.send_command(*command)
+            connection.send_packed_command(command)
             return connection.read_response()
 
 
-ACQUIRE = Script(_HELPERS + _ACQUIRE)
+def bulk(value: bytes) -> bytes:
+    """``value`` as a RESP bulk string, the form of every argument of a command."""
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+ACQUIRE = Script(_ACQUIRE_FREE + _HELPERS + _ACQUIRE)
 RELEASE = Script(_HELPERS + _RELEASE)
 RENEW = Script(_RENEW)

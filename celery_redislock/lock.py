@@ -179,30 +179,30 @@ class RedisLock:
                 return True
         token = secrets.token_hex(16)
         holder = self.holder if self.holder is not None else f"{_hostname()}:{os.getpid()}"
+        member = f"{self._ttl_ms}:{token}:{'1' if self.fair else '0'}:{holder}"
         deadline = None if wait is None else mod_time.monotonic() + wait
-        sent_at, fence = self._wait_for(token, holder, blocking, deadline)
+        sent_at, fence = self._wait_for(token, member, blocking, deadline)
         if fence is None:
             return False
         with self._state:
             self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
-            self.lost.clear()
+            if self.lost.is_set():
+                self.lost.clear()
             if self.watchdog:
                 self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
                 get_watchdog().add(self._lease, sent_at)
         return True
 
     def _wait_for(
-        self, token: str, holder: str, blocking: bool, deadline: float | None
+        self, token: str, member: str, blocking: bool, deadline: float | None
     ) -> tuple[float, int | None]:
-        """Attempts until granted or past ``deadline``.
+        """Attempts by ``member`` (see ``_scripts``) until granted or past ``deadline``.
 
         Returns (a monotonic time no later than the grant, the fence), or
         (_, None) when not granted. Interrupted (an exception, KeyboardInterrupt
         or a Celery time limit included) after an attempt may have reached
         Redis, it leaves the queue and releases the lock if it came.
         """
-        fair = "1" if self.fair else "0"
-        member = f"{self._ttl_ms}:{token}:{fair}:{holder}"
         queued = sent = False
         try:
             while True:
@@ -210,11 +210,11 @@ class RedisLock:
                 waiting = blocking and (deadline is None or sent_at < deadline)
                 mode = ("again" if waiting else "last") if queued else ("wait" if waiting else "try")
                 sent = True
-                reply = ACQUIRE(self.client, self._keys, [token, self._ttl_ms, holder, fair, mode])
-                if int(reply[0]) == 1:
-                    return sent_at, int(reply[1])
-                pttl = int(reply[1])
-                self._busy = (None if reply[2] is None else _text(reply[2]), max(pttl, 0) / 1000)
+                reply = ACQUIRE(self.client, self._keys, [member, mode])
+                if isinstance(reply, int):
+                    return sent_at, reply
+                pttl = int(reply[0])
+                self._busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
                 if not waiting:
                     return sent_at, None
                 queued = True
@@ -267,7 +267,7 @@ class RedisLock:
             token = self.token or ""
             if self._lease is not None:
                 get_watchdog().discard(self._lease)
-        released = RELEASE(self.client, self._keys, [token, ""])
+        released = RELEASE(self.client, self._keys, [token])
         with self._state:
             self.token, self.fence, self._count, self._lease = None, None, 0, None
         if not int(released):
@@ -286,7 +286,7 @@ class RedisLock:
                 raise LockNotOwned(self.name)
             token, lease = self.token or "", self._lease
         sent_at = mod_time.monotonic()
-        if not int(RENEW(self.client, [self.name], [to_ms(new_ttl), token])[0]):
+        if RENEW(self.client, [self.name], [to_ms(new_ttl), token]):  # the key was not owned
             self.lost.set()
             raise LockNotOwned(self.name)
         if lease is not None:

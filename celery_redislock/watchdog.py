@@ -35,14 +35,13 @@ import time as mod_time
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis.cluster
 
 from . import signals
 from ._redis import node_client
-from ._scripts import RENEW
+from ._scripts import RENEW, bulk
 
 if TYPE_CHECKING:
     from .lock import RedisLock
@@ -57,28 +56,48 @@ BATCH = 2000
 _IDLE = 120.0
 
 
-@dataclass(eq=False)
 class Lease:
     """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds."""
 
-    client: Any
-    key: str
-    token: str
-    ttl: float
-    owner: weakref.ref[RedisLock]
-    #: seconds between renewals (ttl / 3)
-    interval: float = 0.0
-    #: monotonic time of the next renewal
-    due: float = 0.0
-    #: monotonic time at which the hold runs out unless renewed
-    expires: float = 0.0
-    #: set by ``discard()``; results of a renewal in flight are then ignored
-    cancelled: bool = field(default=False)
+    __slots__ = (
+        "cancelled",
+        "client",
+        "due",
+        "expires",
+        "group",
+        "interval",
+        "key",
+        "owner",
+        "packed",
+        "token",
+        "ttl",
+    )
+
+    def __init__(self, client: Any, key: str, token: str, ttl: float, owner: weakref.ref[RedisLock]) -> None:
+        self.client, self.key, self.token, self.ttl, self.owner = client, key, token, ttl, owner
+        #: seconds between renewals (ttl / 3)
+        self.interval = 0.0
+        #: monotonic time of the next renewal
+        self.due = 0.0
+        #: monotonic time at which the hold runs out unless renewed
+        self.expires = 0.0
+        #: set by ``discard()``; results of a renewal in flight are then ignored
+        self.cancelled = False
+        #: key and token as RESP bulk strings, packed by the first renewal
+        self.packed: tuple[bytes, bytes] | None = None
+        #: (id of client, Cluster hash slot or 0, ttl in ms): the leases renewed
+        #: by one script call share it; set by the watchdog, reset with ``ttl``
+        self.group: tuple[int, int, int] | None = None
 
     def renewed(self, ttl: float, sent_at: float) -> None:
         """Redis set the lease to ``ttl`` on a request sent at ``sent_at``."""
-        self.ttl, self.interval = ttl, ttl / 3
+        self.ttl, self.interval, self.group = ttl, ttl / 3, None
         self.due, self.expires = sent_at + self.interval, sent_at + ttl
+
+    def pack(self, encoder: Any) -> tuple[bytes, bytes]:
+        """Key and token as RESP bulk strings, encoded by ``encoder`` (the client's), kept in ``packed``."""
+        self.packed = (bulk(encoder.encode(self.key)), bulk(self.token.encode()))
+        return self.packed
 
 
 class Watchdog:
@@ -140,31 +159,30 @@ class Watchdog:
     def _next_batch(self) -> list[Lease] | None:
         """Waits until a lease is due; returns every lease due within half its interval."""
         with self._cond:
+            now = mod_time.monotonic()
             while True:
                 if not self._leases:
                     self._thread = None
                     return None
-                now = mod_time.monotonic()
                 earliest = min(lease.due for lease in self._leases)
                 if earliest <= now:
-                    self._wake_at = -math.inf
-                    return [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
+                    break
                 self._wake_at = earliest
-                self._cond.wait(earliest - now)
+                notified = self._cond.wait(earliest - now)
+                now = mod_time.monotonic()
+                if not notified:  # the earliest lease is due, even if the clock reads a hair early
+                    now = max(now, earliest)
+                    break
+            self._wake_at = -math.inf
+            return [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
 
     def _renew(self, leases: Iterable[Lease]) -> None:
         groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
-        cluster: dict[int, bool] = {}
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
                 self.discard(lease)
                 continue
-            client = lease.client
-            if id(client) not in cluster:
-                cluster[id(client)] = isinstance(client, redis.cluster.RedisCluster)
-            # one script call per client, Cluster hash slot and lease length
-            slot = client.keyslot(lease.key) if cluster[id(client)] else 0
-            groups[id(client), slot, round(lease.ttl * 1000)].append(lease)
+            groups[lease.group or _group(lease)].append(lease)
         lost: list[tuple[Lease, str]] = []
         for (_, _, ttl_ms), group in groups.items():
             for start in range(0, len(group), BATCH):
@@ -177,23 +195,22 @@ class Watchdog:
         sent_at = mod_time.monotonic()
         try:
             connection = self._connection(batch[0], batch[0].interval / 2)
-            replies = RENEW.run_on(
-                connection, [lease.key for lease in batch], [ttl_ms, *(lease.token for lease in batch)]
-            )
+            encoder = connection.encoder
+            packed = [lease.packed or lease.pack(encoder) for lease in batch]
+            keys, tokens = [key for key, _ in packed], [token for _, token in packed]
+            not_owned = RENEW.run_on(connection, keys, [bulk(b"%d" % ttl_ms), *tokens])
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             now = mod_time.monotonic()
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
             for lease in batch:
                 lease.due = now + min(lease.interval / 3, 1.0)
             return [(lease, "expired") for lease in batch if now >= lease.expires]
-        lost = []
-        ttl = batch[0].ttl
-        for lease, renewed in zip(batch, replies, strict=True):
-            if renewed:
-                lease.renewed(ttl, sent_at)
-            else:
-                lost.append((lease, "not owned"))
-        return lost
+        # The lost ones are rescheduled too, harmlessly: they are dropped when reported.
+        interval = ttl_ms / 3000
+        due, expires = sent_at + interval, sent_at + ttl_ms / 1000
+        for lease in batch:
+            lease.due, lease.expires = due, expires
+        return [(batch[position - 1], "not owned") for position in not_owned]
 
     def _connection(self, lease: Lease, timeout: float) -> Any:
         """The thread's connection to the server holding ``lease``, with ``timeout`` for connect and reads.
@@ -227,6 +244,14 @@ class Watchdog:
             return
         logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
         signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
+
+
+def _group(lease: Lease) -> tuple[int, int, int]:
+    """Sets and returns ``lease.group``: one script call per client, Cluster hash slot and lease length."""
+    client = lease.client
+    cluster = isinstance(client, redis.cluster.RedisCluster)
+    lease.group = (id(client), client.keyslot(lease.key) if cluster else 0, round(lease.ttl * 1000))
+    return lease.group
 
 
 # The one per-process watchdog (by contract) and what guards its creation;
