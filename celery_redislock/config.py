@@ -102,7 +102,7 @@ def _choice(problem: _Problem, option: str, value: object, allowed: tuple[str, .
 
 
 def _duration(problem: _Problem, option: str, value: object, low: float, high: float = MAX_TTL) -> float:
-    allowed = f"allowed: seconds (int/float) or a timedelta, >= {low:g} and <= {high:g}"
+    allowed = f"allowed: seconds (int/float) or a timedelta, >= {low:g} and <= {high:.0f}"
     try:
         result = seconds(value, option)
     except LockConfigurationError:

@@ -55,12 +55,18 @@ class LockedRequest(Request):
         try:
             key = task_lock_key(task, self.args, self.kwargs)
             client, _ = client_for(task.app)
-            released = release_held_by(client, key, holder_for(self.id, self.hostname, int(self.worker_pid)))
+            retries = self.request_dict.get("retries") or 0
+            holder = holder_for(self.id, retries, self.hostname, int(self.worker_pid))
+            released = release_held_by(client, key, holder)
         except Exception:  # the main process's event loop must go on
             logger.exception("task %s[%s]: could not release its dead pool child's lock", self.name, self.id)
             return
         if released:
             logger.warning(
                 "task %s[%s]: pool child %s gone (%s); released its lock %s",
-                self.name, self.id, self.worker_pid, why, key,
+                self.name,
+                self.id,
+                self.worker_pid,
+                why,
+                key,
             )

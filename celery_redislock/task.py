@@ -46,7 +46,7 @@ from .keys import call_digest, lock_key
 from .lock import RedisLock
 from .watchdog import Lease
 
-__all__ = ["LockedTask", "holder_for", "install", "release_held_by", "task_lock_key"]
+__all__ = ["LockedTask", "holder_for", "install", "parse_holder", "release_held_by", "task_lock_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +63,16 @@ _pending_request: contextvars.ContextVar[tuple[Any, dict[str, Any], Any] | None]
 _running: dict[str, RedisLock] = {}
 
 
-def holder_for(task_id: str | None, node: str, pid: int) -> str:
-    """How a task's lock names its holder: task id, worker node name and process id."""
-    return f"task={task_id or '-'} node={node} pid={pid}"
+def holder_for(task_id: str | None, retries: int, node: str, pid: int) -> str:
+    """How a task's lock names its holder: task id, attempt (retries so far), worker node and process."""
+    return f"task={task_id or '-'} try={retries} node={node} pid={pid}"
 
 
-def holder_task_id(holder: str | None) -> str | None:
-    """The task id in a holder written by ``holder_for``, if it is one."""
+def parse_holder(holder: str | None) -> dict[str, str]:
+    """The fields of a holder written by ``holder_for`` (empty for another kind of holder)."""
     if holder is None or not holder.startswith("task="):
-        return None
-    task_id = holder[len("task=") :].partition(" ")[0]
-    return None if task_id == "-" else task_id
+        return {}
+    return dict(field.partition("=")[::2] for field in holder.split(" "))
 
 
 def release_held_by(client: redis.Redis, key: str, holder: str) -> bool:
@@ -247,7 +246,11 @@ class LockedTask(Task):  # type: ignore[type-arg]
         node = (None if request is None else request.hostname) or socket.gethostname()
         client, url = client_for(self.app)
         execution_lock = _ExecutionLock(
-            client, key, options.ttl, holder_for(task_id, node, os.getpid()), options.on_lost
+            client,
+            key,
+            options.ttl,
+            holder_for(task_id, 0 if request is None else request.retries, node, os.getpid()),
+            options.on_lost,
         )
         execution_lock.request = request
         lock: _ExecutionLock | None = execution_lock
@@ -304,21 +307,32 @@ class LockedTask(Task):  # type: ignore[type-arg]
         holder, ttl = lock._busy
         signals.lock_busy.send(sender=self, key=lock.name, task_id=task_id, holder=holder)
         busy = options.busy
-        if request is not None and (request.group or request.chord):
+        held_by = parse_holder(holder)
+        if request is not None and held_by.get("task") == task_id and int(held_by["try"]) < request.retries:
+            busy = "wait"  # this task's previous attempt published this retry and is releasing now
+        elif request is not None and (request.group or request.chord):
             busy = "wait"  # a group or chord member is never skipped: its chord would never complete
         elif busy == "retry" and (request is None or request.is_eager):
             busy = "wait"  # an eager or direct call cannot be retried later
         if busy == "skip":
             logger.info(
                 "task %s[%s] skipped: lock %s is held by task %s (%s)",
-                self.name, task_id, lock.name, holder_task_id(holder), holder,
+                self.name,
+                task_id,
+                lock.name,
+                held_by.get("task"),
+                holder,
             )
             return False
         if busy == "retry":
             delay = options.retry_delay * random.uniform(0.5, 1.5)
             logger.info(
                 "task %s[%s] retries in %.1fs: lock %s is held by task %s",
-                self.name, task_id, delay, lock.name, holder_task_id(holder),
+                self.name,
+                task_id,
+                delay,
+                lock.name,
+                held_by.get("task"),
             )
             # Republished with the same retry count: a busy lock is not one of the task's own retries.
             signature = self.signature_from_request(
@@ -346,7 +360,10 @@ def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None) -> None
     except redis.RedisError as exc:
         logger.warning(
             "task %s[%s]: could not release lock %s (%s); it expires within its ttl",
-            task.name, task_id, lock.name, exc,
+            task.name,
+            task_id,
+            lock.name,
+            exc,
         )
     else:
         signals.lock_released.send(sender=task, key=lock.name, task_id=task_id)

@@ -6,7 +6,7 @@ worker subprocesses run ``celery -A tests.taskapp worker`` and build the same
 app from ``TASKAPP_URL``, ``TASKAPP_PREFIX`` and ``TASKAPP_QUEUE``.
 
 Bodies record what they do in the list ``{prefix}:events`` (entries
-``"<event> <task> <x> <task id> <pid> <fence>"``) and block, where a test
+``"<event> <task> <x> <task id> <pid> <fence> <retries>"``) and block, where a test
 needs a slow body, on the list ``{prefix}:gate:<x>`` until the test pushes to
 it: tests synchronise on these events, never on sleeps.
 """
@@ -40,7 +40,7 @@ class Recorder:
     def record(self, event: str, task: Task[Any, Any], x: object) -> None:
         request = task.request
         entry = f"{event} {task.name.rsplit('.', 1)[-1]} {x} {request.id} {os.getpid()} "
-        entry += str(getattr(request, "lock_fence", None))
+        entry += f"{getattr(request, 'lock_fence', None)} {request.retries}"
         self.push(self.events_key, entry)
 
     def push(self, key: str, *values: str) -> None:
@@ -94,9 +94,7 @@ def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
         return x
 
     for busy in ("skip", "retry", "wait", "raise"):
-        locked_task(name=f"taskapp.hold_{busy}", lock_busy=busy, lock_retry_delay=0.2)(
-            gated
-        )
+        locked_task(name=f"taskapp.hold_{busy}", lock_busy=busy, lock_retry_delay=0.2)(gated)
 
     @locked_task(name="taskapp.per_user", lock_on=("user_id",))
     def per_user(self: Task[Any, Any], user_id: int, item: int, gate: bool = False) -> object:
@@ -113,6 +111,9 @@ def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
             raise ValueError("the body failed")
         if kind == "retry" and self.request.retries == 0:
             raise self.retry(countdown=0)
+        if kind == "retry_race" and self.request.retries == 0:
+            self.retry(countdown=0, throw=False)  # published while this attempt still holds the lock
+            recorder.wait_gate(x)  # opened once the retry has found the lock busy
         if kind == "ignore":
             raise Ignore()
         if kind == "reject":

@@ -54,9 +54,11 @@ class Pool:
         ]
 
 
-def start_subprocess_workers(server: RedisServer, prefix: str, queue: str, pool: str) -> list[WorkerProcess]:
+def start_subprocess_workers(
+    server: RedisServer, prefix: str, queue: str, pool: str, count: int = 2
+) -> list[WorkerProcess]:
     if pool == "solo":
-        workers = [WorkerProcess(server.url, prefix, queue, "solo", 1, f"solo{i}") for i in range(2)]
+        workers = [WorkerProcess(server.url, prefix, queue, "solo", 1, f"solo{i}") for i in range(count)]
     else:
         workers = [WorkerProcess(server.url, prefix, queue, "prefork", 2, "prefork")]
     ready = redis.Redis.from_url(server.url)
@@ -132,6 +134,7 @@ def test_retry_and_wait_run_both_one_after_the_other(pool: Pool, busy: str) -> N
     assert [event[0] for event in events] == ["start", "end", "start", "end"]
     assert [event[3] for event in events] == [first.id, first.id, second.id, second.id]
     assert int(events[2][5]) > int(events[0][5])  # the later holder's fence is greater
+    assert events[2][6] == "0"  # a retry for a busy lock is not one of the task's own retries
 
 
 def test_raise_fails_the_duplicate_with_lock_not_acquired(pool: Pool) -> None:
@@ -206,6 +209,17 @@ def test_every_outcome_releases_the_lock(pool: Pool, kind: str) -> None:
             result.get(timeout=RESULT_TIMEOUT)
 
 
+@pytest.mark.parametrize("pool", ["threads"], indirect=True)
+def test_a_retry_that_arrives_before_its_previous_attempt_released_waits_for_it(pool: Pool) -> None:
+    x, task = fresh(), pool.task("outcome")
+    task.delay("retry_race", x)
+    busy = wait_for(lambda: pool.events("busy", "retry_race"), what="the retry to find the lock held")
+    assert busy[0][6] == "1"  # the retry, blocked by its own previous attempt
+    pool.recorder.open_gate(x)
+    wait_for(lambda: len(pool.events("released", "retry_race")) == 2, what="both attempts to release")
+    assert [event[0] for event in pool.events(x=x)] == ["retry_race@0", "retry_race@1"]
+
+
 # -- the watchdog, lost locks --------------------------------------------------------------------
 
 
@@ -268,3 +282,26 @@ def test_a_direct_call_nested_in_one_holding_the_same_key_does_not_deadlock(pool
     fences = depths[1::2]
     assert depths[0::2] == [2, 1, 0] and len(set(fences)) == 1 and fences[0] is not None
     assert not pool.recorder.client.exists(task_lock_key(task, (x, 2)))
+
+
+@pytest.mark.parametrize(
+    ("pool_name", "signal_name"),
+    [("prefork", "SIGTERM"), ("prefork", "SIGQUIT"), ("solo", "SIGTERM"), ("solo", "SIGQUIT")],
+)
+def test_worker_shutdown_releases_the_locks_of_interrupted_tasks(
+    redis_server: RedisServer, prefix: str, pool_name: str, signal_name: str
+) -> None:
+    queue = f"q-{prefix}"
+    app = make_app(redis_server.url, prefix, queue)
+    [worker] = start_subprocess_workers(redis_server, prefix, queue, pool_name, count=1)
+    try:
+        x, task = fresh(), app.tasks["taskapp.crash"]
+        key = task_lock_key(task, (x,))
+        task.delay(x)
+        wait_for(lambda: app.recorder.events(), what="the body to start")  # type: ignore[attr-defined]
+        assert app.recorder.client.pttl(key) > 200_000  # type: ignore[attr-defined]
+        worker.process.send_signal(getattr(signal, signal_name))  # type: ignore[union-attr]
+        worker.process.wait(timeout=60)  # type: ignore[union-attr]
+        assert not app.recorder.client.exists(key), worker.output()  # type: ignore[attr-defined]
+    finally:
+        worker.stop()

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], timeout: float = 20.0, what: str | Callable[[], str] = "condition") -> T:
+def wait_for(check: Callable[[], T], timeout: float = 60.0, what: str | Callable[[], str] = "condition") -> T:
     """Poll ``check`` until it returns something truthy, or fail after ``timeout`` seconds
     (``what``, or what it returns then, says what was awaited)."""
     deadline = time.monotonic() + timeout
@@ -29,7 +29,9 @@ def wait_for(check: Callable[[], T], timeout: float = 20.0, what: str | Callable
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what if isinstance(what, str) else what()}")
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {what if isinstance(what, str) else what()}"
+            )
         time.sleep(0.01)  # a polling step with a deadline, not a synchronisation
 
 
@@ -46,9 +48,25 @@ class WorkerProcess:
     def __init__(self, url: str, prefix: str, queue: str, pool: str, concurrency: int, name: str) -> None:
         self.env = {**os.environ, "TASKAPP_URL": url, "TASKAPP_PREFIX": prefix, "TASKAPP_QUEUE": queue}
         self.args = [
-            sys.executable, "-m", "celery", "-A", "tests.taskapp", "worker",
-            "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.taskapp",
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            queue,
+            "-n",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "INFO",
         ]
         self.log = Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
         self.process: subprocess.Popen[bytes] | None = None
@@ -56,7 +74,11 @@ class WorkerProcess:
     def start(self) -> None:
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
-                self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                self.args,
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 

@@ -1,0 +1,304 @@
+"""LockedTask options, settings, bad input, Redis errors and direct calls, on a real Redis.
+
+Bad values fail when the task is bound, naming task, option, value and what
+is allowed; arguments that cannot be keyed fail at ``apply_async`` before
+anything is sent; an unreachable Redis fails the task (or runs it unlocked)
+with a message naming the URL. None of them leaves a key behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import (
+    LockConfigurationError,
+    LockedTask,
+    LockKeyError,
+    LockNotAcquired,
+    RedisLock,
+    RedisLockError,
+    install,
+    task_lock_key,
+)
+from celery_redislock.connection import lock_url
+from celery_redislock.testing import RedisServer
+from tests.workers import threads_worker
+
+
+def new_app(url: str, prefix: str, **conf: Any) -> Celery:
+    app = Celery("cfg", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        {"redislock_url": url, "redislock_prefix": prefix, "task_default_queue": f"q-{prefix}", **conf}
+    )
+    app.finalize()
+    return app
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
+    app = new_app(redis_server.url, prefix)
+    yield app
+    app.close()
+
+
+def define(app: Celery, body: Callable[..., Any] | None = None, **options: Any) -> Any:
+    def add(a: int, b: int = 2) -> int:
+        return a + b
+
+    return app.task(**{"base": LockedTask, "shared": False, "name": "cfg.add", **options})(body or add)
+
+
+def nothing_under(client: redis.Redis, prefix: str) -> bool:
+    return [*client.scan_iter(match=f"{prefix}*"), *client.scan_iter(match=f"{{{prefix}*")] == []
+
+
+# -- options: resolution and validation at bind time ----------------------------------------------
+
+
+def test_options_come_from_the_task_then_the_app_then_the_defaults(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    app = new_app(redis_server.url, prefix, redislock_ttl=timedelta(seconds=12), redislock_busy="wait")
+    task = define(app, lock_ttl=7)
+    options = task._lock_options
+    assert (options.ttl, options.busy, options.on_lost, options.wait_timeout) == (7.0, "wait", "log", 7.0)
+    assert (options.mode, options.on, options.retry_delay, options.queue_ttl) == (
+        "while_executing",
+        None,
+        5.0,
+        3600.0,
+    )
+
+
+def test_subclass_and_task_annotations_set_options(redis_server: RedisServer, prefix: str) -> None:
+    class Patient(LockedTask):
+        lock_busy = "wait"
+        lock_wait_timeout = 2
+
+    app = new_app(redis_server.url, prefix, task_annotations={"cfg.add": {"lock_ttl": 9}})
+    task = define(app, base=Patient)
+    assert (task._lock_options.busy, task._lock_options.wait_timeout, task._lock_options.ttl) == (
+        "wait",
+        2.0,
+        9.0,
+    )
+
+
+BAD_OPTIONS = [
+    ("lock_mode", "sometimes", "allowed: 'while_executing', 'until_executing'"),
+    ("lock_busy", "later", "allowed: 'skip', 'retry', 'wait', 'raise'"),
+    ("lock_duplicate", "ignore", "allowed: 'return', 'raise'"),
+    ("lock_on_lost", "panic", "allowed: 'log', 'raise'"),
+    ("lock_ttl", 0, ">= 0.3"),
+    ("lock_ttl", 0.1, ">= 0.3"),
+    ("lock_ttl", -5, ">= 0.3"),
+    ("lock_ttl", "30", "seconds (int/float) or a timedelta"),
+    ("lock_ttl", True, "seconds (int/float) or a timedelta"),
+    ("lock_ttl", float("nan"), "seconds (int/float) or a timedelta"),
+    ("lock_ttl", 10**9, "<= 31536000"),
+    ("lock_queue_ttl", timedelta(seconds=-1), ">= 0.001"),
+    ("lock_retry_delay", -1, ">= 0"),
+    ("lock_wait_timeout", "forever", "seconds"),
+    ("lock_period", 0, ">= 0.001"),
+    ("lock_on", "a", "a tuple of the task's parameter names"),
+    ("lock_on", ("a", 3), "a tuple of the task's parameter names"),
+    ("lock_on", ("user",), "'user' is not a parameter of the task (a, b)"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "allowed"), BAD_OPTIONS)
+def test_a_bad_option_fails_at_bind_naming_task_option_value_and_allowed(
+    app: Celery, option: str, value: object, allowed: str
+) -> None:
+    with pytest.raises(LockConfigurationError) as raised:
+        define(app, **{option: value})
+    message = str(raised.value)
+    assert message.startswith("task 'cfg.add': ")
+    assert f"{option}={value!r}" in message
+    assert allowed in message
+    assert isinstance(raised.value, ValueError)
+
+
+def test_a_mistyped_option_is_refused_with_a_suggestion(app: Celery) -> None:
+    with pytest.raises(
+        LockConfigurationError, match="unknown task option 'lock_tll'; did you mean 'lock_ttl'"
+    ):
+        define(app, lock_tll=5)
+
+
+def test_until_expired_needs_a_period(app: Celery) -> None:
+    with pytest.raises(LockConfigurationError, match="lock_period=None is not valid; until_expired needs it"):
+        define(app, lock_mode="until_expired")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("redislock_url", "http://localhost", "redislock_url='http://localhost' is not valid"),
+        ("redislock_url", 6379, "redislock_url=6379 is not valid"),
+        ("redislock_prefix", "a{b}", "redislock_prefix='a{b}' is not valid"),
+        ("redislock_on_error", "ignore", "redislock_on_error='ignore' is not valid; allowed: 'fail', 'run'"),
+        ("redislock_busy", "never", "redislock_busy='never' is not valid"),
+        ("redislock_tll", 3, "unknown setting 'redislock_tll'; did you mean 'redislock_ttl'"),
+    ],
+)
+def test_bad_app_settings_fail_at_bind(
+    redis_server: RedisServer, prefix: str, setting: str, value: object, message: str
+) -> None:
+    # Raised where the first LockedTask is bound: by define(), or by finalize() for shared tasks.
+    with pytest.raises(LockConfigurationError, match=re.escape(message)):
+        define(new_app(redis_server.url, prefix, **{setting: value}))
+
+
+def test_install_is_idempotent_and_automatic(app: Celery) -> None:
+    from celery.signals import task_postrun
+
+    define(app)
+    receivers = len(task_postrun.receivers)
+    install(app)
+    install(app)
+    assert len(task_postrun.receivers) == receivers
+
+
+def test_the_lock_url_defaults_to_a_redis_broker_then_localhost() -> None:
+    app = Celery("urls", broker="rediss://:secret@cache.example:6380/2", set_as_current=False)
+    assert lock_url(app) == ("rediss://:secret@cache.example:6380/2", "broker_url")
+    app = Celery("urls", broker="amqp://guest@localhost//", set_as_current=False)
+    assert lock_url(app) == ("redis://localhost:6379/0", "default")
+    app.conf.redislock_url = "unix:///run/redis.sock?db=1"
+    assert lock_url(app) == ("unix:///run/redis.sock?db=1", "redislock_url")
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+def test_task_lock_key_applies_defaults_and_hides_values(app: Celery, prefix: str) -> None:
+    task = define(app)
+    key = task_lock_key(task, (1,))
+    assert key == task_lock_key(task, (1, 2)) == task_lock_key(task, (), {"a": 1, "b": 2})
+    assert re.fullmatch(rf"{prefix}:cfg\.add:[0-9a-f]{{64}}", key)
+    assert key != task_lock_key(task, (1, 3))
+
+
+def test_unkeyable_arguments_fail_at_apply_async_before_sending(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    task = define(app)
+    with pytest.raises(LockKeyError, match=r"task 'cfg\.add'.*argument 'b'") as raised:
+        task.delay(1, b=object())
+    assert raised.value.argument == "b"
+    with pytest.raises(LockKeyError, match="argument 'c'"):
+        task.apply_async((1,), {"c": 3})  # not a parameter of the task
+    assert client.llen(f"q-{prefix}") == 0
+    assert nothing_under(client, prefix)
+
+
+def test_a_lock_on_callable_that_raises_is_named(app: Celery) -> None:
+    def broken(a: int, b: int = 2) -> None:
+        raise KeyError("tenant")
+
+    task = define(app, lock_on=broken)
+    with pytest.raises(LockKeyError, match="lock_on"):
+        task.delay(1)
+
+
+# -- direct calls, apply(), eager --------------------------------------------------------------------
+
+
+def test_direct_calls_and_apply_lock_too(app: Celery, client: redis.Redis) -> None:
+    seen: list[tuple[str, int | None]] = []
+
+    def body(self: Any, a: int, b: int = 2) -> int:
+        key = self.request.lock_key
+        seen.append((key, self.request.lock_fence))
+        assert client.get(key) is not None  # held while the body runs
+        return a + b
+
+    task = app.task(base=LockedTask, shared=False, bind=True, name="cfg.add")(body)
+    assert task(1) == 3
+    assert task.apply((2,)).get() == 4
+    app.conf.task_always_eager = True
+    assert task.delay(3).get() == 5
+    assert len(seen) == 3 and all(fence is not None for _, fence in seen)
+    assert all(client.exists(key) == 0 for key, _ in seen)
+
+
+def test_a_direct_call_finds_the_lock_busy(app: Celery, client: redis.Redis) -> None:
+    skip = define(app)
+    holder = RedisLock(client, task_lock_key(skip, (1,)), ttl=5)
+    holder.acquire()
+    assert skip(1) is None  # lock_busy="skip"
+    holder.release()
+    assert skip(1) == 3
+
+
+def test_eager_raise_and_wait(app: Celery, client: redis.Redis) -> None:
+    raising = define(app, lock_busy="raise")
+    key = task_lock_key(raising, (1,))
+    holder = RedisLock(client, key, ttl=5, holder="someone")
+    holder.acquire()
+    with pytest.raises(LockNotAcquired, match="held by 'someone'") as raised:
+        raising.apply((1,)).get()
+    assert raised.value.key == key
+    holder.release()
+
+
+# -- Redis errors: redislock_on_error ----------------------------------------------------------
+
+
+@pytest.fixture
+def unreachable_url() -> str:
+    server = RedisServer()
+    server.start()
+    url = f"redis://:secret@127.0.0.1:{server.port}/0"
+    server.stop()  # a port nothing listens on any more
+    return url
+
+
+def test_on_error_fail_names_the_url_without_its_password(
+    redis_server: RedisServer, prefix: str, unreachable_url: str
+) -> None:
+    app = new_app(redis_server.url, prefix, redislock_url=unreachable_url)
+    task = define(app)
+    with threads_worker(app), pytest.raises(RedisLockError) as raised:
+        task.delay(1).get(timeout=30)
+    message = str(raised.value)
+    assert "task 'cfg.add'" in message and unreachable_url.replace("secret", "**") in message
+    assert "secret" not in message
+
+
+def test_on_error_run_runs_unlocked_with_a_warning(
+    redis_server: RedisServer, prefix: str, unreachable_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = new_app(redis_server.url, prefix, redislock_url=unreachable_url, redislock_on_error="run")
+
+    def fence(self: Any) -> int | None:
+        return self.request.lock_fence  # type: ignore[no-any-return]
+
+    task = app.task(base=LockedTask, shared=False, bind=True, name="cfg.fence")(fence)
+    with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+        assert task() is None  # ran, unlocked: no fence
+    assert "running unlocked" in caplog.text
+
+
+def test_acl_credentials_in_the_url_are_used(prefix: str) -> None:
+    with RedisServer() as server:
+        admin = server.client()
+        admin.execute_command(
+            "ACL", "SETUSER", "locker", "on", ">pw", f"~{prefix}*", f"~{{{prefix}*", "+@all", "-@dangerous"
+        )
+        app = new_app(server.url, prefix, redislock_url=f"redis://locker:pw@127.0.0.1:{server.port}/0")
+        task = define(app)
+        assert task(1) == 3
+        wrong = new_app(server.url, prefix, redislock_url=f"redis://locker:nope@127.0.0.1:{server.port}/0")
+        with pytest.raises(RedisLockError, match=r"redis://locker:\*\*@127\.0\.0\.1"):
+            define(wrong)(1)
+        admin.close()
