@@ -9,6 +9,7 @@ with a message naming the URL. None of them leaves a key behind.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -302,3 +303,20 @@ def test_acl_credentials_in_the_url_are_used(prefix: str) -> None:
         with pytest.raises(RedisLockError, match=r"redis://locker:\*\*@127\.0\.0\.1"):
             define(wrong)(1)
         admin.close()
+
+
+def test_one_client_per_app_per_process_and_a_fresh_one_after_fork(app: Celery) -> None:
+    from celery_redislock.connection import client_for
+
+    first, url = client_for(app)
+    assert client_for(app)[0] is first and url == app.conf.redislock_url
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a client of its own, which works
+        child, _ = client_for(app)
+        os.write(write, b"fresh" if child is not first and child.ping() else b"shared")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"fresh"
+    os.waitpid(pid, 0)
+    os.close(read)
