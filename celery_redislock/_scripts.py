@@ -30,7 +30,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-_HELPERS = """
+_NAMES = """
 -- The companion keys of the lock KEYS[1], in its cluster hash slot: its own
 -- hash tag if it has one, else the whole name as the tag (lock.companion_key).
 local lock = KEYS[1]
@@ -42,7 +42,9 @@ local function companion_prefix(name)
 end
 local prefix = companion_prefix(lock)
 local queue, deadlines, wake_prefix = prefix .. 'queue', prefix .. 'waiters', prefix .. 'wake:'
+"""
 
+_HELPERS = """
 -- The server clock as (ms, us), from a TIME reply.
 local function clock(t)
   local s, us = tonumber(t[1]), tonumber(t[2])
@@ -155,7 +157,7 @@ end
 return {redis.call('PTTL', lock), holder_of(current) or false}
 """
 
-_RELEASE = """
+_RELEASE_OWNED = """
 -- KEYS[1] lock (the queue, deadlines and wake lists are its companions).
 -- ARGV[1] token, ARGV[2] the caller's waiter member (absent or '' when it
 -- never waited).
@@ -164,15 +166,23 @@ _RELEASE = """
 -- then the lock is untouched and the caller, if it was queued, leaves the queue.
 local token, member = ARGV[1], ARGV[2]
 local current = redis.call('GET', lock)
-if not owns(current, token) then
-  if member and member ~= '' then leave(member, wake_prefix .. token) end
+local owned = current and string.sub(current, 1, 32) == token
+-- The common cases end here, before the helpers are set up.
+if owned then
+  redis.call('DEL', lock)
+  if redis.call('EXISTS', queue) == 0 then return 1 end
+elseif not member or member == '' then
   return 0
 end
-redis.call('DEL', lock)
-if redis.call('EXISTS', queue) == 1 then
-  local now_ms, now_us = clock(redis.call('TIME'))
-  wake_next(fence_of(current), now_ms, now_us)
+"""
+
+_RELEASE = """
+if not owned then
+  leave(member, wake_prefix .. token)
+  return 0
 end
+local now_ms, now_us = clock(redis.call('TIME'))
+wake_next(fence_of(current), now_ms, now_us)
 return 1
 """
 
@@ -244,6 +254,6 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-ACQUIRE = Script(_ACQUIRE_FREE + _HELPERS + _ACQUIRE)
-RELEASE = Script(_HELPERS + _RELEASE)
+ACQUIRE = Script(_ACQUIRE_FREE + _NAMES + _HELPERS + _ACQUIRE)
+RELEASE = Script(_NAMES + _RELEASE_OWNED + _HELPERS + _RELEASE)
 RENEW = Script(_RENEW)
