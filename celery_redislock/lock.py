@@ -184,6 +184,11 @@ class RedisLock:
         sent_at, fence = self._wait_for(token, member, blocking, deadline)
         if fence is None:
             return False
+        self._hold(token, fence, sent_at)
+        return True
+
+    def _hold(self, token: str, fence: int, sent_at: float) -> None:
+        """Record the hold granted to ``token`` (``fence``) by a request sent at monotonic ``sent_at``."""
         with self._state:
             self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
             if self.lost.is_set():
@@ -191,7 +196,20 @@ class RedisLock:
             if self.watchdog:
                 self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
                 get_watchdog().add(self._lease, sent_at)
-        return True
+
+    def _let_go(self) -> str:
+        """Stop renewing the hold (before the caller frees or parks the key) and return its token."""
+        with self._state:
+            if not self._held_here():
+                raise LockNotOwned(self.name)
+            if self._lease is not None:
+                get_watchdog().discard(self._lease)
+            return self.token or ""
+
+    def _forget(self) -> None:
+        """Forget the hold, once the caller has freed or parked the key."""
+        with self._state:
+            self.token, self.fence, self._count, self._lease = None, None, 0, None
 
     def _wait_for(
         self, token: str, member: str, blocking: bool, deadline: float | None
@@ -264,12 +282,8 @@ class RedisLock:
             if self._count > 1:
                 self._count -= 1
                 return
-            token = self.token or ""
-            if self._lease is not None:
-                get_watchdog().discard(self._lease)
-        released = RELEASE(self.client, self._keys, [token])
-        with self._state:
-            self.token, self.fence, self._count, self._lease = None, None, 0, None
+        released = RELEASE(self.client, self._keys, [self._let_go()])
+        self._forget()
         if not int(released):
             raise LockNotOwned(self.name)
 

@@ -28,25 +28,47 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from datetime import datetime
 from typing import Any, ClassVar, cast
 
 import redis
 from celery import Task
 from celery import signals as celery_signals
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
+from kombu.utils.uuid import uuid
 
 from . import signals
+from ._durations import to_ms
 from ._scripts import RELEASE
+from ._task_scripts import ADOPT, PARK, SETTLE
 from .config import AppSettings, LockOptions, app_settings, task_options
 from .connection import client_for
-from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned, RedisLockError
+from .exceptions import (
+    DuplicateTask,
+    LockConfigurationError,
+    LockLost,
+    LockNotAcquired,
+    LockNotOwned,
+    RedisLockError,
+)
 from .keys import call_digest, lock_key
 from .lock import RedisLock
 from .watchdog import Lease
 
-__all__ = ["LockedTask", "holder_for", "install", "parse_holder", "release_held_by", "task_lock_key"]
+__all__ = [
+    "HEADER",
+    "LockedTask",
+    "free_ticket",
+    "holder_for",
+    "install",
+    "message_ticket",
+    "parse_holder",
+    "release_held_by",
+    "task_lock_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +81,20 @@ _held_keys: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 _pending_request: contextvars.ContextVar[tuple[Any, dict[str, Any], Any] | None] = contextvars.ContextVar(
     "celery_redislock_pending", default=None
 )
-#: task id -> its execution lock while the body runs in this process (for task_postrun).
-_running: dict[str, RedisLock] = {}
+#: The message header carrying a task's enqueue lock (key and token) to the worker.
+HEADER = "redislock"
+#: Modes whose lock is taken by apply_async.
+ENQUEUE_MODES = frozenset({"until_executing", "until_executed", "until_and_while_executing", "until_expired"})
+#: thread id -> (task id, its lock) while a worker's body runs in that thread, for the
+#: task_postrun receiver, which runs in the same thread (two attempts of one task, a
+#: retry starting while its previous attempt finishes, run in different threads).
+_running: dict[int, tuple[str, RedisLock]] = {}
 
 
-def holder_for(task_id: str | None, retries: int, node: str, pid: int) -> str:
-    """How a task's lock names its holder: task id, attempt (retries so far), worker node and process."""
-    return f"task={task_id or '-'} try={retries} node={node} pid={pid}"
+def holder_for(task_id: str | None, retries: int, node: str, pid: int, state: str = "running") -> str:
+    """How a task's lock names its holder: task id, attempt (retries so far), ``queued`` or
+    ``running``, and the node and process that queued or run it."""
+    return f"task={task_id or '-'} try={retries} state={state} node={node} pid={pid}"
 
 
 def parse_holder(holder: str | None) -> dict[str, str]:
@@ -88,7 +117,33 @@ def release_held_by(client: redis.Redis, key: str, holder: str) -> bool:
     token, _, rest = (value.decode() if isinstance(value, bytes) else str(value)).partition(":")
     if rest.partition(":")[2] != holder:
         return False
-    return bool(int(RELEASE(client, [key], [token, ""])))
+    return bool(int(RELEASE(client, [key], [token])))
+
+
+def message_ticket(headers: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(key, token) of the enqueue lock a message carries in its ``redislock`` header, if any."""
+    ticket = (headers or {}).get(HEADER)
+    if (
+        isinstance(ticket, Mapping)
+        and isinstance(ticket.get("key"), str)
+        and isinstance(ticket.get("token"), str)
+    ):
+        return ticket["key"], ticket["token"]
+    return None
+
+
+def request_ticket(request: Any) -> tuple[str, str] | None:
+    """The enqueue lock a request's message carries (in ``request.headers`` or, for a
+    request built from the raw message headers, as its ``redislock`` attribute)."""
+    return message_ticket(getattr(request, "headers", None)) or message_ticket(
+        {HEADER: getattr(request, HEADER, None)}
+    )
+
+
+def free_ticket(client: redis.Redis, ticket: tuple[str, str]) -> bool:
+    """Release a message's enqueue lock, owner-checked by its token; whether it was released."""
+    key, token = ticket
+    return bool(int(RELEASE(client, [key], [token])))
 
 
 def task_lock_key(
@@ -196,13 +251,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
     @classmethod
     def on_bound(cls, app: Any) -> None:
         super().on_bound(app)
-        options = task_options(cls, app)
-        if options.mode != "while_executing":
-            raise LockConfigurationError(
-                f"task {cls.name!r}: lock_mode={options.mode!r} is not available in this version; "
-                "use 'while_executing'"
-            )
-        cls._lock_options = options
+        cls._lock_options = task_options(cls, app)
         cls._lock_settings = app_settings(app)
         install(app)
 
@@ -217,8 +266,65 @@ class LockedTask(Task):  # type: ignore[type-arg]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        task_lock_key(self, args or (), kwargs or {})  # arguments that cannot be keyed fail before sending
-        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+        """Send the task; in the enqueue modes, first take its enqueue lock (one round trip).
+
+        A duplicate returns the ``AsyncResult`` of the task already queued or
+        running (``lock_duplicate="return"``) or raises ``DuplicateTask``. A
+        retry or republish of a message that carries its lock, and a member of
+        a group or chord (unless sent with ``lock_in_canvas=True``), pass.
+        """
+        key = task_lock_key(self, args or (), kwargs or {})  # unkeyable arguments fail before sending
+        lock_options, settings = _bound_options(self)
+        in_canvas = (options.get("group_id") or options.get("chord")) and not options.pop(
+            "lock_in_canvas", False
+        )
+        headers = dict(options.pop("headers", None) or {})
+        if lock_options.mode not in ENQUEUE_MODES or HEADER in headers or in_canvas:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
+            )
+        task_id = task_id or uuid()
+        if lock_options.mode == "until_and_while_executing":
+            key += ":queued"
+        ttl = lock_options.queue_ttl + _delay(options)
+        if options.get("expires") is not None:
+            ttl = min(ttl, max(_seconds_until(options["expires"]), 0.001))
+        if lock_options.mode == "until_expired":
+            ttl = max(ttl, lock_options.period or 0)
+        client, url = client_for(self.app)
+        holder = holder_for(task_id, 0, socket.gethostname(), os.getpid(), "queued")
+        lock = RedisLock(client, key, ttl, watchdog=False, holder=holder)
+        try:
+            acquired = lock.acquire(blocking=False)
+        except redis.RedisError as exc:
+            where = (
+                f"task {self.name!r}[{task_id}]: could not take enqueue lock {key!r} in Redis at {url}: {exc}"
+            )
+            if settings.on_error == "fail":
+                raise RedisLockError(where) from exc
+            logger.warning("%s; sending it unlocked (redislock_on_error='run')", where)
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
+            )
+        if not acquired:
+            return self._duplicate(key, *lock._busy)
+        headers[HEADER] = {"key": key, "token": lock.token}
+        try:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
+            )
+        except BaseException:
+            _release(self, lock, task_id)  # nothing was sent: nothing must stay locked
+            raise
+
+    def _duplicate(self, key: str, holder: str | None, ttl: float | None) -> Any:
+        """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``."""
+        existing = parse_holder(holder).get("task")
+        logger.info("task %s: not sent, a duplicate of task %s (lock %s)", self.name, existing, key)
+        signals.task_deduplicated.send(sender=self, key=key, existing_task_id=existing)
+        if self._lock_options is not None and self._lock_options.duplicate == "return" and existing:
+            return self.AsyncResult(existing)
+        raise DuplicateTask(key, existing, holder, ttl)
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         pending = _pending_request.get()
@@ -243,30 +349,42 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if request is None or request.called_directly or hasattr(request, "lock_key"):
             request = None
         task_id = None if request is None else request.id
+        retries = 0 if request is None else request.retries or 0
         node = (None if request is None else request.hostname) or socket.gethostname()
+        ticket = None if request is None else request_ticket(request)
         client, url = client_for(self.app)
-        execution_lock = _ExecutionLock(
-            client,
-            key,
-            options.ttl,
-            holder_for(task_id, 0 if request is None else request.retries, node, os.getpid()),
-            options.on_lost,
-        )
-        execution_lock.request = request
-        lock: _ExecutionLock | None = execution_lock
+        lock: _ExecutionLock | None = None
+        if options.mode != "until_executing":
+            lock = _ExecutionLock(
+                client, key, options.ttl, holder_for(task_id, retries, node, os.getpid()), options.on_lost
+            )
+            lock.request = request
         try:
-            if not self._acquire(execution_lock, options, request, task_id, args, kwargs):
+            if options.mode in ("until_executing", "until_and_while_executing") and ticket is not None:
+                ticket_to_free = ticket
+            else:
+                ticket_to_free = None
+            if lock is not None and not self._take(lock, options, request, args, kwargs, ticket):
+                if options.mode == "until_and_while_executing" and ticket is not None:
+                    free_ticket(client, ticket)  # skipped: this message is not queued any more
                 return None
+            if ticket_to_free is not None and not free_ticket(client, ticket_to_free):
+                logger.debug("task %s[%s]: its enqueue lock had already gone", self.name, task_id)
         except redis.RedisError as exc:
             where = f"task {self.name!r}[{task_id}]: could not lock {key!r} in Redis at {url}: {exc}"
             if settings.on_error == "fail":
                 raise RedisLockError(where) from exc
             logger.warning("%s; running unlocked (redislock_on_error='run')", where)
             lock = None
+        except LockNotAcquired:
+            if options.mode == "until_and_while_executing" and ticket is not None:
+                free_ticket(client, ticket)
+            raise
         fields = {"lock_key": key, "lock_fence": None if lock is None else lock.fence, "lock_lost": False}
         held_token = _held_keys.set(held | {key})
         if lock is not None and task_id is not None:
-            _running[task_id] = lock
+            _running[threading.get_ident()] = (task_id, lock)
+        outcome: BaseException | None = None
         try:
             with nullcontext() if lock is None else lock.body():
                 if request is not None:
@@ -281,35 +399,75 @@ class LockedTask(Task):  # type: ignore[type-arg]
             if type(exc) is not LockLost:  # raised in this thread by the watchdog: make it a plain one
                 raise LockLost(key) from None
             raise
+        except BaseException as exc:
+            outcome = exc
+            raise
         finally:
             _held_keys.reset(held_token)
             if lock is not None:
-                _release(self, lock, task_id)
-                if task_id is not None:  # only once released: an interrupted release is task_postrun's
-                    _running.pop(task_id, None)
+                self._let_go(lock, options, task_id, retries, outcome)
+                if task_id is not None:  # only once let go: an interrupted release is task_postrun's
+                    _running.pop(threading.get_ident(), None)
 
-    def _acquire(
+    def _take(
         self,
         lock: _ExecutionLock,
         options: LockOptions,
         request: Any,
-        task_id: str | None,
         args: Any,
         kwargs: Any,
+        ticket: tuple[str, str] | None,
     ) -> bool:
-        """Take ``lock``: ``False`` to skip the body; raises for ``raise``, ``retry``, a timed-out ``wait``.
+        """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
+        ``False`` to skip the body; raises for ``raise``, ``retry``, a timed-out ``wait``.
 
         ``request`` is the worker's (or apply()'s) request, ``None`` for a direct call.
         """
+        task_id = None if request is None else request.id
+        if (
+            options.mode in ("until_executed", "until_expired")
+            and ticket is not None
+            and ticket[0] == lock.name
+        ):
+            sent_at = time.monotonic()
+            retries = request.retries or 0
+            reply = ADOPT(lock.client, [lock.name], [ticket[1], lock._ttl_ms, lock.holder or "", retries])
+            if isinstance(reply, int):
+                lock._hold(ticket[1], reply, sent_at)
+                signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
+                return True
+            if int(reply[0]) != -2:  # held, not by this message: busy (gone: take it afresh below)
+                holder = None if reply[1] is None else _text(reply[1])
+                return self._when_busy(
+                    lock, options, request, args, kwargs, holder, max(int(reply[0]), 0) / 1000
+                )
         if lock.acquire(blocking=False):
             signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
             return True
-        holder, ttl = lock._busy
+        return self._when_busy(lock, options, request, args, kwargs, *lock._busy)
+
+    def _when_busy(
+        self,
+        lock: _ExecutionLock,
+        options: LockOptions,
+        request: Any,
+        args: Any,
+        kwargs: Any,
+        holder: str | None,
+        ttl: float | None,
+    ) -> bool:
+        """``lock`` is held by ``holder``: apply ``lock_busy`` (see ``_take``)."""
+        task_id = None if request is None else request.id
         signals.lock_busy.send(sender=self, key=lock.name, task_id=task_id, holder=holder)
         busy = options.busy
         held_by = parse_holder(holder)
-        if request is not None and held_by.get("task") == task_id and int(held_by["try"]) < request.retries:
-            busy = "wait"  # this task's previous attempt published this retry and is releasing now
+        same_task = request is not None and held_by.get("task") == task_id
+        if same_task and int(held_by["try"]) == (request.retries or 0) and held_by.get("state") == "running":
+            # A redelivered message (acks_late, visibility timeout) whose first delivery still runs.
+            logger.info("task %s[%s]: redelivered while its first delivery runs; ignored", self.name, task_id)
+            raise Ignore()
+        if same_task and int(held_by["try"]) < (request.retries or 0):
+            busy = "wait"  # this task's previous attempt published this retry and is letting go now
         elif request is not None and (request.group or request.chord):
             busy = "wait"  # a group or chord member is never skipped: its chord would never complete
         elif busy == "retry" and (request is None or request.is_eager):
@@ -343,8 +501,80 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if busy == "wait" and lock.acquire(timeout=options.wait_timeout):
             signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
             return True
-        holder, ttl = lock._busy
+        if busy == "wait":
+            holder, ttl = lock._busy
         raise LockNotAcquired(lock.name, holder, ttl)
+
+    def _let_go(
+        self, lock: _ExecutionLock, options: LockOptions, task_id: str | None, retries: int, outcome: Any
+    ) -> None:
+        """After the body: release, or keep the lock as the mode says (a retry on its way; a period)."""
+        if (
+            options.mode in ("until_executed", "until_expired")
+            and isinstance(outcome, Retry)
+            and lock._held_here()
+        ):
+            ttl = options.queue_ttl + _retry_delay(outcome)
+            queued = holder_for(task_id, retries + 1, socket.gethostname(), os.getpid(), "queued")
+            current = lock.holder or ""
+            try:
+                parked = PARK(lock.client, [lock.name], [lock._let_go(), current, queued, to_ms(ttl)])
+            except redis.RedisError as exc:
+                logger.warning(
+                    "task %s[%s]: could not keep lock %s for its retry: %s",
+                    self.name,
+                    task_id,
+                    lock.name,
+                    exc,
+                )
+                return
+            finally:
+                lock._forget()
+            if not int(parked):
+                logger.info(  # usually the retry already adopted it; else it was lost
+                    "task %s[%s]: lock %s was already taken over at its retry", self.name, task_id, lock.name
+                )
+            return
+        if options.mode == "until_expired" and options.period is not None and lock._held_here():
+            try:
+                left = int(SETTLE(lock.client, [lock.name], [lock._let_go(), to_ms(options.period)]))
+            except redis.RedisError as exc:
+                logger.warning("task %s[%s]: could not keep lock %s: %s", self.name, task_id, lock.name, exc)
+                lock._forget()
+                return
+            if left > 0:
+                lock._forget()
+                return
+        _release(self, lock, task_id)
+
+
+def _delay(options: Mapping[str, Any]) -> float:
+    """Seconds until a message sent with ``options`` (``countdown``/``eta``) may run."""
+    if options.get("countdown") is not None:
+        return max(float(options["countdown"]), 0.0)
+    if options.get("eta") is not None:
+        return max(_seconds_until(options["eta"]), 0.0)
+    return 0.0
+
+
+def _seconds_until(when: Any) -> float:
+    """``when`` (seconds from now, a datetime or an ISO 8601 string) as seconds from now."""
+    if isinstance(when, (int, float)):
+        return float(when)
+    moment = datetime.fromisoformat(when) if isinstance(when, str) else when
+    now = datetime.now(moment.tzinfo or None) if moment.tzinfo else datetime.now()
+    return (moment - now).total_seconds()
+
+
+def _retry_delay(retry: Retry) -> float:
+    when = retry.when
+    if when is None:
+        return 0.0
+    return max(_seconds_until(when), 0.0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None) -> None:
@@ -371,9 +601,41 @@ def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None) -> None
 
 def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     """``task_postrun``: release what an asynchronous exception kept ``__call__`` from releasing."""
-    lock = _running.pop(task_id, None) if task_id is not None else None
-    if lock is not None:
-        _release(sender, lock, task_id)
+    running = _running.pop(threading.get_ident(), None)
+    if running is not None and running[0] == task_id:
+        _release(sender, running[1], task_id)
+
+
+def _free_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+) -> None:
+    """``task_revoked`` (worker main process): a message revoked or expired before it ran
+    frees its enqueue lock. A terminated run's lock is freed once its child is gone
+    (``LockedRequest``)."""
+    ticket = request_ticket(request)
+    if ticket is None or terminated or not isinstance(sender, LockedTask):
+        return
+    _free_ticket_logged(
+        sender.app, ticket, f"task {sender.name}[{request.id}] {'expired' if expired else 'revoked'}"
+    )
+
+
+def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
+    """``task_unknown`` / ``task_rejected`` (worker main process): a message that will never
+    run frees the enqueue lock it carries."""
+    ticket = message_ticket(getattr(message, "headers", None))
+    app = getattr(sender, "app", None)
+    if ticket is not None and app is not None:
+        _free_ticket_logged(app, ticket, f"message for {name or 'an invalid task'} dropped")
+
+
+def _free_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
+    try:
+        client, _ = client_for(app)
+        if free_ticket(client, ticket):
+            logger.info("%s: released its enqueue lock %s", why, ticket[0])
+    except Exception:  # the worker's main loop must go on
+        logger.exception("%s: could not release its enqueue lock %s", why, ticket[0])
 
 
 def install(app: Any) -> None:
@@ -388,5 +650,14 @@ def install(app: Any) -> None:
     app_settings(app)  # bad settings fail here, not at the first task
     celery_signals.task_postrun.connect(
         _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
+    )
+    celery_signals.task_revoked.connect(
+        _free_revoked, weak=False, dispatch_uid="celery_redislock.free_revoked"
+    )
+    celery_signals.task_unknown.connect(
+        _free_unrunnable, weak=False, dispatch_uid="celery_redislock.free_unknown"
+    )
+    celery_signals.task_rejected.connect(
+        _free_unrunnable, weak=False, dispatch_uid="celery_redislock.free_rejected"
     )
     app._redislock_installed = True

@@ -96,6 +96,26 @@ def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
     for busy in ("skip", "retry", "wait", "raise"):
         locked_task(name=f"taskapp.hold_{busy}", lock_busy=busy, lock_retry_delay=0.2)(gated)
 
+    for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
+        locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
+    locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
+
+    @locked_task(name="taskapp.retry_twice", lock_mode="until_executed")
+    def retry_twice(self: Task[Any, Any], x: object) -> object:
+        recorder.record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries < 2:
+            recorder.wait_gate(x)
+            raise self.retry(countdown=0)
+        return x
+
+    @locked_task(name="taskapp.keyed_by_x", lock_mode="until_executed", lock_on=("x",))
+    def keyed_by_x(self: Task[Any, Any], x: object, blob: object = None) -> object:
+        return x
+
+    @app.task(name="taskapp.collect", shared=False)
+    def collect(results: list[object]) -> list[object]:
+        return results
+
     @locked_task(name="taskapp.per_user", lock_on=("user_id",))
     def per_user(self: Task[Any, Any], user_id: int, item: int, gate: bool = False) -> object:
         return gated(self, f"{user_id}-{item}", gate)

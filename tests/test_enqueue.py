@@ -1,0 +1,205 @@
+"""The enqueue modes on a real Redis and real workers: duplicates refused at apply_async,
+the lock handed to the worker, kept or released as each mode says."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from celery import Celery, chord
+from kombu.exceptions import EncodeError
+
+from celery_redislock import DuplicateTask, task_lock_key
+from celery_redislock.testing import RedisServer
+from tests.taskapp import Recorder, make_app
+from tests.workers import threads_worker, wait_for
+
+RESULT_TIMEOUT = 30
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    yield app
+    app.close()
+
+
+def recorder(app: Celery) -> Recorder:
+    return app.recorder  # type: ignore[attr-defined, no-any-return]
+
+
+def queued(app: Celery) -> int:
+    return int(recorder(app).client.llen(app.conf.task_default_queue))
+
+
+def starts(app: Celery, x: object) -> list[list[str]]:
+    return [event for event in recorder(app).events() if event[0] == "start" and event[2] == str(x)]
+
+
+@contextmanager
+def worker(app: Celery) -> Iterator[None]:
+    with threads_worker(app, concurrency=4):
+        yield
+
+
+def fresh() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.mark.parametrize("duplicate", ["return", "raise"])
+def test_500_delays_from_4_threads_publish_one_message(app: Celery, duplicate: str) -> None:
+    x = fresh()
+    task = app.tasks["taskapp.until_executed" if duplicate == "return" else "taskapp.refuse"]
+    outcomes: list[Any] = []
+    lock = threading.Lock()
+
+    def send() -> None:
+        for _ in range(125):
+            try:
+                result: Any = task.delay(x)
+            except DuplicateTask as exc:
+                result = exc
+            with lock:
+                outcomes.append(result)
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert queued(app) == 1
+    sent = [outcome for outcome in outcomes if not isinstance(outcome, DuplicateTask)]
+    refused = [outcome for outcome in outcomes if isinstance(outcome, DuplicateTask)]
+    if duplicate == "return":
+        assert len(sent) == 500 and len({result.id for result in sent}) == 1
+    else:
+        assert len(sent) == 1 and len(refused) == 499
+        assert {exc.existing_task_id for exc in refused} == {sent[0].id}
+    with worker(app):
+        assert sent[0].get(timeout=RESULT_TIMEOUT) == x
+    assert len(starts(app, x)) == 1
+    assert not recorder(app).client.exists(task_lock_key(task, (x,)))
+
+
+def test_until_executing_refuses_while_queued_and_allows_while_running(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_executing"]
+    first = task.delay(x, gate=True)
+    assert task.delay(x, gate=True).id == first.id  # queued: a duplicate
+    with worker(app):
+        wait_for(lambda: starts(app, x))
+        second = task.delay(x, gate=True)  # running: the lock went at the start
+        assert second.id != first.id
+        wait_for(lambda: len(starts(app, x)) == 2, what="both to run at once")
+        recorder(app).open_gate(x, times=2)
+        assert first.get(timeout=RESULT_TIMEOUT) == second.get(timeout=RESULT_TIMEOUT) == x
+
+
+def test_until_executed_refuses_while_queued_and_running_then_allows(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    key = task_lock_key(task, (x,), {"gate": True})
+    first = task.delay(x, gate=True)
+    assert 0 < recorder(app).client.pttl(key) <= 3_600_000  # lock_queue_ttl while queued
+    assert task.delay(x, gate=True).id == first.id
+    with worker(app):
+        wait_for(lambda: starts(app, x))
+        assert recorder(app).client.pttl(key) <= 30_000  # running: the lease, renewed by the watchdog
+        assert task.delay(x, gate=True).id == first.id  # running: still a duplicate
+        recorder(app).open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+        wait_for(lambda: not recorder(app).client.exists(key), what="the release")
+        again = task.delay(x, gate=False)
+        assert again.id != first.id and again.get(timeout=RESULT_TIMEOUT) == x
+
+
+def test_until_and_while_executing_keeps_one_queued_and_one_running(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_and_while_executing"]
+    with worker(app):
+        first = task.delay(x, gate=True)
+        wait_for(lambda: starts(app, x))
+        second = task.delay(x, gate=True)  # one more may wait while one runs
+        assert second.id != first.id
+        assert task.delay(x, gate=True).id == second.id  # but only one
+        recorder(app).open_gate(x, times=2)
+        assert first.get(timeout=RESULT_TIMEOUT) == second.get(timeout=RESULT_TIMEOUT) == x
+    events = [event for event in recorder(app).events() if event[2] == x and event[0] in ("start", "end")]
+    assert [(event[0], event[3]) for event in events] == [
+        ("start", first.id),
+        ("end", first.id),
+        ("start", second.id),
+        ("end", second.id),
+    ]
+
+
+def test_until_expired_holds_after_the_run_for_its_period(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_expired"]
+    key = task_lock_key(task, (x,))
+    with worker(app):
+        first = task.delay(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+        assert task.delay(x).id == first.id  # after the run: still refused
+    ttl = recorder(app).client.pttl(key)
+    assert 590_000 < ttl <= 600_000  # lock_period (600 s) from when it was taken
+    recorder(app).client.delete(key)
+
+
+def test_until_executed_keeps_the_lock_across_its_retries(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.retry_twice"]
+    with worker(app):
+        result = task.delay(x)
+        for attempt in range(2):
+            wait_for(lambda a=attempt: [e for e in recorder(app).events() if e[0] == f"attempt@{a}"])
+            assert task.delay(x).id == result.id  # refused between the retries
+            recorder(app).open_gate(x)
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+    attempts = [event[0] for event in recorder(app).events() if event[0].startswith("attempt")]
+    assert attempts == ["attempt@0", "attempt@1", "attempt@2"]
+    assert not recorder(app).client.exists(task_lock_key(task, (x,)))
+
+
+def test_send_task_of_a_duplicate_does_not_run_the_body(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    original = task.delay(x)
+    copy = app.send_task("taskapp.until_executed", (x,))  # bypasses apply_async: no enqueue check
+    with worker(app):
+        assert original.get(timeout=RESULT_TIMEOUT) == x
+        assert copy.get(timeout=RESULT_TIMEOUT) is None  # caught at execution: skipped
+    assert len(starts(app, x)) == 1
+
+
+def test_revoking_a_queued_task_frees_its_enqueue_lock(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    key = task_lock_key(task, (x,))
+    with worker(app):
+        queued_result = task.apply_async((x,), countdown=2)  # held by the worker until its eta
+        wait_for(lambda: recorder(app).client.exists(key))
+        queued_result.revoke()
+        wait_for(
+            lambda: not recorder(app).client.exists(key), what="the worker to free the revoked task's lock"
+        )
+    assert starts(app, x) == []
+
+
+def test_an_expiring_message_bounds_its_enqueue_lock(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    task.apply_async((x,), expires=30)
+    assert 0 < recorder(app).client.pttl(task_lock_key(task, (x,))) <= 30_000
+
+
+def test_a_publish_error_releases_the_enqueue_lock(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.keyed_by_x"]
+    with pytest.raises(EncodeError):
+        task.delay(x, blob=object())  # keyed by x alone, but the message cannot be encoded
+    assert not recorder(app).client.exists(task_lock_key(task, (x,)))
+    assert queued(app) == 0
+
+
+def test_a_chord_of_identical_signatures_runs_every_member(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    with worker(app):
+        result = chord([task.s(x) for _ in range(3)])(app.tasks["taskapp.collect"].s())
+        assert result.get(timeout=RESULT_TIMEOUT) == [x, x, x]
+    assert len(starts(app, x)) == 3
