@@ -275,9 +275,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         """
         key = task_lock_key(self, args or (), kwargs or {})  # unkeyable arguments fail before sending
         lock_options, settings = _bound_options(self)
-        in_canvas = (options.get("group_id") or options.get("chord")) and not options.pop(
-            "lock_in_canvas", False
-        )
+        in_canvas_opt_in = options.pop("lock_in_canvas", False)
+        in_canvas = (options.get("group_id") or options.get("chord")) and not in_canvas_opt_in
         headers = dict(options.pop("headers", None) or {})
         if lock_options.mode not in ENQUEUE_MODES or HEADER in headers or in_canvas:
             return super().apply_async(

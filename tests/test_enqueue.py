@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from celery import Celery, chord
+from celery import Celery, chord, group
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, task_lock_key
@@ -203,3 +203,14 @@ def test_a_chord_of_identical_signatures_runs_every_member(app: Celery) -> None:
         result = chord([task.s(x) for _ in range(3)])(app.tasks["taskapp.collect"].s())
         assert result.get(timeout=RESULT_TIMEOUT) == [x, x, x]
     assert len(starts(app, x)) == 3
+
+
+def test_group_members_opted_in_are_deduplicated_at_enqueue(app: Celery) -> None:
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    group([task.s(x).set(lock_in_canvas=True) for _ in range(3)]).apply_async()
+    assert queued(app) == 1
+    with worker(app):
+        wait_for(
+            lambda: not recorder(app).client.exists(task_lock_key(task, (x,))), what="the one run to end"
+        )
+    assert len(starts(app, x)) == 1
