@@ -14,6 +14,7 @@ it: tests synchronise on these events, never on sleeps.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any
 
@@ -99,6 +100,7 @@ def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
     for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
         locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
     locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
+    locked_task(name="taskapp.acks_late", lock_mode="until_executed", acks_late=True)(gated)
 
     @locked_task(name="taskapp.retry_twice", lock_mode="until_executed")
     def retry_twice(self: Task[Any, Any], x: object) -> object:
@@ -199,7 +201,12 @@ def _record_released(sender: Any = None, task_id: str | None = None, **_: Any) -
 
 
 app: Celery | None = (
-    make_app(os.environ["TASKAPP_URL"], os.environ["TASKAPP_PREFIX"], os.environ["TASKAPP_QUEUE"])
+    make_app(
+        os.environ["TASKAPP_URL"],
+        os.environ["TASKAPP_PREFIX"],
+        os.environ["TASKAPP_QUEUE"],
+        **json.loads(os.environ.get("TASKAPP_CONF", "{}")),
+    )
     if "TASKAPP_URL" in os.environ
     else None
 )

@@ -14,6 +14,7 @@ from celery import Celery, chord, group
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, task_lock_key
+from celery_redislock.task import HEADER
 from celery_redislock.testing import RedisServer
 from tests.taskapp import Recorder, make_app
 from tests.workers import threads_worker, wait_for
@@ -162,11 +163,13 @@ def test_until_executed_keeps_the_lock_across_its_retries(app: Celery) -> None:
 
 def test_send_task_of_a_duplicate_does_not_run_the_body(app: Celery) -> None:
     x, task = fresh(), app.tasks["taskapp.until_executed"]
-    original = task.delay(x)
-    copy = app.send_task("taskapp.until_executed", (x,))  # bypasses apply_async: no enqueue check
+    original = task.delay(x, gate=True)
+    # send_task bypasses apply_async: no enqueue check, no lock in the message
+    copy = app.send_task("taskapp.until_executed", (x,), {"gate": True})
     with worker(app):
-        assert original.get(timeout=RESULT_TIMEOUT) == x
         assert copy.get(timeout=RESULT_TIMEOUT) is None  # caught at execution: skipped
+        recorder(app).open_gate(x)
+        assert original.get(timeout=RESULT_TIMEOUT) == x
     assert len(starts(app, x)) == 1
 
 
@@ -214,3 +217,22 @@ def test_group_members_opted_in_are_deduplicated_at_enqueue(app: Celery) -> None
             lambda: not recorder(app).client.exists(task_lock_key(task, (x,))), what="the one run to end"
         )
     assert len(starts(app, x)) == 1
+
+
+def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run(app: Celery) -> None:
+    """A redelivery (acks_late, a Redis visibility timeout) is the same message again: same
+    task id, same retry count, same lock header. Publish exactly that while the first runs."""
+    x, task = fresh(), app.tasks["taskapp.acks_late"]
+    key = task_lock_key(task, (x,), {"gate": True})
+    with worker(app):
+        first = task.delay(x, gate=True)
+        wait_for(lambda: starts(app, x))
+        token = recorder(app).client.get(key)[:32].decode()
+        task.apply_async(
+            (x,), {"gate": True}, task_id=first.id, headers={HEADER: {"key": key, "token": token}}
+        )
+        wait_for(lambda: [e for e in recorder(app).events() if e[0] == "busy" and e[3] == first.id])
+        recorder(app).open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+    assert len(starts(app, x)) == 1
+    assert not recorder(app).client.exists(key)

@@ -45,8 +45,16 @@ def threads_worker(app: Celery, concurrency: int = 4) -> Iterator[Any]:
 class WorkerProcess:
     """``celery -A tests.taskapp worker`` in a subprocess of its own session, stopped by its pid."""
 
-    def __init__(self, url: str, prefix: str, queue: str, pool: str, concurrency: int, name: str) -> None:
-        self.env = {**os.environ, "TASKAPP_URL": url, "TASKAPP_PREFIX": prefix, "TASKAPP_QUEUE": queue}
+    def __init__(
+        self, url: str, prefix: str, queue: str, pool: str, concurrency: int, name: str, conf: str = "{}"
+    ) -> None:
+        self.env = {
+            **os.environ,
+            "TASKAPP_URL": url,
+            "TASKAPP_PREFIX": prefix,
+            "TASKAPP_QUEUE": queue,
+            "TASKAPP_CONF": conf,  # JSON: more settings for the app
+        }
         self.args = [
             sys.executable,
             "-m",
