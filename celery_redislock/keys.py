@@ -12,6 +12,7 @@ appears in a key name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -27,6 +28,23 @@ __all__ = ["LockOn", "call_digest", "lock_key"]
 #: ``None`` (every argument), parameter names (only those), or a callable
 #: ``(*args, **kwargs) -> JSON-able value``.
 LockOn = Sequence[str] | Callable[..., Any] | None
+
+
+def _signature(run: Callable[..., Any]) -> inspect.Signature:
+    """``inspect.signature(run)``, computed once per function (a bound method drops its ``self``)."""
+    function = getattr(run, "__func__", None)
+    if function is None:
+        return _function_signature(run, False)
+    return _function_signature(function, True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _function_signature(function: Callable[..., Any], bound: bool) -> inspect.Signature:
+    signature = inspect.signature(function)
+    if bound:
+        parameters = list(signature.parameters.values())[1:]
+        signature = signature.replace(parameters=parameters)
+    return signature
 
 
 def _canonical(value: Any) -> str:
@@ -45,7 +63,7 @@ def _keyed_value(
         except Exception as exc:
             raise LockKeyError(task_name, "lock_on", f"(the callable) raised {exc!r}") from exc
     try:
-        bound = inspect.signature(run).bind(*args, **kwargs)
+        bound = _signature(run).bind(*args, **kwargs)
     except TypeError as exc:
         raise LockKeyError(task_name, "*", f"list does not match the task's signature: {exc}") from None
     bound.apply_defaults()
