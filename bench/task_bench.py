@@ -1,0 +1,425 @@
+"""Benchmark LockedTask against a plain task, celery-once and celery-singleton in a real prefork worker.
+
+Two private redis-servers: one is the broker and result backend, the other
+holds only the locks, so its counters see lock traffic and nothing else.
+
+For each variant, in every repeat (the order alternates between repeats):
+
+1. start ``celery -A task_bench worker -P prefork -c 2`` (this file is the app
+   module; ``TASK_BENCH_*`` environment variables pick the variant) on a fresh
+   queue, logging at WARNING, and wait until it has run a few warm-up tasks
+   (so both pool children have imported, connected and loaded their scripts);
+2. enqueue N trivial tasks (``noop(run, i)``: distinct arguments, so no lock
+   is ever busy) from this process and wait for all N results;
+3. stop the worker by its pid (SIGTERM, warm shutdown) and empty both servers.
+
+Variants, each configured with its own documented defaults and pointed at the
+lock server: ``plain`` (``celery.Task``); ``bare lock`` (a plain task whose
+body takes and frees a lock with lock_bench's bare loop, ``SET NX PX`` and an
+``EVALSHA`` compare-and-delete: the floor for two round trips per task from
+redis-py in the worker); ``LockedTask`` (``while_executing``,
+``redislock_url``); ``celery-once`` (``QueueOnce`` with the README's ``ONCE``
+setting: lock taken at enqueue, released after the run); ``celery-singleton``
+(``Singleton`` with ``singleton_backend_url``: lock taken at enqueue, released
+on success). The peers are installed from PyPI into this interpreter when
+missing.
+
+Measured per run:
+
+* **wall**: from just before the first ``apply_async`` to the arrival of the
+  last result, in this process. This is the headline: the peers lock in the
+  producer, LockedTask in the worker, and only an end-to-end time charges both
+  sides (producer and worker share the machine's CPUs, as they would on one host);
+* **worker span**: from the first to the last ``date_done`` stored in the
+  result backend (the worker side alone, for information);
+* **round trips per task** to the lock server: the growth of its
+  ``total_reads_processed`` (INFO stats: read events on client connections,
+  one per request a client sends and then waits on) over the measured phase,
+  minus this process's own INFO and DBSIZE calls, divided by N. Total commands
+  (INFO commandstats) are not round trips here: Redis counts the commands a
+  Lua script runs as commands too, so they are reported separately, per
+  command, as ``commands_per_task``;
+* **CPU ms per task** of the worker's main process and its pool children
+  (``/proc``), this process (the producer) and each redis-server (INFO cpu):
+  the run is CPU-bound on a small machine, and these say where a variant adds
+  its cost, more steadily than the wall times.
+
+Medians over the repeats and their ratios to ``plain`` are printed and written
+to ``bench/results/task_bench.json`` with a PASS/FAIL summary (LockedTask wall
+<= 1.05x plain, <= 2 round trips per task); the exit status stays 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+from celery import Celery, Task
+from celery.result import ResultSet
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "task_bench.json"
+VARIANTS = ["plain", "bare lock", "LockedTask", "celery-once", "celery-singleton"]
+#: PyPI distribution -> module it provides.
+PEERS = {"celery-once": "celery_once", "celery-singleton": "celery_singleton"}
+TASK_NAME = "task_bench.noop"
+WARMUP = 20
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+CPU_PLACES = ("worker main", "worker pool", "producer", "lock server", "broker server")
+
+
+# -- the Celery app (also the worker's: ``celery -A task_bench``) -------------------
+
+
+def make_app(variant: str, broker_url: str, lock_url: str, queue: str) -> tuple[Celery, Task[Any, Any]]:
+    """An app with one task, ``noop``, of the variant's base class; only that variant's settings."""
+    app = Celery("task_bench", broker=broker_url, backend=broker_url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, broker_connection_retry_on_startup=True)
+    base: type[Task[Any, Any]] = Task
+    if variant == "LockedTask":
+        from celery_redislock import LockedTask
+
+        base = LockedTask
+        app.conf.redislock_url = lock_url
+    elif variant == "celery-once":
+        from celery_once import QueueOnce  # type: ignore[import-not-found]
+
+        base = QueueOnce
+        # celery-once's README: the Redis backend and a one-hour default timeout.
+        app.conf.ONCE = {
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": lock_url, "default_timeout": 60 * 60},
+        }
+    elif variant == "celery-singleton":
+        from celery_singleton import Singleton  # type: ignore[import-not-found]
+
+        base = Singleton
+        app.conf.singleton_backend_url = lock_url
+    elif variant == "bare lock":
+        return app, bare_lock_task(app, lock_url)
+    elif variant != "plain":
+        raise ValueError(f"unknown variant {variant!r}")
+
+    @app.task(base=base, name=TASK_NAME)
+    def noop(run: str, i: int) -> int:
+        return i
+
+    return app, noop
+
+
+def bare_lock_task(app: Celery, lock_url: str) -> Task[Any, Any]:
+    """A plain task locking its body with the least a lock needs: lock_bench's bare loop
+    (``SET key token NX PX 30000``, then ``EVALSHA`` of a compare-and-delete), 2 round trips."""
+    import redis
+    from lock_bench import COMPARE_AND_DELETE
+
+    client = redis.Redis.from_url(lock_url)  # redis-py reconnects in each pool child after fork
+    release = client.register_script(COMPARE_AND_DELETE)
+
+    @app.task(name=TASK_NAME)
+    def noop(run: str, i: int) -> int:
+        key, token = f"bare:{TASK_NAME}:{run}:{i}", secrets.token_hex(16)
+        if not client.set(key, token, nx=True, px=30000):
+            return -1
+        try:
+            return i
+        finally:
+            release(keys=[key], args=[token])
+
+    return cast(Task[Any, Any], noop)
+
+
+if os.environ.get("TASK_BENCH_VARIANT"):  # imported by the worker
+    app, _ = make_app(
+        os.environ["TASK_BENCH_VARIANT"],
+        os.environ["TASK_BENCH_BROKER"],
+        os.environ["TASK_BENCH_LOCKS"],
+        os.environ["TASK_BENCH_QUEUE"],
+    )
+
+
+# -- one run ---------------------------------------------------------------------
+
+
+class Worker:
+    """``celery -A task_bench worker -P prefork`` in a session of its own, stopped by its pid."""
+
+    def __init__(self, variant: str, broker_url: str, lock_url: str, queue: str, concurrency: int) -> None:
+        env = {
+            **os.environ,
+            "TASK_BENCH_VARIANT": variant,
+            "TASK_BENCH_BROKER": broker_url,
+            "TASK_BENCH_LOCKS": lock_url,
+            "TASK_BENCH_QUEUE": queue,
+        }
+        command = [sys.executable, "-m", "celery", "-A", "task_bench", "worker", "-P", "prefork"]
+        command += ["-c", str(concurrency), "-Q", queue, "-n", f"{queue}@%h", "-l", "WARNING"]
+        command += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        self.log = Path(tempfile.mkstemp(prefix="task-bench-worker-", suffix=".log")[1])
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the group is its pid
+                self.process.wait(timeout=30)
+        self.log.unlink(missing_ok=True)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def tree_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by process ``pid`` and by its children (the pool)."""
+    main = pool = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        used = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+        if stat.parent.name == str(pid):
+            main += used
+        elif fields[1] == str(pid):  # its parent
+            pool += used
+    return main, pool
+
+
+def server_cpu(client: Any) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def lock_stats(client: Any) -> tuple[int, dict[str, int]]:
+    """(total_reads_processed, calls per command) of the lock server, in one INFO call."""
+    info = client.info("stats", "commandstats")
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in info.items() if k.startswith("cmdstat_")}
+    return int(info["total_reads_processed"]), calls
+
+
+def cpu_now(worker: Worker, lock_client: Any, broker_client: Any) -> dict[str, float]:
+    main, pool = tree_cpu(worker.process.pid)
+    return {
+        "worker main": main,
+        "worker pool": pool,
+        "producer": time.process_time(),
+        "lock server": server_cpu(lock_client),
+        "broker server": server_cpu(broker_client),
+    }
+
+
+def run_once(variant: str, tasks: int, concurrency: int, broker: Any, locks: Any) -> dict[str, Any]:
+    run = secrets.token_hex(4)
+    queue = f"task-bench-{variant}-{run}"
+    broker_url, lock_url = broker.url, locks.url
+    app, noop = make_app(variant, broker_url, lock_url, queue)
+    worker = Worker(variant, broker_url, lock_url, queue, concurrency)
+    try:
+        warm = [noop.apply_async((run, -1 - i)) for i in range(WARMUP)]
+        try:
+            ResultSet(warm).get(timeout=60)
+        except Exception as exc:
+            log = worker.tail()
+            raise RuntimeError(f"{variant}: worker not ready ({exc!r}); its log ends with:\n{log}") from exc
+        with locks.client() as lock_client, broker.client() as broker_client:
+            reads_before, calls_before = lock_stats(lock_client)
+            cpu_before = cpu_now(worker, lock_client, broker_client)
+            began = time.perf_counter()
+            results = [noop.apply_async((run, i)) for i in range(tasks)]
+            enqueued = time.perf_counter()
+            values = ResultSet(results).get(timeout=600)
+            ended = time.perf_counter()
+            if values != list(range(tasks)):
+                raise RuntimeError(f"{variant}: wrong results")
+            # The peers release after storing the result: wait (a few ms) until the last release is in.
+            polls, deadline = 0, time.monotonic() + 10
+            while lock_client.dbsize() and time.monotonic() < deadline:
+                polls += 1
+                time.sleep(0.005)
+            keys_left = lock_client.dbsize()
+            cpu_after = cpu_now(worker, lock_client, broker_client)
+            reads_after, calls_after = lock_stats(lock_client)
+            metas = broker_client.mget([f"celery-task-meta-{r.id}" for r in results])
+            done = sorted(datetime.fromisoformat(json.loads(m)["date_done"]).timestamp() for m in metas)
+        app.close()
+    finally:
+        worker.stop()
+    for server in (broker, locks):
+        with server.client() as client:
+            client.flushall()
+    ignored = {"info", "dbsize"}  # this process's own
+    commands = {
+        name: (calls - calls_before.get(name, 0)) / tasks
+        for name, calls in sorted(calls_after.items())
+        if name not in ignored and calls != calls_before.get(name, 0)
+    }
+    return {
+        "wall_s": ended - began,
+        "enqueue_s": enqueued - began,
+        "worker_span_s": done[-1] - done[0],
+        "tasks_per_s": tasks / (ended - began),
+        # minus this process's own reads: the polls, the two dbsize and INFO cpu calls, the last INFO
+        "round_trips_per_task": (reads_after - reads_before - polls - 5) / tasks,
+        "cpu_ms_per_task": {
+            where: (cpu_after[where] - cpu_before[where]) * 1000 / tasks for where in CPU_PLACES
+        },
+        "commands_per_task": commands,
+        "lock_keys_left": keys_left,
+    }
+
+
+# -- main ------------------------------------------------------------------------
+
+
+def ensure_peers() -> dict[str, str]:
+    """Install the PyPI peers that cannot be imported; returns distribution -> version."""
+    missing = [dist for dist, module in PEERS.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        print(f"installing {', '.join(missing)} from PyPI ...", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True)
+        importlib.invalidate_caches()
+    dists = [*PEERS, "celery", "kombu", "billiard", "redis", "celery-redislock"]
+    return {dist: importlib.metadata.version(dist) for dist in dists}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    plain_wall = statistics.median(r["wall_s"] for r in runs["plain"]) if runs.get("plain") else None
+    summary: dict[str, dict[str, Any]] = {}
+    for variant, rows in runs.items():
+        row = {
+            key: statistics.median(r[key] for r in rows)
+            for key in ("wall_s", "enqueue_s", "worker_span_s", "tasks_per_s", "round_trips_per_task")
+        }
+        row["wall_ratio_to_plain"] = row["wall_s"] / plain_wall if plain_wall else None
+        row["cpu_ms_per_task"] = {
+            where: statistics.median(r["cpu_ms_per_task"][where] for r in rows)
+            for where in rows[0]["cpu_ms_per_task"]
+        }
+        row["walls_s"] = [r["wall_s"] for r in rows]
+        row["commands_per_task"] = rows[-1]["commands_per_task"]
+        row["lock_keys_left"] = max(r["lock_keys_left"] for r in rows)
+        summary[variant] = row
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lock_bench import Check, print_table, write_json  # the producer's helpers only
+
+    from celery_redislock.testing import RedisServer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks per run (default 2000)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per variant (default 5)")
+    parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (default 2)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
+    args = parser.parse_args(argv)
+    if "plain" not in args.variants:
+        args.variants.insert(0, "plain")
+    versions = ensure_peers()
+    started = time.monotonic()
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in args.variants}
+    with RedisServer() as broker, RedisServer() as locks:
+        servers = {"broker and results": broker.url, "locks": locks.url}
+        print(f"broker/results on {broker.url}, locks on {locks.url}", flush=True)
+        for repeat in range(args.repeats):
+            order = args.variants if repeat % 2 == 0 else args.variants[::-1]
+            for variant in order:
+                row = run_once(variant, args.tasks, args.concurrency, broker, locks)
+                runs[variant].append(row)
+                print(
+                    f"  repeat {repeat + 1}/{args.repeats} {variant:<17} wall {row['wall_s']:.2f}s "
+                    f"(enqueue {row['enqueue_s']:.2f}s, worker span {row['worker_span_s']:.2f}s), "
+                    f"{row['round_trips_per_task']:.2f} round trips/task",
+                    flush=True,
+                )
+    summary = summarize(runs)
+    print_table(
+        f"{args.tasks} tasks, prefork -c {args.concurrency}, medians of {args.repeats} runs "
+        "(CPU: ms per task of the worker's main process, its pool, this producer, each redis-server)",
+        ["variant", "wall", "x plain", "tasks/s", "enqueue", "worker span", "lock RT/task"]
+        + [f"{where.replace('server', 'srv')} CPU" for where in CPU_PLACES],
+        [
+            [
+                variant,
+                f"{row['wall_s']:.2f}s",
+                f"{row['wall_ratio_to_plain']:.3f}",
+                f"{row['tasks_per_s']:.0f}",
+                f"{row['enqueue_s']:.2f}s",
+                f"{row['worker_span_s']:.2f}s",
+                f"{row['round_trips_per_task']:.2f}",
+                *(f"{row['cpu_ms_per_task'][where]:.2f}" for where in CPU_PLACES),
+            ]
+            for variant, row in summary.items()
+        ],
+    )
+    found = []
+    if "LockedTask" in summary:
+        locked = summary["LockedTask"]
+        found += [
+            Check("LockedTask wall / plain", locked["wall_ratio_to_plain"], "<= 1.05"),
+            Check("LockedTask round trips per task", locked["round_trips_per_task"], "<= 2", "{:.2f}"),
+            Check("LockedTask lock keys left", locked["lock_keys_left"], "== 0", "{:.0f}"),
+        ]
+    if "LockedTask" in summary and "bare lock" in summary:
+        ratio = summary["LockedTask"]["wall_s"] / summary["bare lock"]["wall_s"]
+        found.append(Check("LockedTask wall / bare lock", ratio, ""))
+    for peer in ("bare lock", "celery-once", "celery-singleton"):
+        if peer in summary:
+            found += [
+                Check(f"{peer} wall / plain", summary[peer]["wall_ratio_to_plain"], ""),
+                Check(f"{peer} round trips per task", summary[peer]["round_trips_per_task"], "", "{:.2f}"),
+            ]
+    print("\nlock server commands per task (those Lua scripts run included)")
+    for variant, row in summary.items():
+        print(f"  {variant}: " + (" ".join(f"{k}={v:g}" for k, v in row["commands_per_task"].items()) or "-"))
+    print("\nsummary")
+    for check in found:
+        print("  " + check.line())
+    write_json(
+        args.json,
+        {
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "servers": servers,
+            "versions": versions,
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "package_changes_not_committed": git("status", "--porcelain", "--", "celery_redislock"),
+            "duration_s": time.monotonic() - started,
+            "summary": summary,
+            "runs": runs,
+            "checks": [check.line() for check in found],
+        },
+    )
+    print(f"results written to {args.json} ({time.monotonic() - started:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
