@@ -55,7 +55,7 @@ from .exceptions import (
     RedisLockError,
 )
 from .keys import call_digest, lock_key
-from .lock import RedisLock
+from .lock import RedisLock, _text
 from .watchdog import Lease
 
 __all__ = [
@@ -114,10 +114,10 @@ def release_held_by(client: redis.Redis, key: str, holder: str) -> bool:
     value = client.get(key)
     if value is None:
         return False
-    token, _, rest = (value.decode() if isinstance(value, bytes) else str(value)).partition(":")
+    token, _, rest = _text(value).partition(":")
     if rest.partition(":")[2] != holder:
         return False
-    return bool(int(RELEASE(client, [key], [token])))
+    return free_ticket(client, (key, token))
 
 
 def message_ticket(headers: Mapping[str, Any] | None) -> tuple[str, str] | None:
@@ -358,27 +358,26 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 client, key, options.ttl, holder_for(task_id, retries, node, os.getpid()), options.on_lost
             )
             lock.request = request
+        # In these modes the message's enqueue lock goes once the message is dealt with here:
+        # run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
+        ticket_to_free = ticket if options.mode in ("until_executing", "until_and_while_executing") else None
         try:
-            if options.mode in ("until_executing", "until_and_while_executing") and ticket is not None:
-                ticket_to_free = ticket
-            else:
-                ticket_to_free = None
-            if lock is not None and not self._take(lock, options, request, args, kwargs, ticket):
-                if options.mode == "until_and_while_executing" and ticket is not None:
-                    free_ticket(client, ticket)  # skipped: this message is not queued any more
-                return None
+            try:
+                taken = lock is None or self._take(lock, options, request, args, kwargs, ticket)
+            except LockNotAcquired:
+                if ticket_to_free is not None:
+                    free_ticket(client, ticket_to_free)
+                raise
             if ticket_to_free is not None and not free_ticket(client, ticket_to_free):
                 logger.debug("task %s[%s]: its enqueue lock had already gone", self.name, task_id)
+            if not taken:
+                return None
         except redis.RedisError as exc:
             where = f"task {self.name!r}[{task_id}]: could not lock {key!r} in Redis at {url}: {exc}"
             if settings.on_error == "fail":
                 raise RedisLockError(where) from exc
             logger.warning("%s; running unlocked (redislock_on_error='run')", where)
             lock = None
-        except LockNotAcquired:
-            if options.mode == "until_and_while_executing" and ticket is not None:
-                free_ticket(client, ticket)
-            raise
         fields = {"lock_key": key, "lock_fence": None if lock is None else lock.fence, "lock_lost": False}
         held_token = _held_keys.set(held | {key})
         if lock is not None and task_id is not None:
@@ -433,17 +432,19 @@ class LockedTask(Task):  # type: ignore[type-arg]
             reply = ADOPT(lock.client, [lock.name], [ticket[1], lock._ttl_ms, lock.holder or "", retries])
             if isinstance(reply, int):
                 lock._hold(ticket[1], reply, sent_at)
-                signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
-                return True
+                return self._acquired(lock, task_id)
             if int(reply[0]) != -2:  # held, not by this message: busy (gone: take it afresh below)
                 holder = None if reply[1] is None else _text(reply[1])
                 return self._when_busy(
                     lock, options, request, args, kwargs, holder, max(int(reply[0]), 0) / 1000
                 )
         if lock.acquire(blocking=False):
-            signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
-            return True
+            return self._acquired(lock, task_id)
         return self._when_busy(lock, options, request, args, kwargs, *lock._busy)
+
+    def _acquired(self, lock: _ExecutionLock, task_id: str | None) -> bool:
+        signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
+        return True
 
     def _when_busy(
         self,
@@ -498,8 +499,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             signature.apply_async()
             raise Retry(f"lock {lock.name} is held by {holder}", when=cast(Any, delay), sig=signature)
         if busy == "wait" and lock.acquire(timeout=options.wait_timeout):
-            signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
-            return True
+            return self._acquired(lock, task_id)
         if busy == "wait":
             holder, ttl = lock._busy
         raise LockNotAcquired(lock.name, holder, ttl)
@@ -561,8 +561,7 @@ def _seconds_until(when: Any) -> float:
     if isinstance(when, (int, float)):
         return float(when)
     moment = datetime.fromisoformat(when) if isinstance(when, str) else when
-    now = datetime.now(moment.tzinfo or None) if moment.tzinfo else datetime.now()
-    return (moment - now).total_seconds()
+    return (moment - datetime.now(moment.tzinfo)).total_seconds()
 
 
 def _retry_delay(retry: Retry) -> float:
@@ -570,10 +569,6 @@ def _retry_delay(retry: Retry) -> float:
     if when is None:
         return 0.0
     return max(_seconds_until(when), 0.0)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None) -> None:
