@@ -671,6 +671,22 @@ def checks(results: dict[str, Any]) -> list[Check]:
     return found
 
 
+def print_summary(found: list[Check]) -> None:
+    print("\nsummary")
+    for check in found:
+        print("  " + check.line())
+
+
+def run_header(args: argparse.Namespace) -> dict[str, Any]:
+    """What a results file says about the run: its arguments, Python, platform and CPUs."""
+    return {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -746,18 +762,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"started {server_info}", flush=True)
             results = run(args, server.url)
     found = checks(results)
-    print("\nsummary")
-    for check in found:
-        print("  " + check.line())
+    print_summary(found)
     failed = [check.name for check in found if check.verdict == "FAIL"]
     print(f"\n{len(failed)} target(s) missed" + (": " + "; ".join(failed) if failed else ""))
     write_json(
         args.json,
         {
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
+            **run_header(args),
             "server": server_info,
             "versions": versions,
             "duration_s": time.monotonic() - began,

@@ -56,7 +56,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import secrets
 import signal
 import statistics
@@ -327,7 +326,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lock_bench import Check, print_table, write_json  # the producer's helpers only
+    from lock_bench import (  # the producer's helpers only
+        Check,
+        print_summary,
+        print_table,
+        run_header,
+        write_json,
+    )
 
     from celery_redislock.testing import RedisServer
 
@@ -397,16 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\nlock server commands per task (those Lua scripts run included)")
     for variant, row in summary.items():
         print(f"  {variant}: " + (" ".join(f"{k}={v:g}" for k, v in row["commands_per_task"].items()) or "-"))
-    print("\nsummary")
-    for check in found:
-        print("  " + check.line())
+    print_summary(found)
     write_json(
         args.json,
         {
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
+            **run_header(args),
             "servers": servers,
             "versions": versions,
             "commit": git("rev-parse", "--short", "HEAD"),
