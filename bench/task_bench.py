@@ -72,7 +72,9 @@ from celery.result import ResultSet
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "task_bench.json"
-VARIANTS = ["plain", "bare lock", "LockedTask", "celery-once", "celery-singleton"]
+VARIANTS = ["plain", "bare lock", "LockedTask", "until_executed", "celery-once", "celery-singleton"]
+#: The variants that de-duplicate at enqueue, measured refusing duplicates too.
+DEDUPLICATING = ["until_executed", "celery-once", "celery-singleton"]
 #: PyPI distribution -> module it provides.
 PEERS = {"celery-once": "celery_once", "celery-singleton": "celery_singleton"}
 TASK_NAME = "task_bench.noop"
@@ -89,11 +91,14 @@ def make_app(variant: str, broker_url: str, lock_url: str, queue: str) -> tuple[
     app = Celery("task_bench", broker=broker_url, backend=broker_url, set_as_current=False)
     app.conf.update(task_default_queue=queue, broker_connection_retry_on_startup=True)
     base: type[Task[Any, Any]] = Task
-    if variant == "LockedTask":
+    options: dict[str, Any] = {}
+    if variant in ("LockedTask", "until_executed"):
         from celery_redislock import LockedTask
 
         base = LockedTask
         app.conf.redislock_url = lock_url
+        if variant == "until_executed":
+            options["lock_mode"] = "until_executed"
     elif variant == "celery-once":
         from celery_once import QueueOnce  # type: ignore[import-not-found]
 
@@ -113,7 +118,7 @@ def make_app(variant: str, broker_url: str, lock_url: str, queue: str) -> tuple[
     elif variant != "plain":
         raise ValueError(f"unknown variant {variant!r}")
 
-    @app.task(base=base, name=TASK_NAME)
+    @app.task(base=base, name=TASK_NAME, **options)
     def noop(run: str, i: int) -> int:
         return i
 
@@ -287,6 +292,42 @@ def run_once(variant: str, tasks: int, concurrency: int, broker: Any, locks: Any
     }
 
 
+def refused_duplicates(variant: str, calls: int, broker: Any, locks: Any) -> dict[str, float]:
+    """Enqueue ``noop(run, 0)`` on a queue no worker consumes, then ``calls`` duplicates of it:
+    what refusing one costs the producer, in lock-server round trips, CPU and time."""
+    run = secrets.token_hex(4)
+    queue = f"task-bench-duplicates-{variant}-{run}"
+    app, noop = make_app(variant, broker.url, locks.url, queue)
+    first = noop.apply_async((run, 0))
+    refused = 0
+    with locks.client() as lock_client, broker.client() as broker_client:
+        reads_before, _ = lock_stats(lock_client)
+        cpu_before, began = time.process_time(), time.perf_counter()
+        for _ in range(calls):
+            try:
+                duplicate = noop.apply_async((run, 0))
+            except Exception as exc:  # celery-once raises AlreadyQueued; the others return the first's result
+                if type(exc).__name__ != "AlreadyQueued":
+                    raise
+                refused += 1
+            else:
+                refused += duplicate.id == first.id
+        cpu_used, took = time.process_time() - cpu_before, time.perf_counter() - began
+        reads_after, _ = lock_stats(lock_client)
+        published = broker_client.llen(queue)
+    app.close()
+    for server in (broker, locks):
+        with server.client() as client:
+            client.flushall()
+    if refused != calls or published != 1:
+        raise RuntimeError(f"{variant}: {refused} of {calls} duplicates refused, {published} messages queued")
+    return {
+        "round_trips": (reads_after - reads_before - 1) / calls,  # minus the second INFO
+        "producer_cpu_us": cpu_used * 1e6 / calls,
+        "wall_us": took * 1e6 / calls,
+    }
+
+
 # -- main ------------------------------------------------------------------------
 
 
@@ -340,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=2000, help="tasks per run (default 2000)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per variant (default 5)")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (default 2)")
+    parser.add_argument(
+        "--duplicates", type=int, default=500, help="refused duplicates per run and variant (default 500)"
+    )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
@@ -362,6 +406,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['round_trips_per_task']:.2f} round trips/task",
                     flush=True,
                 )
+        duplicate_runs = {
+            variant: [
+                refused_duplicates(variant, args.duplicates, broker, locks) for _ in range(args.repeats)
+            ]
+            for variant in DEDUPLICATING
+            if variant in args.variants
+        }
+    duplicates = {
+        variant: {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+        for variant, rows in duplicate_runs.items()
+    }
     summary = summarize(runs)
     print_table(
         f"{args.tasks} tasks, prefork -c {args.concurrency}, medians of {args.repeats} runs "
@@ -382,7 +437,35 @@ def main(argv: list[str] | None = None) -> int:
             for variant, row in summary.items()
         ],
     )
+    print_table(
+        f"a refused duplicate enqueue (one task queued, {args.duplicates} duplicates of it, "
+        f"medians of {args.repeats} runs)",
+        ["variant", "lock RT", "producer CPU", "wall"],
+        [
+            [
+                variant,
+                f"{row['round_trips']:.2f}",
+                f"{row['producer_cpu_us']:.0f}us",
+                f"{row['wall_us']:.0f}us",
+            ]
+            for variant, row in duplicates.items()
+        ],
+    )
     found = []
+    if "until_executed" in summary:
+        found.append(
+            Check("until_executed wall / plain", summary["until_executed"]["wall_ratio_to_plain"], "<= 1.10")
+        )
+        found.append(
+            Check(
+                "until_executed lock keys left", summary["until_executed"]["lock_keys_left"], "== 0", "{:.0f}"
+            )
+        )
+    for variant, row in duplicates.items():
+        target = "<= 1" if variant == "until_executed" else ""
+        found.append(
+            Check(f"{variant} round trips per refused duplicate", row["round_trips"], target, "{:.2f}")
+        )
     if "LockedTask" in summary:
         locked = summary["LockedTask"]
         found += [
@@ -413,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
             "package_changes_not_committed": git("status", "--porcelain", "--", "celery_redislock"),
             "duration_s": time.monotonic() - started,
             "summary": summary,
+            "refused_duplicates": duplicates,
             "runs": runs,
+            "duplicate_runs": duplicate_runs,
             "checks": [check.line() for check in found],
         },
     )

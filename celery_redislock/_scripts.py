@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 from redis.exceptions import NoScriptError
 
 _NAMES = """
@@ -215,12 +216,33 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        """Run on ``client``, honouring its retry policy.
+
+        A plain ``redis.Redis`` gets the command on a connection of its pool,
+        packed here and sent in one write: redis-py's per-command layers
+        (observability hooks, argument packing, callbacks) cost several times
+        the CPU of the exchange itself, and these scripts run once or twice per
+        task. Any other client (Cluster, single-connection, a subclass) goes
+        through ``execute_command``.
+        """
+        if type(client) is not redis.Redis or client.connection is not None:
+            command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+            try:
+                return client.execute_command(*command)
+            except NoScriptError:
+                client.script_load(self.source)
+                return client.execute_command(*command)
+        pool = client.connection_pool
+        connection = pool.get_connection()
         try:
-            return client.execute_command(*command)
-        except NoScriptError:
-            client.script_load(self.source)
-            return client.execute_command(*command)
+            encode = connection.encoder.encode
+            packed_keys = [bulk(encode(key)) for key in keys]
+            packed_args = [bulk(encode(arg)) for arg in args]
+            return connection.retry.call_with_retry(
+                lambda: self.run_on(connection, packed_keys, packed_args), lambda _: connection.disconnect()
+            )
+        finally:
+            pool.release(connection)
 
     def run_on(self, connection: Any, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
         """Run on one ``redis.connection.Connection``, bounded by its own socket timeouts.
