@@ -233,7 +233,7 @@ class Script:
                 client.script_load(self.source)
                 return client.execute_command(*command)
         pool = client.connection_pool
-        connection = pool.get_connection()
+        connection: Any = pool.get_connection()
         try:
             encode = connection.encoder.encode
             packed_keys = [bulk(encode(key)) for key in keys]
