@@ -42,7 +42,7 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from ._durations import to_ms
-from ._scripts import RELEASE
+from ._scripts import RELEASE, RENEW
 from ._task_scripts import ADOPT, PARK, SETTLE
 from .config import AppSettings, LockOptions, app_settings, task_options
 from .connection import client_for
@@ -496,6 +496,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             signature = self.signature_from_request(
                 request, args, kwargs, countdown=delay, retries=request.retries
             )
+            ticket = request_ticket(request)
+            if ticket is not None and options.mode == "until_and_while_executing":
+                # Queued again, with the same enqueue lock: it lives as long as at enqueue (owner-checked).
+                RENEW(lock.client, [ticket[0]], [to_ms(options.queue_ttl + delay), ticket[1]])
             signature.apply_async()
             raise Retry(f"lock {lock.name} is held by {holder}", when=cast(Any, delay), sig=signature)
         if busy == "wait" and lock.acquire(timeout=options.wait_timeout):

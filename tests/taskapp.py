@@ -100,6 +100,12 @@ def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
     for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
         locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
     locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
+    locked_task(
+        name="taskapp.requeued_slowly",
+        lock_mode="until_and_while_executing",
+        lock_queue_ttl=5,
+        lock_retry_delay=60,
+    )(gated)
     locked_task(name="taskapp.acks_late", lock_mode="until_executed", acks_late=True)(gated)
 
     @locked_task(name="taskapp.retry_twice", lock_mode="until_executed")

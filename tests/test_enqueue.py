@@ -135,6 +135,27 @@ def test_until_and_while_executing_keeps_one_queued_and_one_running(app: Celery)
     ]
 
 
+def test_a_busy_retry_keeps_the_enqueue_lock_for_its_new_queueing(app: Celery) -> None:
+    # lock_queue_ttl 5 s, lock_retry_delay 60 s: the republished duplicate waits 30-90 s in the
+    # queue, so its enqueue lock must be extended to outlive that wait, or a third copy could be sent.
+    x, task = fresh(), app.tasks["taskapp.requeued_slowly"]
+    queued_key = task_lock_key(task, (x,), {"gate": True}) + ":queued"
+    with worker(app):
+        first = task.delay(x, gate=True)
+        wait_for(lambda: starts(app, x))
+        second = task.delay(x, gate=True)
+        assert 0 < recorder(app).client.pttl(queued_key) <= 5_000
+        wait_for(
+            lambda: any(event[0] == "busy" and event[3] == second.id for event in recorder(app).events())
+        )
+        wait_for(lambda: recorder(app).client.pttl(queued_key) > 5_000, what="the enqueue lock's extension")
+        assert recorder(app).client.pttl(queued_key) <= 95_000
+        assert task.delay(x, gate=True).id == second.id  # still the one waiting
+        recorder(app).open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+    recorder(app).client.delete(queued_key)  # the retry is still in its countdown: let it go unlocked
+
+
 def test_until_expired_holds_after_the_run_for_its_period(app: Celery) -> None:
     x, task = fresh(), app.tasks["taskapp.until_expired"]
     key = task_lock_key(task, (x,))
