@@ -24,6 +24,7 @@ running unlocked unless that is ``"raise"``.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import logging
 import re
@@ -65,7 +66,8 @@ class HeldLock:
     task_id: str | None
     #: retries of the task so far when it took the lock
     attempt: int | None
-    #: ``queued`` (enqueue lock) or ``running`` (execution lock)
+    #: ``queued`` (an enqueue lock whose message waits) or ``running`` (taken by a run; an
+    #: ``until_expired`` lock stays ``running`` through its period after the run)
     state: str | None
     node: str | None
     pid: int | None
@@ -204,24 +206,26 @@ class _Group(click.Group):
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Context:
     app: Any
     client: redis.Redis
     url: str
     prefix: str
 
+    @functools.cached_property
     def locked_tasks(self) -> dict[str, LockedTask]:
         """The app's LockedTasks by name (with its ``imports`` and ``include`` imported)."""
         self.app.loader.import_default_modules()
         return {name: task for name, task in self.app.tasks.items() if isinstance(task, LockedTask)}
 
     def mode(self, task: str | None) -> str | None:
-        options = None if task is None else getattr(self.app.tasks.get(task), "_lock_options", None)
+        """``task``'s ``lock_mode``, if the app has that LockedTask."""
+        options = getattr(self.locked_tasks.get(task or ""), "_lock_options", None)
         return None if options is None else str(options.mode)
 
     def unknown_task(self, name: str) -> click.ClickException:
-        known = sorted(self.locked_tasks())
+        known = sorted(self.locked_tasks)
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"its LockedTasks: {', '.join(known) or 'none'}"
         return click.ClickException(
@@ -231,7 +235,7 @@ class _Context:
     def task_locks(self, name: str) -> list[HeldLock]:
         """``name``'s locks; an error for a name that is neither a LockedTask nor has locks."""
         locks = held_locks(self.client, self.prefix, name)
-        if not locks and name not in self.locked_tasks():
+        if not locks and name not in self.locked_tasks:
             raise self.unknown_task(name)
         return locks
 
@@ -351,7 +355,7 @@ def release(
             ctx.exit(1)
         return
     assert task_name is not None
-    task = context.locked_tasks().get(task_name)
+    task = context.locked_tasks.get(task_name)
     if task is None:
         raise context.unknown_task(task_name)
     args = _json_option("--args", args_json or "[]", list)

@@ -69,8 +69,7 @@ def test_every_command_names_a_module_and_app_that_exist(name: str) -> None:
         assert given <= known, f"{name}: unknown options {given - known}"
     else:
         assert command[:2] == ["python", "-m"]
-        module = importlib.import_module(command[2])
-        assert callable(module.main)
+        assert callable(importlib.import_module(command[2]).main)
         helped = subprocess.run(
             [sys.executable, "-m", command[2], "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
         )
