@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python examples/primitive_demo.py
+	$(BIN)/python -m examples.demo
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest

@@ -1,0 +1,1 @@
+"""Runnable examples of celery-redislock: see README.md in this folder."""

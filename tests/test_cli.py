@@ -1,0 +1,362 @@
+"""``celery redislock ...`` on a real Redis, with locks held by a real prefork worker.
+
+Most tests drive the command group in-process with click's ``CliRunner`` and
+the app of ``tests.taskapp``; one runs the real ``celery`` command against the
+examples' app and worker, through the ``celery.commands`` entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
+
+from celery_redislock import RedisLock, task_lock_key
+from celery_redislock.cli import redislock
+from celery_redislock.lock import companion_key
+from celery_redislock.testing import RedisServer
+from examples._support import QUEUE, ROOT, Worker
+from tests.conftest import calls_since, command_calls, keys_without_ttl
+from tests.taskapp import Recorder, make_app
+from tests.workers import WorkerProcess, wait_for
+
+RESULT_TIMEOUT = 30
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a command did (not click's ``Result``, whose traceback would keep the test's
+    AsyncResults alive until the server is gone)."""
+
+    exit_code: int
+    output: str
+    stdout: str
+
+
+def run(app: Celery, *args: str, input: str | None = None) -> Ran:
+    """``celery redislock ARGS`` for ``app``, in this process."""
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    result = CliRunner().invoke(redislock, list(args), obj=obj, input=input)
+    return Ran(result.exit_code, result.output, result.stdout)
+
+
+@dataclass
+class Setup:
+    app: Celery
+    prefix: str
+    recorder: Recorder
+    worker: WorkerProcess
+    #: a queue no worker consumes: messages sent there keep their enqueue locks
+    idle_queue: str
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[f"taskapp.{name}"]
+
+    def started(self, x: str) -> list[str]:
+        """The start event of the body called with ``x``, once it has started."""
+        return wait_for(
+            lambda: next((e for e in self.recorder.events() if e[0] == "start" and e[2] == x), None),
+            what=f"the body of {x} to start",
+        )
+
+    def cli(self, *args: str, input: str | None = None) -> Ran:
+        return run(self.app, *args, input=input)
+
+    def listed(self, *args: str) -> list[dict[str, Any]]:
+        result = self.cli("list", "--json", *args)
+        assert result.exit_code == 0, result.output
+        return list(json.loads(result.stdout))
+
+
+@pytest.fixture(scope="module")
+def setup(redis_server: RedisServer) -> Iterator[Setup]:
+    prefix = f"cli-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork")
+    worker.start()
+    client = redis_server.client()
+    try:
+        if client.blpop([f"{prefix}:ready"], timeout=60) is None:
+            raise AssertionError(f"worker did not start:\n{worker.output()}")
+        yield Setup(app, prefix, app.recorder, worker, f"idle-{prefix}")  # type: ignore[attr-defined]
+    finally:
+        worker.stop()
+    client.delete(f"idle-{prefix}")  # the messages no worker took
+    assert keys_without_ttl(client, prefix) == []
+    client.close()
+
+
+def fresh() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def test_list_shows_a_running_tasks_lock_with_its_holder(setup: Setup) -> None:
+    x, task = fresh(), setup.task("hold_skip")
+    result = task.delay(x, gate=True)
+    child_pid = int(setup.started(x)[4])
+    key = task_lock_key(task, (x, True))
+    value = setup.recorder.client.get(key)
+    assert value is not None
+    [row] = [row for row in setup.listed() if row["key"] == key]
+    assert 0 < row.pop("ttl") <= 30
+    assert row.pop("node").startswith("prefork@")
+    assert row == {
+        "key": key,
+        "task": "taskapp.hold_skip",
+        "task_id": result.id,
+        "attempt": 0,
+        "state": "running",
+        "mode": "while_executing",
+        "pid": child_pid,
+        "fence": int(value.split(b":")[1]),
+        "holder": value.decode().split(":", 2)[2],
+    }
+    table = setup.cli("list").stdout
+    header, line = table.splitlines()[0], next(line for line in table.splitlines() if key in line)
+    assert header.split() == [
+        "TASK",
+        "TASK",
+        "ID",
+        "ATTEMPT",
+        "STATE",
+        "MODE",
+        "NODE",
+        "PID",
+        "TTL",
+        "FENCE",
+        "KEY",
+    ]
+    assert line.split()[:4] == ["taskapp.hold_skip", result.id, "0", "running"]
+    assert line.index(key) == header.index("KEY")  # the columns line up
+
+    setup.recorder.open_gate(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    assert setup.listed("--task", "taskapp.hold_skip") == []
+    assert (
+        "no locks held by task 'taskapp.hold_skip'" in setup.cli("list", "--task", "taskapp.hold_skip").stdout
+    )
+
+
+def test_enqueue_locks_are_listed_as_queued_and_released_by_task_and_arguments(setup: Setup) -> None:
+    x = fresh()
+    executed, swapped = setup.task("until_executed"), setup.task("until_and_while_executing")
+    first = executed.apply_async((x,), queue=setup.idle_queue)
+    second = swapped.apply_async((x,), queue=setup.idle_queue)
+    rows = {row["task"]: row for row in setup.listed() if row["task_id"] in (first.id, second.id)}
+    for name, sent, mode in (
+        ("taskapp.until_executed", first, "until_executed"),
+        ("taskapp.until_and_while_executing", second, "until_and_while_executing"),
+    ):
+        row = rows[name]
+        assert (row["task_id"], row["state"], row["mode"]) == (sent.id, "queued", mode)
+        assert (row["node"], row["pid"]) == (socket.gethostname(), os.getpid())
+        assert 3500 < row["ttl"] <= 3600  # lock_queue_ttl
+    assert rows["taskapp.until_and_while_executing"]["key"] == task_lock_key(swapped, (x,)) + ":queued"
+
+    for name in ("taskapp.until_executed", "taskapp.until_and_while_executing"):
+        released = setup.cli("release", "--task", name, "--args", json.dumps([x]))
+        assert released.exit_code == 0, released.output
+        assert released.stdout.startswith("released ")
+    assert [row for row in setup.listed() if row["task_id"] in (first.id, second.id)] == []
+    assert executed.apply_async((x,), queue=setup.idle_queue).id != first.id  # not a duplicate any more
+    assert setup.cli("purge", "--task", "taskapp.until_executed", "--yes").exit_code == 0
+
+
+def test_release_key_frees_a_running_tasks_lock_and_its_watchdog_reports_the_loss(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    x, task = fresh(), setup.task("lost_logged")
+    result = task.delay(x)
+    setup.started(x)
+    key = task_lock_key(task, (x,))
+    value = setup.recorder.client.get(key)
+    assert value is not None
+    _, fence, holder = value.decode().split(":", 2)
+    with caplog.at_level(logging.WARNING, logger="celery_redislock.cli"):
+        released = setup.cli("release", key)
+    assert released.exit_code == 0, released.output
+    assert released.stdout == f"released {key} (held by {holder}, fence {fence})\n"
+    assert holder.startswith(f"task={result.id} try=0 state=running node=prefork@")
+    why = "by hand, celery redislock release KEY"
+    assert [record.getMessage() for record in caplog.records] == [
+        f"lock {key} force-released ({why}); it was held by {holder}, fence {fence}"
+    ]
+    wait_for(  # the body sees request.lock_lost, set by its watchdog
+        lambda: any(e[0] == "noticed" and e[2] == x for e in setup.recorder.events()),
+        what="the watchdog to report the loss",
+    )
+    assert f"lock '{key}' lost (not owned)" in setup.worker.output()
+    setup.recorder.open_gate(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+
+
+def test_release_by_task_uses_lock_on_as_the_worker_does(setup: Setup) -> None:
+    user = fresh()
+    task = setup.task("per_user")  # lock_on=("user_id",)
+    result = task.delay(user, 1, gate=True)
+    setup.started(f"{user}-1")
+    released = setup.cli(
+        "release", "--task", "taskapp.per_user", "--args", json.dumps([user]), "--kwargs", '{"item": 9}'
+    )
+    assert released.exit_code == 0, released.output
+    assert released.stdout.startswith(f"released {task_lock_key(task, (user, 1))} ")
+    setup.recorder.open_gate(f"{user}-1")
+    assert result.get(timeout=RESULT_TIMEOUT) == f"{user}-1"
+
+
+def test_companion_keys_are_not_listed_and_show_counts_the_waiters(setup: Setup) -> None:
+    client = setup.recorder.client
+    key = f"{setup.prefix}:plain-{fresh()}"
+    holder, waiter = RedisLock(client, key, ttl=10), RedisLock(client, key, ttl=10)
+    holder.acquire()
+    thread = threading.Thread(target=waiter.acquire)
+    thread.start()
+    try:
+        wait_for(lambda: client.zcard(companion_key(key, "queue")) == 1, what="the waiter to queue")
+        rows = [row for row in setup.listed() if key in row["key"]]
+        assert [(row["key"], row["task"], row["node"], row["pid"]) for row in rows] == [
+            (key, None, socket.gethostname(), os.getpid())
+        ]
+        shown = setup.cli("show", key)
+        assert shown.exit_code == 0, shown.output
+        fields = dict(line.split(None, 1) for line in shown.stdout.splitlines())
+        assert fields["waiters"] == "1"
+        assert fields["fence"] == str(holder.fence)
+        assert fields["task"] == "-"
+    finally:
+        holder.release()  # wakes the waiter
+        thread.join()
+        waiter.release()
+
+
+def test_purge_asks_first_and_frees_only_that_tasks_locks(setup: Setup) -> None:
+    executed, refuse = setup.task("until_executed"), setup.task("refuse")
+    xs = [fresh(), fresh()]
+    sent = [executed.apply_async((x,), queue=setup.idle_queue) for x in xs]
+    other = refuse.apply_async((xs[0],), queue=setup.idle_queue)
+
+    def held(name: str) -> set[str]:
+        return {row["task_id"] for row in setup.listed("--task", name)}
+
+    declined = setup.cli("purge", "--task", "taskapp.until_executed", input="n\n")
+    assert declined.exit_code == 1 and "Aborted" in declined.output
+    assert held("taskapp.until_executed") >= {result.id for result in sent}
+    accepted = setup.cli("purge", "--task", "taskapp.until_executed", input="y\n")
+    assert accepted.exit_code == 0, accepted.output
+    assert "Release these" in accepted.output and "released 2 of 2 lock(s)" in accepted.stdout
+    assert held("taskapp.until_executed") == set()
+    assert held("taskapp.refuse") == {other.id}
+    quiet = setup.cli("purge", "--task", "taskapp.refuse", "--yes")
+    assert quiet.exit_code == 0 and "Release these" not in quiet.output
+    assert held("taskapp.refuse") == set()
+
+
+def test_purge_takes_a_task_name_the_app_no_longer_has_if_it_has_locks(setup: Setup) -> None:
+    key = f"{setup.prefix}:old.renamed_task:{'ab' * 32}"
+    lock = RedisLock(setup.recorder.client, key, ttl=10, holder="task=t1 try=0 state=running node=n pid=1")
+    lock.acquire()
+    assert [row["task"] for row in setup.listed("--task", "old.renamed_task")] == ["old.renamed_task"]
+    purged = setup.cli("purge", "--task", "old.renamed_task", "--yes")
+    assert purged.exit_code == 0, purged.output
+    assert not lock.owned()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["release"], "give a KEY or --task NAME"),
+        (["release", "k", "--task", "taskapp.per_user"], "give a KEY or --task NAME"),
+        (["release", "k", "--args", "[]"], "--args and --kwargs go with --task"),
+        (["release", "--task", "taskapp.per_usr"], "unknown task 'taskapp.per_usr'"),
+        (["release", "--task", "taskapp.collect"], "no such LockedTask"),
+        (["release", "--task", "taskapp.per_user", "--args", "[5"], "--args: not valid JSON"),
+        (["release", "--task", "taskapp.per_user", "--args", '{"a": 1}'], "--args: must be a JSON list"),
+        (["release", "--task", "taskapp.per_user", "--kwargs", "[]"], "--kwargs: must be a JSON object"),
+        (["release", "--task", "taskapp.per_user", "--args", "[1, 2, 3, 4]"], "LockKeyError"),
+        (
+            ["release", "--task", "taskapp.per_user", "--args", '["nobody", 1]'],
+            "no lock held for taskapp.per_user",
+        ),
+        (["release", "no-such-key"], "no lock at key 'no-such-key'"),
+        (["show", "no-such-key"], "no lock at key 'no-such-key'"),
+        (["purge"], "Missing option '--task'"),
+        (["purge", "--task", "taskapp.nope"], "unknown task 'taskapp.nope'"),
+        (["list", "--task", "taskapp.nope"], "unknown task 'taskapp.nope'"),
+    ],
+)
+def test_bad_input_gets_an_error_naming_it(setup: Setup, args: list[str], message: str) -> None:
+    result = setup.cli(*args)
+    assert result.exit_code in (1, 2)
+    assert message in result.output
+
+
+def test_a_key_that_holds_no_lock_is_named(setup: Setup) -> None:
+    setup.recorder.push(f"{setup.prefix}:events", "not a lock")
+    for command in ("show", "release"):
+        result = setup.cli(command, f"{setup.prefix}:events")
+        assert result.exit_code == 1
+        assert f"key '{setup.prefix}:events' holds no lock" in result.output
+    assert setup.recorder.client.exists(f"{setup.prefix}:events")
+
+
+def test_listing_scans_with_the_prefix_escaped_and_never_uses_keys(
+    fresh_server: RedisServer, prefix: str
+) -> None:
+    client = fresh_server.client()
+    mine, other = f"{prefix}[x]", f"{prefix}x"  # unescaped, the pattern "{prefix}[x]:*" matches both
+    locks = [RedisLock(client, f"{name}:{i}", ttl=10) for name in (mine, other) for i in range(3)]
+    for lock in locks:
+        lock.acquire()
+    app = make_app(fresh_server.url, mine, f"q-{prefix}")
+    before = command_calls(client)
+    result = run(app, "list", "--json")
+    calls = calls_since(client, before)
+    assert result.exit_code == 0, result.output
+    assert sorted(row["key"] for row in json.loads(result.stdout)) == [f"{mine}:{i}" for i in range(3)]
+    assert "scan" in calls and "keys" not in calls
+    for lock in locks:
+        lock.release()
+    client.close()
+
+
+def test_the_celery_command_shows_and_releases_a_lock_held_in_an_examples_worker(
+    fresh_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", fresh_server.url)
+    monkeypatch.setenv("EXAMPLES_QUEUE", QUEUE)
+
+    def celery(*args: str) -> str:
+        command = [sys.executable, "-m", "celery", "-A", "examples.tasks", *args]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    with Worker(name="cli") as worker:
+        task_id = celery("call", "examples.tasks.long_report", "--args", "[8]").strip()
+        [held] = wait_for(
+            lambda: json.loads(celery("redislock", "list", "--json")), what="the lock to be listed"
+        )
+        assert (held["task"], held["task_id"], held["state"]) == (
+            "examples.tasks.long_report",
+            task_id,
+            "running",
+        )
+        assert held["node"] == f"{worker.name}@{socket.gethostname()}"
+        released = celery("redislock", "release", held["key"])
+        assert released.startswith(f"released {held['key']} (held by task={task_id} ")
+        assert json.loads(celery("redislock", "list", "--json")) == []
+        worker.wait_for_log(f"lock '{held['key']}' lost (not owned)", timeout=10)
+        worker.wait_for_log(f"long_report[{task_id}] succeeded", "'lost': True")

@@ -1,0 +1,115 @@
+"""Every example runs end to end, and so does ``make demo``: in under a minute, stopping all it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_redislock.cli import held_locks
+from celery_redislock.testing import RedisServer
+from examples._support import QUEUE, ROOT, Worker
+
+#: module -> lines its narration must contain
+EXAMPLES = {
+    "examples.dedup_enqueue": [
+        "1 distinct task id among the 100 results, 1 message in the queue",
+        "the worker received 1 rebuild_index message",
+    ],
+    "examples.mutual_exclusion": ["account 7's runs never overlap; account 8's ran alongside them"],
+    "examples.long_task": ["redislock list` shows it too", "lock_lost=False", "and its lock is released"],
+    "examples.fencing": [
+        "[second holder] writes price 120 with fence",
+        ": REFUSED",
+        "its watchdog reports the loss: lock.lost=True",
+        "the database keeps price 120",
+    ],
+    "examples.primitive_demo": ["demo keys left in Redis: none"],
+    "examples.demo": [
+        "100 x rebuild_index.delay('catalog') -> 1 task id, 1 message in the queue",
+        "the worker ran it 1 time",
+        "lock_lost=False, one fence all along",
+        "by the worker's main process",
+        "locks left in Redis: none",
+    ],
+}
+
+
+def run_example(module: str, *args: str, env: dict[str, str], timeout: float = 120) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, f"{module} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.mark.parametrize("module", sorted(EXAMPLES))
+def test_example_runs_on_your_redis_and_leaves_no_key_of_its_own(
+    module: str, fresh_server: RedisServer
+) -> None:
+    output = run_example(module, env={**os.environ, "REDIS_URL": fresh_server.url})
+    for line in EXAMPLES[module]:
+        assert line in output, f"{module} did not say {line!r}:\n{output}"
+    client = fresh_server.client()
+    assert held_locks(client, "redislock") == []
+    # What is left is the broker's own bookkeeping of the queue it used (kombu's bindings).
+    assert [key for key in client.keys("*") if not key.startswith(b"_kombu.binding")] == []
+    client.close()
+
+
+def test_the_producer_sends_duplicates_that_run_once(
+    fresh_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", fresh_server.url)
+    monkeypatch.setenv("EXAMPLES_QUEUE", QUEUE)  # the queue the examples' Worker consumes
+    with Worker(name="producer"):
+        output = run_example("examples.producer", "--rounds", "2", "--every", "0.1", env=dict(os.environ))
+    for number in (1, 2):
+        assert (
+            f"round {number}: 20 x rebuild_index.delay('catalog') sent 1 task: index catalog rebuilt"
+            in output
+        )
+        assert f"round {number}: two syncs of account 1 ran one after the other: True" in output
+
+
+def test_make_demo_runs_the_demo_on_a_redis_of_its_own_in_under_a_minute() -> None:
+    recipe = re.search(r"^demo:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
+    assert recipe is not None and recipe.group(1) == "$(BIN)/python -m examples.demo"
+    env = {name: value for name, value in os.environ.items() if name != "REDIS_URL"}
+    started = time.monotonic()
+    done = subprocess.Popen(
+        [sys.executable, "-m", "examples.demo"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    output, _ = done.communicate(timeout=60)
+    took = time.monotonic() - started
+    assert done.returncode == 0, output
+    assert took < 60
+    for line in EXAMPLES["examples.demo"]:
+        assert line in output
+    pids = re.search(r"started a private redis-server, pid (\d+)", output)
+    worker = re.search(r"the worker \(pid (\d+)\) and its pool processes are stopped", output)
+    assert pids is not None and worker is not None
+    for pid in (int(pids.group(1)), int(worker.group(1))):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # nothing runs under the demo's worker name any more (its pool processes included)
+    name = f"demo-{done.pid}@".encode()
+    left = [path.parent.name for path in Path("/proc").glob("[0-9]*/cmdline") if name in _read(path)]
+    assert left == []
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # the process ended meanwhile
+        return b""
