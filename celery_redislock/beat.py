@@ -399,7 +399,7 @@ class BeatGuard:
             )
             return True
         logger.info(
-            "%s: entry %r slot %s not sent: a duplicate, the slot is %s's (%s)",
+            "%s: entry %r slot %s not sent: a duplicate, the slot went to %s (marker %s)",
             self.holder,
             header["entry"],
             header["slot"],

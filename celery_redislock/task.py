@@ -460,7 +460,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             return True
         other = _text(reply)
         logger.info(
-            "task %s[%s]: not run, a duplicate: slot %s of beat entry %r is %s's (marker %s)",
+            "task %s[%s]: not run, a duplicate: slot %s of beat entry %r went to %s (marker %s)",
             self.name,
             request.id,
             slot["slot"],

@@ -128,5 +128,5 @@ class BeatProcess(_Subprocess):
         env = _taskapp_env(url, prefix, queue, conf)
         env.update(TASKAPP_SKEW=str(skew), TASKAPP_WITHOUT=",".join(without))
         schedule_file = Path(tempfile.mkdtemp(prefix=f"beat-{name}-")) / "schedule"
-        args = ["beat", "-l", "INFO", "-s", str(schedule_file), "--max-interval", "0.5"]
+        args = ["beat", "-l", "INFO", "-s", str(schedule_file)]
         super().__init__("beat", name, env, args + (["-S", scheduler] if scheduler else []))
