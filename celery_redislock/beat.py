@@ -216,21 +216,23 @@ class Leadership:
         client, url = client_for(self.app)
         candidate = RedisLock(client, self.key, self.ttl, holder=self.holder)
         try:
-            leads = candidate.acquire(timeout=self.ttl)
+            leads = candidate.acquire(blocking=False)
+            if not leads:
+                leader = candidate._busy[0]
+                if leader != self._seen:
+                    self._seen = leader
+                    logger.info("%s: standing by; the leader is %s (lock %s)", self.holder, leader, self.key)
+                leads = candidate.acquire(timeout=self.ttl)
         except redis.RedisError as exc:
             logger.warning(
                 "%s: cannot reach Redis at %s for the leader lock %s: %s", self.holder, url, self.key, exc
             )
             return self.ttl / 3
-        if leads:
-            self.lock, self._seen = candidate, None
-            logger.info("%s: leads (lock %s, lease %gs)", self.holder, self.key, self.ttl)
-            return None
-        leader = candidate._busy[0]
-        if leader != self._seen:
-            self._seen = leader
-            logger.info("%s: standing by; the leader is %s (lock %s)", self.holder, leader, self.key)
-        return 0.0
+        if not leads:
+            return 0.0
+        self.lock, self._seen = candidate, None
+        logger.info("%s: leads (lock %s, lease %gs)", self.holder, self.key, self.ttl)
+        return None
 
     def still_leads(self) -> bool:
         """Checked before each send: whether this beat still holds the lock.
