@@ -1,5 +1,8 @@
 """Lua scripts for a task's lock passing from one owner to the next.
 
+A beat slot's marker is claimed (``CLAIM``) by the beat that sends the slot
+or by the worker that runs it, for the token the message carries.
+
 An enqueue lock is taken by ``apply_async`` (``ACQUIRE``) with a holder
 ``task=<id> try=<n> state=queued ...``; the worker that runs the message
 adopts it (same token, from the message header) and marks it
@@ -64,6 +67,26 @@ redis.call('PEXPIRE', KEYS[1], left)
 return left
 """
 
+_CLAIM = """
+-- KEYS[1] a beat slot's marker; ARGV[1] the token of the message sent for the slot,
+-- ARGV[2] the claimer's holder description, ARGV[3] ttl in ms for a new marker.
+-- The marker is a lock value (fence 0) naming the message that runs the slot.
+-- Claims the slot for the token: sets the marker when there is none, and, when
+-- the token already has it, renames its holder (its TTL kept). Returns 1 when
+-- the token has the slot, else the holder of the marker (another message's).
+local value = redis.call('GET', KEYS[1])
+if not value then
+  redis.call('SET', KEYS[1], ARGV[1] .. ':0:' .. ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+if owns(value, ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1] .. ':0:' .. ARGV[2], 'KEEPTTL')
+  return 1
+end
+return holder_of(value) or ''
+"""
+
 ADOPT = Script(_HOLDER + _ADOPT)
+CLAIM = Script(_HOLDER + _CLAIM)
 PARK = Script(_HOLDER + _PARK)
 SETTLE = Script(_HOLDER + _SETTLE)

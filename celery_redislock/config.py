@@ -56,8 +56,15 @@ TASK_OPTIONS: Mapping[str, Any] = {
     "retry_delay": 5.0,
     "wait_timeout": None,
     "on_lost": "log",
+    "beat": False,
 }
-APP_SETTINGS: Mapping[str, Any] = {"url": None, "prefix": "redislock", "on_error": "fail"}
+APP_SETTINGS: Mapping[str, Any] = {
+    "url": None,
+    "prefix": "redislock",
+    "on_error": "fail",
+    "beat_leader": False,
+    "beat_leader_ttl": 30.0,
+}
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,8 @@ class LockOptions:
     retry_delay: float
     wait_timeout: float
     on_lost: str
+    #: run once per schedule slot when sent by beat (see ``celery_redislock.beat``)
+    beat: bool
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,9 @@ class AppSettings:
     url: str | None
     prefix: str
     on_error: str
+    #: beat processes elect a leader that alone sends, holding its lock for ``beat_leader_ttl`` s
+    beat_leader: bool
+    beat_leader_ttl: float
 
 
 class _Problem:
@@ -99,6 +111,12 @@ def _choice(problem: _Problem, option: str, value: object, allowed: tuple[str, .
     if value not in allowed:
         raise problem(option, value, "allowed: " + ", ".join(repr(item) for item in allowed))
     return str(value)
+
+
+def _flag(problem: _Problem, option: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise problem(option, value, "allowed: True or False")
+    return value
 
 
 def _duration(problem: _Problem, option: str, value: object, low: float, high: float = MAX_TTL) -> float:
@@ -156,7 +174,22 @@ def app_settings(app: Any) -> AppSettings:
     if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
         raise problem("redislock_prefix", prefix, "allowed: a non-empty str without '{' or '}'")
     on_error = _choice(problem, "redislock_on_error", app.conf.get("redislock_on_error") or "fail", ON_ERROR)
-    return AppSettings(url=url, prefix=prefix, on_error=on_error)
+    leader = app.conf.get("redislock_beat_leader")
+    leader_ttl = app.conf.get("redislock_beat_leader_ttl")
+    return AppSettings(
+        url=url,
+        prefix=prefix,
+        on_error=on_error,
+        beat_leader=_flag(
+            problem, "redislock_beat_leader", APP_SETTINGS["beat_leader"] if leader is None else leader
+        ),
+        beat_leader_ttl=_duration(
+            problem,
+            "redislock_beat_leader_ttl",
+            APP_SETTINGS["beat_leader_ttl"] if leader_ttl is None else leader_ttl,
+            MIN_WATCHDOG_TTL,
+        ),
+    )
 
 
 def task_options(task: type[Any], app: Any) -> LockOptions:
@@ -198,4 +231,5 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
         retry_delay=_duration(problem, *raw("retry_delay"), 0),
         wait_timeout=ttl if wait_value is None else _duration(problem, option, wait_value, 0),
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
+        beat=_flag(problem, *raw("beat")),
     )

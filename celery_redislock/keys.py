@@ -23,7 +23,7 @@ from kombu.utils.json import JSONEncoder
 
 from .exceptions import LockKeyError
 
-__all__ = ["LockOn", "call_digest", "lock_key"]
+__all__ = ["LockOn", "call_digest", "leader_key", "lock_key", "slot_key"]
 
 #: ``None`` (every argument), parameter names (only those), or a callable
 #: ``(*args, **kwargs) -> JSON-able value``.
@@ -109,3 +109,13 @@ def _encodable(value: Any) -> bool:
 
 def lock_key(prefix: str, task_name: str, digest: str) -> str:
     return f"{prefix}:{task_name}:{digest}"
+
+
+def slot_key(prefix: str, entry: str, slot: str) -> str:
+    """The marker of one beat schedule slot: ``{prefix}:slot:{entry name}:{slot id}``."""
+    return f"{prefix}:slot:{entry}:{slot}"
+
+
+def leader_key(prefix: str) -> str:
+    """The beat leader lock: ``{prefix}:beat-leader``."""
+    return f"{prefix}:beat-leader"

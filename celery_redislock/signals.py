@@ -12,7 +12,10 @@ a receiver is logged by Celery and never reaches the lock or the task.
   is ``"not owned"`` or ``"expired"``, the latter when renewals failed until
   the lease ran out).
 * ``task_deduplicated(sender=task, key, existing_task_id)``: an enqueue was
-  refused because an identical task is queued or running.
+  refused because an identical task is queued or running, or a worker
+  dropped a message for a beat slot that another message has (``key`` is the
+  slot's marker; ``existing_task_id`` is ``None`` while a beat's claim names
+  no task yet).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from kombu.utils.uuid import uuid
 from . import signals
 from ._durations import to_ms
 from ._scripts import RELEASE, RENEW
-from ._task_scripts import ADOPT, PARK, SETTLE
+from ._task_scripts import ADOPT, CLAIM, PARK, SETTLE
 from .config import AppSettings, LockOptions, app_settings, task_options
 from .connection import client_for
 from .exceptions import (
@@ -59,6 +59,7 @@ from .lock import RedisLock, _text
 from .watchdog import Lease
 
 __all__ = [
+    "BEAT_HEADER",
     "HEADER",
     "LockedTask",
     "free_ticket",
@@ -67,6 +68,7 @@ __all__ = [
     "message_ticket",
     "parse_holder",
     "release_held_by",
+    "request_slot",
     "task_lock_key",
 ]
 
@@ -83,6 +85,10 @@ _pending_request: contextvars.ContextVar[tuple[Any, dict[str, Any], Any] | None]
 )
 #: The message header carrying a task's enqueue lock (key and token) to the worker.
 HEADER = "redislock"
+#: The message header naming the beat slot a message was sent for (``celery_redislock.beat``):
+#: ``entry``, ``slot`` (its id), ``key`` (its marker), ``token``, ``ttl`` (ms, of a new
+#: marker), ``beat`` (the sender) and ``claimed`` (whether the sender claimed the slot).
+BEAT_HEADER = "redislock_beat"
 #: Modes whose lock is taken by apply_async.
 ENQUEUE_MODES = frozenset({"until_executing", "until_executed", "until_and_while_executing", "until_expired"})
 #: thread id -> (task id, its lock) while a worker's body runs in that thread, for the
@@ -138,6 +144,18 @@ def request_ticket(request: Any) -> tuple[str, str] | None:
     return message_ticket(getattr(request, "headers", None)) or message_ticket(
         {HEADER: getattr(request, HEADER, None)}
     )
+
+
+def request_slot(request: Any) -> dict[str, Any] | None:
+    """The beat slot a request's message was sent for (its ``redislock_beat`` header), if any."""
+    slot = (getattr(request, "headers", None) or {}).get(BEAT_HEADER) or getattr(request, BEAT_HEADER, None)
+    if (
+        isinstance(slot, Mapping)
+        and all(isinstance(slot.get(field), str) for field in ("entry", "slot", "key", "token"))
+        and isinstance(slot.get("ttl"), int)
+    ):
+        return dict(slot)
+    return None
 
 
 def free_ticket(client: redis.Redis, ticket: tuple[str, str]) -> bool:
@@ -228,8 +246,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     Inside the body, ``self.request.lock_key`` and ``self.request.lock_fence``
     describe the hold (``lock_fence`` is ``None`` when running unlocked with
-    ``redislock_on_error="run"``), and ``self.request.lock_lost`` becomes
-    ``True`` if the watchdog finds the lock lost.
+    ``redislock_on_error="run"``), ``self.request.lock_lost`` becomes
+    ``True`` if the watchdog finds the lock lost, and ``self.request.lock_slot``
+    names the beat slot the run is for (``None`` outside once-per-slot beat jobs).
     """
 
     Request = "celery_redislock.request:LockedRequest"
@@ -244,6 +263,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
     lock_retry_delay: ClassVar[Any] = None
     lock_wait_timeout: ClassVar[Any] = None
     lock_on_lost: ClassVar[str | None] = None
+    lock_beat: ClassVar[bool | None] = None
 
     _lock_options: ClassVar[LockOptions | None] = None
     _lock_settings: ClassVar[AppSettings | None] = None
@@ -351,6 +371,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
         retries = 0 if request is None else request.retries or 0
         node = (None if request is None else request.hostname) or socket.gethostname()
         ticket = None if request is None else request_ticket(request)
+        slot = None if request is None else request_slot(request)
+        if slot is not None and not (options.beat or slot.get("claimed")):
+            slot = None  # neither the task nor its schedule entry opted in
         client, url = client_for(self.app)
         lock: _ExecutionLock | None = None
         if options.mode != "until_executing":
@@ -362,6 +385,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
         # run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
         ticket_to_free = ticket if options.mode in ("until_executing", "until_and_while_executing") else None
         try:
+            if slot is not None and not self._claim_slot(client, slot, request, node):
+                if ticket is not None:  # a duplicate never runs: its enqueue lock, if any, goes
+                    free_ticket(client, ticket)
+                return None
             try:
                 taken = lock is None or self._take(lock, options, request, args, kwargs, ticket)
             except LockNotAcquired:
@@ -378,7 +405,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 raise RedisLockError(where) from exc
             logger.warning("%s; running unlocked (redislock_on_error='run')", where)
             lock = None
-        fields = {"lock_key": key, "lock_fence": None if lock is None else lock.fence, "lock_lost": False}
+        fields = {
+            "lock_key": key,
+            "lock_fence": None if lock is None else lock.fence,
+            "lock_lost": False,
+            "lock_slot": None if slot is None else slot["slot"],
+        }
         held_token = _held_keys.set(held | {key})
         if lock is not None and task_id is not None:
             _running[threading.get_ident()] = (task_id, lock)
@@ -406,6 +438,40 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 self._let_go(lock, options, task_id, retries, outcome)
                 if task_id is not None:  # only once let go: an interrupted release is task_postrun's
                     _running.pop(threading.get_ident(), None)
+
+    def _claim_slot(self, client: redis.Redis, slot: dict[str, Any], request: Any, node: str) -> bool:
+        """Claim the beat slot the message was sent for; ``False`` if another message has it.
+
+        The sender's claim (same token) is taken over, naming this task; a slot
+        nobody claimed (beat's ``send_task`` fallback) goes to the first
+        message of it that starts here.
+        """
+        holder = holder_for(request.id, request.retries or 0, node, os.getpid(), "claimed")
+        reply = CLAIM(client, [slot["key"]], [slot["token"], holder, slot["ttl"]])
+        if isinstance(reply, int):
+            logger.info(
+                "task %s[%s]: runs slot %s of beat entry %r (sent by %s)",
+                self.name,
+                request.id,
+                slot["slot"],
+                slot["entry"],
+                slot.get("beat"),
+            )
+            return True
+        other = _text(reply)
+        logger.info(
+            "task %s[%s]: not run, a duplicate: slot %s of beat entry %r went to %s (marker %s)",
+            self.name,
+            request.id,
+            slot["slot"],
+            slot["entry"],
+            other,
+            slot["key"],
+        )
+        signals.task_deduplicated.send(
+            sender=self, key=slot["key"], existing_task_id=parse_holder(other).get("task")
+        )
+        return False
 
     def _take(
         self,
@@ -641,7 +707,9 @@ def install(app: Any) -> None:
 
     Called when the first ``LockedTask`` is bound to ``app``; importing the
     package connects nothing. Receivers are strong references with a
-    ``dispatch_uid``, so connecting twice keeps one.
+    ``dispatch_uid``, so connecting twice keeps one. In a beat process they
+    include the beat guard (``celery_redislock.beat``): call ``install(app)``
+    there yourself if that process binds no ``LockedTask``.
     """
     if getattr(app, "_redislock_installed", False):
         return
@@ -658,4 +726,7 @@ def install(app: Any) -> None:
     celery_signals.task_rejected.connect(
         _free_unrunnable, weak=False, dispatch_uid="celery_redislock.free_rejected"
     )
+    from .beat import connect  # beat builds on this module: imported once it is needed
+
+    connect()
     app._redislock_installed = True

@@ -9,6 +9,11 @@ Bodies record what they do in the list ``{prefix}:events`` (entries
 ``"<event> <task> <x> <task id> <pid> <fence> <retries>"``) and block, where a test
 needs a slow body, on the list ``{prefix}:gate:<x>`` until the test pushes to
 it: tests synchronise on these events, never on sleeps.
+
+Beat jobs (``beat_*``) record ``"run <x> <slot> <sending beat> <task id> <start> <end>"``
+(times from ``time.time()``) in ``{prefix}:runs``. ``celery beat`` subprocesses run the
+same app, with ``beat_schedule`` from ``TASKAPP_CONF`` (schedules in seconds, on a clock
+``TASKAPP_SKEW`` seconds off), and without the tasks named in ``TASKAPP_WITHOUT``.
 """
 
 from __future__ import annotations
@@ -16,18 +21,30 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import redis
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
+from celery.schedules import schedule
 from celery.signals import worker_ready
 
 from celery_redislock import LockedTask, signals
+from celery_redislock.task import request_slot
 
 EVENTS_TTL_MS = 600_000
 #: Longest a gated body waits for its gate before giving up (a test that failed to open it).
 GATE_TIMEOUT = 60
+#: How far this process's beat clock is off (``skewed_now``).
+SKEW = timedelta(seconds=float(os.environ.get("TASKAPP_SKEW", "0")))
+
+
+def skewed_now() -> datetime:
+    """The beat schedules' clock: UTC now, ``TASKAPP_SKEW`` seconds off (a module function,
+    so that the default scheduler can pickle the schedules that use it)."""
+    return datetime.now(timezone.utc) + SKEW
 
 
 class Recorder:
@@ -70,8 +87,22 @@ class Recorder:
     def events(self) -> list[list[str]]:
         return [entry.decode().split(" ") for entry in self.client.lrange(self.events_key, 0, -1)]
 
+    def record_run(self, task: Task[Any, Any], x: object, started: float) -> None:
+        """A beat job's run: which slot, sent by which beat, from when to now."""
+        request, sender = task.request, (request_slot(task.request) or {}).get("beat")
+        entry = f"run {x} {request.lock_slot} {sender} {request.id} {started:.3f} {time.time():.3f}"
+        self.push(f"{self.prefix}:runs", entry)
 
-def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
+    def runs(self) -> list[list[str]]:
+        return [entry.decode().split(" ") for entry in self.client.lrange(f"{self.prefix}:runs", 0, -1)]
+
+
+def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), **conf: Any) -> Celery:
+    """The tests' app; the tasks named in ``without`` are not registered (a beat that
+    does not import them sends them with ``send_task``)."""
+    for entry in conf.get("beat_schedule", {}).values():
+        if isinstance(entry["schedule"], (int, float)):
+            entry["schedule"] = schedule(timedelta(seconds=entry["schedule"]), nowfun=skewed_now)
     app = Celery("taskapp", broker=url, backend=url, set_as_current=False)
     app.conf.update(
         redislock_url=url,
@@ -186,6 +217,22 @@ def make_app(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
         recorder.record(f"depth{depth}", self, x)
         return [depth, self.request.lock_fence, *([] if depth == 0 else nested(x, depth - 1))]
 
+    def beat_job(self: Task[Any, Any], x: object, seconds: float = 0) -> object:
+        started = time.time()
+        if seconds:  # the body's own duration, not a synchronisation
+            recorder.client.blpop([recorder.gate_key(f"never-{x}")], timeout=seconds)
+        recorder.record_run(self, x, started)
+        return x
+
+    for name, options in {
+        "beat_job": {},
+        "beat_fallback": {},  # left out of the beat processes: sent by beat's send_task fallback
+        "beat_wait": {"lock_busy": "wait", "lock_wait_timeout": 60},
+        "beat_off": {"lock_beat": False},  # opted in by its schedule entry only
+    }.items():
+        if f"taskapp.{name}" not in without:
+            locked_task(name=f"taskapp.{name}", **{"lock_beat": True, **options})(beat_job)
+
     return app
 
 
@@ -211,6 +258,7 @@ app: Celery | None = (
         os.environ["TASKAPP_URL"],
         os.environ["TASKAPP_PREFIX"],
         os.environ["TASKAPP_QUEUE"],
+        tuple(filter(None, os.environ.get("TASKAPP_WITHOUT", "").split(","))),
         **json.loads(os.environ.get("TASKAPP_CONF", "{}")),
     )
     if "TASKAPP_URL" in os.environ

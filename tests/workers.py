@@ -42,41 +42,14 @@ def threads_worker(app: Celery, concurrency: int = 4) -> Iterator[Any]:
         yield worker
 
 
-class WorkerProcess:
-    """``celery -A tests.taskapp worker`` in a subprocess of its own session, stopped by its pid."""
+class _Subprocess:
+    """A ``celery -A tests.taskapp ...`` subprocess in a session of its own, logging to a file,
+    signalled and stopped by its pid."""
 
-    def __init__(
-        self, url: str, prefix: str, queue: str, pool: str, concurrency: int, name: str, conf: str = "{}"
-    ) -> None:
-        self.env = {
-            **os.environ,
-            "TASKAPP_URL": url,
-            "TASKAPP_PREFIX": prefix,
-            "TASKAPP_QUEUE": queue,
-            "TASKAPP_CONF": conf,  # JSON: more settings for the app
-        }
-        self.args = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "tests.taskapp",
-            "worker",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-Q",
-            queue,
-            "-n",
-            f"{name}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "INFO",
-        ]
-        self.log = Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
+    def __init__(self, kind: str, name: str, env: dict[str, str], args: list[str]) -> None:
+        self.env = {**os.environ, **env}
+        self.args = [sys.executable, "-m", "celery", "-A", "tests.taskapp", *args]
+        self.log = Path(tempfile.mkstemp(prefix=f"{kind}-{name}-", suffix=".log")[1])
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -95,16 +68,65 @@ class WorkerProcess:
         assert self.process is not None
         return self.process.pid
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
     def stop(self) -> None:
-        """Warm shutdown (SIGTERM), then SIGKILL to the worker's process group if it hangs."""
+        """Warm shutdown (SIGTERM), then SIGKILL to the process group if it hangs."""
         if self.process is None or self.process.poll() is not None:
             return
+        os.kill(self.pid, signal.SIGCONT)  # a paused process cannot act on SIGTERM
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             os.killpg(self.pid, signal.SIGKILL)
             self.process.wait(timeout=15)
+
+
+def _taskapp_env(url: str, prefix: str, queue: str, conf: str) -> dict[str, str]:
+    return {
+        "TASKAPP_URL": url,
+        "TASKAPP_PREFIX": prefix,
+        "TASKAPP_QUEUE": queue,
+        "TASKAPP_CONF": conf,  # JSON: more settings for the app
+    }
+
+
+class WorkerProcess(_Subprocess):
+    """``celery -A tests.taskapp worker``."""
+
+    def __init__(
+        self, url: str, prefix: str, queue: str, pool: str, concurrency: int, name: str, conf: str = "{}"
+    ) -> None:
+        args = ["worker", "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h"]
+        args += ["--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"]
+        super().__init__("worker", name, _taskapp_env(url, prefix, queue, conf), args)
+
+
+class BeatProcess(_Subprocess):
+    """``celery -A tests.taskapp beat`` with a schedule file of its own, its clock ``skew``
+    seconds off, without the tasks named in ``without``."""
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        queue: str,
+        name: str,
+        conf: str = "{}",
+        scheduler: str | None = None,
+        skew: float = 0.0,
+        without: tuple[str, ...] = (),
+    ) -> None:
+        env = _taskapp_env(url, prefix, queue, conf)
+        env.update(TASKAPP_SKEW=str(skew), TASKAPP_WITHOUT=",".join(without))
+        schedule_file = Path(tempfile.mkdtemp(prefix=f"beat-{name}-")) / "schedule"
+        args = ["beat", "-l", "INFO", "-s", str(schedule_file)]
+        super().__init__("beat", name, env, args + (["-S", scheduler] if scheduler else []))

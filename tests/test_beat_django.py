@@ -1,0 +1,101 @@
+"""django-celery-beat: slots of its schedules, and two of its ``DatabaseScheduler``s on one
+database (in this process, guarded as ``celery beat`` guards them) sending each slot once,
+opted in through the header field its entries keep."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+from celery import Celery
+
+from celery_redislock.beat import guard, slot_of
+from celery_redislock.task import BEAT_HEADER
+from celery_redislock.testing import RedisServer
+from tests.taskapp import make_app
+
+django = pytest.importorskip("django", reason="django-celery-beat is not installed")
+pytest.importorskip("django_celery_beat", reason="django-celery-beat is not installed")
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from django.conf import settings
+    from django.core.management import call_command
+
+    path = tmp_path_factory.mktemp("django") / "beat.sqlite3"
+    settings.configure(
+        INSTALLED_APPS=["django_celery_beat"],
+        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path)}},
+        USE_TZ=True,
+        TIME_ZONE="UTC",
+        DEFAULT_AUTO_FIELD="django.db.models.AutoField",
+    )
+    django.setup()
+    call_command("migrate", verbosity=0)
+    return path
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str, database: Path) -> Iterator[Celery]:
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    yield app
+    app.recorder.client.delete(app.conf.task_default_queue)  # type: ignore[attr-defined]
+    app.close()
+
+
+def test_slots_of_django_celery_beat_schedules(app: Celery) -> None:
+    from django_celery_beat.clockedschedule import clocked
+    from django_celery_beat.tzcrontab import TzAwareCrontab
+
+    paris = TzAwareCrontab(minute=0, hour=9, tz=ZoneInfo("Europe/Paris"), app=app)
+    now = datetime(2026, 6, 1, 12, 0, tzinfo=timezone.utc)
+    assert slot_of(paris, now).id == "2026-06-01T07:00:00Z"
+    one_off = clocked(datetime(2026, 6, 1, 11, 30, tzinfo=timezone.utc), app=app)
+    assert slot_of(one_off, now).id == "2026-06-01T11:30:00Z"
+
+
+def test_two_database_schedulers_send_each_slot_once(app: Celery) -> None:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+    from django_celery_beat.schedulers import DatabaseScheduler
+
+    every_second = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(  # a task without lock_beat, opted in by its entry's headers
+        name="by-header",
+        task="taskapp.beat_off",
+        interval=every_second,
+        args='["h"]',
+        headers='{"lock_beat": true}',
+    )
+    PeriodicTask.objects.create(name="by-task", task="taskapp.beat_job", interval=every_second, args='["t"]')
+    PeriodicTask.objects.create(name="plain", task="taskapp.beat_off", interval=every_second, args='["p"]')
+    beats = [DatabaseScheduler(app=app) for _ in range(2)]
+    for beat in beats:
+        guard(beat)
+    wake_at = [0.0, 0.0]
+    deadline = time.monotonic() + 4.5
+    try:
+        while time.monotonic() < deadline:  # each beat ticks as celery beat does: again after the delay
+            for index, beat in enumerate(beats):
+                if time.monotonic() >= wake_at[index]:
+                    wake_at[index] = time.monotonic() + beat.tick()
+            time.sleep(max(min(min(wake_at) - time.monotonic(), 0.05), 0))  # the beats' own idling
+    finally:
+        for beat in beats:
+            beat.close()
+    recorder: Any = app.recorder  # type: ignore[attr-defined]
+    messages = [
+        json.loads(raw)["headers"] for raw in recorder.client.lrange(app.conf.task_default_queue, 0, -1)
+    ]
+    for args in ("['h']", "['t']"):
+        slots = [headers[BEAT_HEADER]["slot"] for headers in messages if headers["argsrepr"] == args]
+        assert len(slots) == len(set(slots)) >= 3
+        assert all(headers[BEAT_HEADER]["claimed"] for headers in messages if headers["argsrepr"] == args)
+    plain = [headers for headers in messages if headers["argsrepr"] == "['p']"]
+    assert len(plain) >= 6 and not any(BEAT_HEADER in headers for headers in plain)  # both beats sent it

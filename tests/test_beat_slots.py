@@ -1,0 +1,416 @@
+"""Beat slots through an injected clock: slot boundaries of each kind of schedule, and
+in-process beats (Celery's own Scheduler, guarded) whose clocks are apart, that start
+at different times, or all come back after being down; no waiting for real minutes.
+
+The simulated beats publish to the test's Redis broker; the tests read what they sent
+from the queue, and a real worker runs it where a test needs the worker's side.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.beat import Scheduler
+from celery.schedules import BaseSchedule, crontab, schedule, solar
+
+from celery_redislock import LockConfigurationError, LockedTask, signals
+from celery_redislock.beat import CLOCK_TOLERANCE, guard, slot_of
+from celery_redislock.task import BEAT_HEADER
+from celery_redislock.testing import RedisServer
+from tests.taskapp import Recorder, make_app
+from tests.workers import threads_worker, wait_for
+
+UTC = timezone.utc
+
+
+def at(*fields: int) -> datetime:
+    return datetime(*fields, tzinfo=UTC)  # type: ignore[misc]
+
+
+@pytest.fixture
+def bare_app() -> Iterator[Celery]:
+    app = Celery("slots", set_as_current=False)
+    yield app
+    app.close()
+
+
+# -- slot boundaries -------------------------------------------------------------------
+
+
+def test_an_interval_slot_is_the_epoch_aligned_bucket_of_run_every(bare_app: Celery) -> None:
+    every_10s = schedule(timedelta(seconds=10), app=bare_app)
+    assert slot_of(every_10s, at(2026, 1, 1, 10, 0, 9, 999999)).id == "2026-01-01T10:00:00Z"
+    assert slot_of(every_10s, at(2026, 1, 1, 10, 0, 10)).id == "2026-01-01T10:00:10Z"
+    naive = datetime(2026, 1, 1, 10, 0, 15)  # naive times are UTC, as in Celery
+    assert slot_of(every_10s, naive).id == "2026-01-01T10:00:10Z"
+    paris = timezone(timedelta(hours=1))
+    assert slot_of(every_10s, datetime(2026, 1, 1, 11, 0, 15, tzinfo=paris)).id == "2026-01-01T10:00:10Z"
+    slot = slot_of(every_10s, at(2026, 1, 1, 10, 0, 15))
+    assert slot.end - slot.start == timedelta(seconds=10)
+    assert slot.marker_ttl() == 10 + CLOCK_TOLERANCE
+    quarter = schedule(timedelta(seconds=0.25), app=bare_app)
+    assert slot_of(quarter, at(2026, 1, 1, 10, 0, 0, 600000)).id == "2026-01-01T10:00:00.500000Z"
+
+
+def test_interval_slots_are_named_alike_by_clocks_2s_apart_started_at_any_time(bare_app: Celery) -> None:
+    """A beat sends once a second of its own clock: every beat names the same slots."""
+    every_1s = schedule(timedelta(seconds=1), app=bare_app)
+    real = at(2026, 1, 1, 10, 0, 0)
+    named = []
+    for skew in (-1.0, 0.0, 1.0):
+        for phase in (0.0, 0.37, 0.99):  # when in the second the beat started
+            moments = [real + timedelta(seconds=skew + phase + n) for n in range(30)]
+            named.append([slot_of(every_1s, moment).id for moment in moments])
+    for slots in named:
+        assert len(slots) == len(set(slots))  # never one slot twice by one beat
+    assert len(set.intersection(*(set(slots) for slots in named))) == 28  # the same ids, 2 s apart
+
+
+@pytest.mark.parametrize(
+    ("cron", "now", "slot", "next_slot"),
+    [
+        pytest.param(
+            crontab(minute=0),
+            at(2026, 1, 1, 10, 0, 0),
+            "2026-01-01T10:00:00Z",
+            at(2026, 1, 1, 11),
+            id="on-the-fire",
+        ),
+        pytest.param(
+            crontab(minute=0),
+            at(2026, 1, 1, 10, 59, 59, 999999),
+            "2026-01-01T10:00:00Z",
+            at(2026, 1, 1, 11),
+            id="just-before-next",
+        ),
+        pytest.param(
+            crontab(minute=0),
+            at(2026, 1, 1, 9, 59, 59, 999999),
+            "2026-01-01T09:00:00Z",
+            at(2026, 1, 1, 10),
+            id="just-before",
+        ),
+        pytest.param(
+            crontab(minute="*/15"),
+            at(2026, 1, 1, 10, 44, 59),
+            "2026-01-01T10:30:00Z",
+            at(2026, 1, 1, 10, 45),
+            id="quarters",
+        ),
+        pytest.param(
+            crontab(minute=0, hour=9, day_of_week="mon-fri"),
+            at(2026, 11, 22, 12, 0),  # a Sunday
+            "2026-11-20T09:00:00Z",
+            at(2026, 11, 23, 9),
+            id="weekdays-over-a-weekend",
+        ),
+        pytest.param(
+            crontab(minute=0, hour=0, day_of_month=29, month_of_year=2),
+            at(2026, 11, 22),
+            "2024-02-29T00:00:00Z",
+            at(2028, 2, 29),
+            id="leap-day",
+        ),
+    ],
+)
+def test_a_crontab_slot_is_its_latest_fire(
+    bare_app: Celery, cron: crontab, now: datetime, slot: str, next_slot: datetime
+) -> None:
+    cron.app = bare_app
+    found = slot_of(cron, now)
+    assert found.id == slot
+    assert found.end == next_slot
+    assert found.marker_ttl() == (next_slot - found.start).total_seconds() + CLOCK_TOLERANCE
+
+
+def test_a_crontab_slot_follows_the_app_timezone(bare_app: Celery) -> None:
+    bare_app.conf.timezone = "Europe/Paris"
+    nine = crontab(minute=0, hour=9, app=bare_app)  # 09:00 in Paris, 07:00 UTC in summer
+    assert slot_of(nine, at(2026, 6, 1, 6, 59)).id == "2026-05-31T07:00:00Z"
+    assert slot_of(nine, at(2026, 6, 1, 7, 0)).id == "2026-06-01T07:00:00Z"
+
+
+def test_a_solar_slot_is_the_latest_event_to_the_second(bare_app: Celery) -> None:
+    pytest.importorskip("ephem", reason="solar schedules need ephem (pip install ephem)")
+    sunrise = solar("sunrise", 48.85, 2.35, app=bare_app)  # Paris, 1 June 2026: about 03:51:47 UTC
+    before = {slot_of(sunrise, at(2026, 6, 1, 3, minute)).id for minute in range(0, 50, 7)}
+    after = {slot_of(sunrise, at(2026, 6, 1, hour)).id for hour in range(4, 24)}
+    assert len(before) == 1 and len(after) == 1  # one id, whenever in the day it is asked
+    (yesterday,), (today,) = before, after
+    assert yesterday.startswith("2026-05-31T03:5") and today.startswith("2026-06-01T03:51:")
+    assert slot_of(sunrise, at(2026, 6, 1, 12)).end.date().isoformat() == "2026-06-02"
+
+
+class OneOff(BaseSchedule):
+    """A schedule firing once (as django-celery-beat's ``clocked``)."""
+
+    def __init__(self, when: datetime, nowfun: Callable[[], datetime] | None = None, app: Any = None) -> None:
+        super().__init__(nowfun=nowfun, app=app)
+        self.when = when
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        return self.when - self.now()
+
+
+def test_a_one_off_slot_is_its_time(bare_app: Celery) -> None:
+    slot = slot_of(OneOff(at(2026, 1, 1, 10, 0, 30), app=bare_app), at(2026, 1, 1, 10, 0, 31))
+    assert slot.id == "2026-01-01T10:00:30Z" and slot.end == slot.start
+    assert slot.marker_ttl() == CLOCK_TOLERANCE
+
+
+def test_a_schedule_without_slots_is_refused_by_name(bare_app: Celery) -> None:
+    with pytest.raises(LockConfigurationError, match="cannot tell the slots of schedule 'hourly'"):
+        slot_of("hourly", at(2026, 1, 1))
+    with pytest.raises(LockConfigurationError, match="no remaining_estimate"):
+        slot_of(BaseSchedule(app=bare_app), at(2026, 1, 1))
+    with pytest.raises(LockConfigurationError, match="never fired"):
+        slot_of(OneOff(at(2027, 1, 1), app=bare_app), at(2026, 1, 1))
+
+
+# -- beats on an injected clock -------------------------------------------------------
+
+
+class Clock:
+    """The fake real time the simulated beats share."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+
+class SimulatedBeat:
+    """A guarded Celery ``Scheduler`` whose clock is the fake one, ``skew`` seconds off,
+    ticked as ``celery beat`` ticks it: again after the delay each tick returns."""
+
+    def __init__(self, app: Celery, clock: Clock, skew: float, entries: dict[str, dict[str, Any]]) -> None:
+        self.clock, self.skew = clock, timedelta(seconds=skew)
+        self.scheduler = Scheduler(app, lazy=True)
+        self.scheduler.merge_inplace(
+            {name: {**entry, "schedule": entry["schedule"](self.now)} for name, entry in entries.items()}
+        )
+        guard(self.scheduler)
+        self.wake_at = clock.now
+        app.simulated.append(self)  # type: ignore[attr-defined]  # closed by the app fixture
+
+    def now(self) -> datetime:
+        return self.clock.now + self.skew
+
+    def step(self) -> None:
+        for _ in range(100):  # a tick that sent returns 0: tick again at once
+            if self.clock.now < self.wake_at:
+                return
+            self.wake_at = self.clock.now + timedelta(seconds=self.scheduler.tick())
+        raise AssertionError("the scheduler kept asking to tick again at once")
+
+
+def run(beats: list[SimulatedBeat], clock: Clock, until: datetime, step: float) -> None:
+    while clock.now < until:
+        for beat in beats:
+            beat.step()
+        clock.now += timedelta(seconds=step)
+
+
+def every(seconds: float) -> Callable[[Callable[[], datetime]], schedule]:
+    return lambda now: schedule(timedelta(seconds=seconds), nowfun=now)
+
+
+def cron(**fields: Any) -> Callable[[Callable[[], datetime]], crontab]:
+    return lambda now: crontab(nowfun=now, **fields)
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
+    """The beats' app; the worker's, where one runs, is another with the same settings."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", without=("taskapp.beat_fallback",))
+    app.simulated = []  # type: ignore[attr-defined]
+    yield app
+    for beat in app.simulated:  # type: ignore[attr-defined]
+        beat.scheduler.close()
+    app.recorder.client.delete(app.conf.task_default_queue)  # type: ignore[attr-defined]
+    app.close()
+
+
+def queued(app: Celery) -> list[dict[str, Any]]:
+    """The messages in the app's queue, oldest first."""
+    recorder: Recorder = app.recorder  # type: ignore[attr-defined]
+    return [json.loads(raw) for raw in reversed(recorder.client.lrange(app.conf.task_default_queue, 0, -1))]
+
+
+def sent(app: Celery) -> list[tuple[str, str | None, bool | None]]:
+    """(arguments, slot, claimed) of each message in the queue, oldest first; the slot and
+    claimed are None for a message without a slot."""
+    out = []
+    for message in queued(app):
+        header = message["headers"].get(BEAT_HEADER) or {}
+        out.append((message["headers"]["argsrepr"], header.get("slot"), header.get("claimed")))
+    return out
+
+
+def test_three_beats_2s_apart_started_at_different_times_send_each_interval_slot_once(app: Celery) -> None:
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 130000))
+    entries = {"job": {"task": "taskapp.beat_job", "schedule": every(1), "args": ["a"]}}
+    beats = [SimulatedBeat(app, clock, -1.0, entries)]
+    run(beats, clock, clock.now + timedelta(seconds=3.4), 0.05)
+    beats.append(SimulatedBeat(app, clock, 1.0, entries))  # started later, 2 s ahead of the first
+    run(beats, clock, clock.now + timedelta(seconds=5.1), 0.05)
+    beats.append(SimulatedBeat(app, clock, 0.0, entries))
+    run(beats, clock, clock.now + timedelta(seconds=20), 0.05)
+    slots = [slot for _, slot, _ in sent(app)]
+    assert len(slots) == len(set(slots)), Counter(slots).most_common(3)
+    seconds = sorted(datetime.fromisoformat(slot.replace("Z", "+00:00")) for slot in slots if slot)
+    assert seconds == [seconds[0] + timedelta(seconds=n) for n in range(len(seconds))]  # none skipped
+    assert len(seconds) >= 27
+    assert all(claimed for _, _, claimed in sent(app))  # the beats claimed them
+
+
+def test_three_beats_2s_apart_send_each_crontab_minute_once(app: Celery) -> None:
+    clock = Clock(at(2026, 1, 1, 9, 58, 30))
+    entries = {"minutely": {"task": "taskapp.beat_job", "schedule": cron(minute="*"), "args": ["m"]}}
+    beats = [SimulatedBeat(app, clock, skew, entries) for skew in (-1.0, 1.0, 0.3)]
+    run(beats, clock, at(2026, 1, 1, 10, 8, 30), 0.25)
+    slots = [slot for _, slot, _ in sent(app)]
+    assert slots == [f"2026-01-01T{9 + (58 + n) // 60:02d}:{(58 + n) % 60:02d}:00Z" for n in range(1, 11)]
+
+
+def test_beats_coming_back_after_all_were_down_run_the_current_slot_once(app: Celery) -> None:
+    clock = Clock(at(2026, 1, 1, 9, 59, 0))
+    entries = {"hourly": {"task": "taskapp.beat_job", "schedule": cron(minute=0), "args": ["h"]}}
+    beats = [SimulatedBeat(app, clock, skew, entries) for skew in (-1.0, 0.0, 1.0)]
+    run(beats, clock, at(2026, 1, 1, 10, 5), 1.0)
+    clock.now = at(2026, 1, 1, 13, 20)  # every beat was down: the 11:00 and 12:00 slots were missed
+    run(beats[:2], clock, at(2026, 1, 1, 13, 40), 1.0)  # two come back; their schedule state is stale
+    run(beats, clock, at(2026, 1, 1, 14, 1), 1.0)  # the third comes back later, as stale
+    slots = [slot for _, slot, _ in sent(app)]
+    assert slots == ["2026-01-01T10:00:00Z", "2026-01-01T13:00:00Z", "2026-01-01T14:00:00Z"]
+
+
+def test_an_entry_opts_in_or_out_whatever_its_task_says(app: Celery) -> None:
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 600000))
+    entries = {
+        "by-option": {
+            "task": "taskapp.beat_off",
+            "schedule": every(1),
+            "args": ["o"],
+            "options": {"lock_beat": True},
+        },
+        "by-header": {
+            "task": "taskapp.beat_off",
+            "schedule": every(1),
+            "args": ["h"],
+            "options": {"headers": {"lock_beat": True}},
+        },
+        "opted-out": {
+            "task": "taskapp.beat_job",
+            "schedule": every(1),
+            "args": ["x"],
+            "options": {"lock_beat": False},
+        },
+        "not-opted": {"task": "taskapp.beat_off", "schedule": every(1), "args": ["n"]},
+    }
+    beats = [SimulatedBeat(app, clock, skew, entries) for skew in (-0.5, 0.5)]
+    run(beats, clock, clock.now + timedelta(seconds=10), 0.05)
+    messages = sent(app)
+    for args in ("['o']", "['h']"):  # opted in: each slot once, claimed by a beat
+        slots = [slot for sent_args, slot, claimed in messages if sent_args == args and claimed]
+        assert len(slots) == len(set(slots)) == len([m for m in messages if m[0] == args]) >= 9
+    for args in ("['x']", "['n']"):  # not opted in: sent by both beats, as plain Celery does
+        unslotted = [(slot, claimed) for sent_args, slot, claimed in messages if sent_args == args]
+        assert unslotted == [(None, None)] * len(unslotted) and len(unslotted) >= 16
+    assert all("lock_beat" not in message["properties"] for message in queued(app))  # not a message property
+
+
+def test_the_send_task_fallback_is_deduplicated_by_the_worker(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    """The beats cannot see the task: they send every slot unclaimed, the worker runs each once."""
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 200000))
+    entries = {"fallback": {"task": "taskapp.beat_fallback", "schedule": every(1), "args": ["f"]}}
+    beats = [SimulatedBeat(app, clock, skew, entries) for skew in (-1.0, 0.0, 1.0)]
+    run(beats, clock, clock.now + timedelta(seconds=6), 0.05)
+    messages = sent(app)
+    per_slot = Counter(slot for _, slot, _ in messages)
+    slots = set(per_slot)
+    assert max(per_slot.values()) == 3 and list(per_slot.values()).count(3) >= 3  # every beat sent them
+    assert not any(claimed for _, _, claimed in messages)
+    dropped: list[dict[str, Any]] = []
+
+    def on_dropped(sender: Any = None, **kwargs: Any) -> None:
+        dropped.append(kwargs)
+
+    signals.task_deduplicated.connect(on_dropped, weak=False, dispatch_uid="test-fallback-dropped")
+    worker_app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    try:
+        with threads_worker(worker_app, concurrency=1):  # one at a time: none skipped as overlapping
+            wait_for(lambda: recorder.client.llen(app.conf.task_default_queue) == 0, what="the queue drained")
+            wait_for(
+                lambda: len(recorder.runs()) + len(dropped) >= len(messages),
+                what=lambda: f"every message dealt with: {recorder.runs()}, {dropped}, {len(messages)}",
+            )
+    finally:
+        signals.task_deduplicated.disconnect(dispatch_uid="test-fallback-dropped")
+        worker_app.close()
+    ran = [run[2] for run in recorder.runs()]
+    assert sorted(ran) == sorted(slots)  # each slot ran once
+    assert len(dropped) == len(messages) - len(slots)
+    assert Counter(item["key"] for item in dropped) == {
+        f"{prefix}:slot:fallback:{slot}": count - 1 for slot, count in per_slot.items() if count > 1
+    }
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+def noop() -> None:
+    """A task body."""
+
+
+def test_bad_opt_ins_and_settings_name_the_task_entry_option_and_value(app: Celery, bare_app: Celery) -> None:
+    bare_app.finalize()
+    with pytest.raises(
+        LockConfigurationError, match=r"task 'bad': lock_beat='yes' is not valid; allowed: True or False"
+    ):
+        bare_app.task(name="bad", base=LockedTask, lock_beat="yes", shared=False)(noop)
+    for setting, value, allowed in [
+        ("redislock_beat_leader", 1, "True or False"),
+        ("redislock_beat_leader_ttl", 0.1, ">= 0.3"),
+        ("redislock_beat_leader_ttl", "30s", "seconds"),
+    ]:
+        other = Celery("other", set_as_current=False)
+        other.conf[setting] = value
+        other.finalize()
+        with pytest.raises(
+            LockConfigurationError,
+            match=rf"app 'other': {setting}={value!r} is not valid; allowed: .*{allowed}",
+        ):
+            other.task(name="t", base=LockedTask, shared=False)(noop)
+    clock = Clock(at(2026, 1, 1))
+    beat = SimulatedBeat(
+        app,
+        clock,
+        0,
+        {
+            "typo": {
+                "task": "taskapp.beat_job",
+                "schedule": every(1),
+                "args": ["t"],
+                "options": {"lock_beat": "yes"},
+            },
+            "odd": {
+                "task": "taskapp.beat_job",
+                "schedule": lambda now: BaseSchedule(nowfun=now),
+                "args": ["o"],
+                "options": {"lock_beat": True},
+            },
+        },
+    )
+    with pytest.raises(LockConfigurationError, match=r"beat entry 'typo': lock_beat='yes' is not valid"):
+        beat.scheduler.apply_async(beat.scheduler.schedule["typo"])
+    with pytest.raises(LockConfigurationError, match=r"beat entry 'odd': cannot tell the slots"):
+        beat.scheduler.apply_async(beat.scheduler.schedule["odd"])
+    assert sent(app) == []  # neither was sent
