@@ -2,7 +2,8 @@
 
 ``REDIS_URL`` is the broker, the result backend and the locks' Redis (default
 ``redis://127.0.0.1:6379/0``); ``EXAMPLES_QUEUE`` the queue the examples use
-(default ``celery``; the runnable examples pick one of their own).
+(default ``celery``; the runnable examples pick one of their own);
+``EXAMPLES_BEAT_EVERY`` the beat job's interval in seconds (default 10).
 """
 
 import os
@@ -13,10 +14,11 @@ result_expires = 600
 worker_prefetch_multiplier = 1
 broker_connection_retry_on_startup = True
 
-# Two beat instances (docker-compose.yml runs two) both send this every 10 s;
-# send_digest's until_expired lock lets one send per 8 s through. Once-per-slot
-# beat jobs (the schedule slot as the key, whatever the beats' clocks) come with
-# the beat support of celery-redislock.
+# Beat sends send_digest every EXAMPLES_BEAT_EVERY seconds (default 10; the demo and
+# examples.once_per_slot use 1); its lock_beat=True runs it once per slot, however many
+# beats send it (docker-compose.yml runs two). The entry's name carries the interval,
+# so that slots of different intervals never share a marker.
+_every = float(os.environ.get("EXAMPLES_BEAT_EVERY", "10"))
 beat_schedule = {
-    "digest-every-10s": {"task": "examples.tasks.send_digest", "schedule": 10.0},
+    f"digest-every-{_every:g}s": {"task": "examples.tasks.send_digest", "schedule": _every},
 }

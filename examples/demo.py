@@ -2,13 +2,14 @@
 
 Starts a private redis-server (unless ``REDIS_URL`` is set) and a worker
 (``celery -A examples.tasks worker -P prefork``), then shows, one step each:
-100 duplicate enqueues collapsing into one run; a task three times longer
-than its lease keeping its lock; a worker child SIGKILLed mid-task and its
-lock freed at once by the worker's main process. It stops everything it
-started, by pid, checks that no lock is left in Redis, and exits 0.
+100 duplicate enqueues collapsing into one run; two ``celery beat``
+processes sending one job every second, each slot run once (the beats are
+started and stopped by that step); a task three times longer than its lease
+keeping its lock; a worker child SIGKILLed mid-task and its lock freed at
+once by the worker's main process. It stops everything it started, by pid,
+checks that no lock or slot marker is left in Redis, and exits 0.
 
-A step is a function of ``Demo`` in ``STEPS``; two beats sending one job, each
-schedule slot run once, is to be added as a step with the beat support.
+A step is a function of ``Demo`` in ``STEPS``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from celery.exceptions import TimeoutError as ResultTimeout
 
 from celery_redislock import task_lock_key
 from celery_redislock.cli import HeldLock, held_locks, read_lock
-from examples import tasks
+from examples import once_per_slot, tasks
 from examples._support import Worker, redis_url, say
 
 #: The example app's redislock_prefix (the default).
@@ -76,8 +77,14 @@ def duplicates(demo: Demo) -> None:
     results[0].forget()
 
 
+def two_beats(demo: Demo) -> None:
+    say("\n2. Two beats, each slot once")
+    say("   send_digest has lock_beat=True; two `celery beat` processes both send it every second.")
+    once_per_slot.two_beats(demo.client, demo.worker())
+
+
 def long_task(demo: Demo) -> None:
-    say("\n2. A task three times longer than its lease keeps its lock")
+    say("\n3. A task three times longer than its lease keeps its lock")
     say("   long_report(3.0) runs 3 s with lock_ttl=1; the watchdog renews the lease every 1/3 s.")
     demo.worker()
     result = tasks.long_report.delay(3.0)
@@ -101,7 +108,7 @@ def long_task(demo: Demo) -> None:
 
 
 def killed_child(demo: Demo) -> None:
-    say("\n3. A worker child SIGKILLed mid-task: its lock is freed at once")
+    say("\n4. A worker child SIGKILLed mid-task: its lock is freed at once")
     say("   import_batch(1) holds a lock with a 60 s lease; we kill the pool process running it.")
     worker = demo.worker()
     result = tasks.import_batch.delay(1)
@@ -122,8 +129,8 @@ def killed_child(demo: Demo) -> None:
     result.forget()
 
 
-#: The demo's steps, in order (two beats, each slot once: to come with the beat support).
-STEPS: list[Callable[[Demo], None]] = [duplicates, long_task, killed_child]
+#: The demo's steps, in order.
+STEPS: list[Callable[[Demo], None]] = [duplicates, two_beats, long_task, killed_child]
 
 
 def main() -> None:

@@ -51,8 +51,9 @@ def import_batch(self: Task[Any, Any], batch_id: int) -> int:
     return batch_id
 
 
-@app.task(base=LockedTask, bind=True, lock_mode="until_expired", lock_period=8, lock_on=())
+@app.task(base=LockedTask, bind=True, lock_beat=True, ignore_result=True)
 def send_digest(self: Task[Any, Any]) -> str:
-    """Sent by beat every 10 s: the until_expired lock, taken when it is sent and kept
-    8 s, lets one run through per period however many beats send it."""
-    return f"digest sent by task {self.request.id}"
+    """Sent by beat (``examples.celeryconfig.beat_schedule``): ``lock_beat=True`` runs it
+    once per slot of its schedule, however many beats send it; ``self.request.lock_slot``
+    names the slot."""
+    return f"digest of slot {self.request.lock_slot} sent by task {self.request.id}"

@@ -30,9 +30,18 @@ EXAMPLES = {
         "the database keeps price 120",
     ],
     "examples.primitive_demo": ["demo keys left in Redis: none"],
+    "examples.once_per_slot": [
+        "duplicates dropped by the beats, which log:",
+        "not sent: a duplicate, the slot went to",
+        "alone goes on sending each slot:",
+        "duplicates dropped by beats",
+        "both beats are stopped; their",
+    ],
     "examples.demo": [
         "100 x rebuild_index.delay('catalog') -> 1 task id, 1 message in the queue",
         "the worker ran it 1 time",
+        "slots, each run once by the worker;",
+        "not sent: a duplicate, the slot went to",
         "lock_lost=False, one fence all along",
         "by the worker's main process",
         "locks left in Redis: none",
@@ -98,13 +107,23 @@ def test_make_demo_runs_the_demo_on_a_redis_of_its_own_in_under_a_minute() -> No
         assert line in output
     pids = re.search(r"started a private redis-server, pid (\d+)", output)
     worker = re.search(r"the worker \(pid (\d+)\) and its pool processes are stopped", output)
-    assert pids is not None and worker is not None
-    for pid in (int(pids.group(1)), int(worker.group(1))):
+    beats = re.search(r"the beats \(pids (\d+), (\d+)\) are stopped; their (\d+) slot markers", output)
+    assert pids is not None and worker is not None and beats is not None
+    for pid in (int(pids.group(1)), int(worker.group(1)), int(beats.group(1)), int(beats.group(2))):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    # nothing runs under the demo's worker name any more (its pool processes included)
-    name = f"demo-{done.pid}@".encode()
-    left = [path.parent.name for path in Path("/proc").glob("[0-9]*/cmdline") if name in _read(path)]
+    # each of the 4 slots ran once (the narration has a line per slot, and asserts it)
+    slots = re.findall(r"slot (\S+): run (\d+)x, sent by beat (\d+)", output)
+    assert len(slots) == int(beats.group(3)) >= 4 and {runs for _, runs, _ in slots} == {"1"}
+    assert {beat for _, _, beat in slots} <= {beats.group(1), beats.group(2)}
+    # nothing runs under the demo's worker or beat names any more (pool processes included);
+    # a beat's name is in its schedule file's path
+    names = [f"demo-{done.pid}@".encode(), f"beat-1-{done.pid}-".encode(), f"beat-2-{done.pid}-".encode()]
+    left = [
+        path.parent.name
+        for path in Path("/proc").glob("[0-9]*/cmdline")
+        if any(name in _read(path) for name in names)
+    ]
     assert left == []
 
 
