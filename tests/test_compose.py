@@ -16,6 +16,7 @@ import yaml
 from celery import Celery
 from celery.bin.celery import celery
 
+from celery_redislock import LockedTask
 from examples._support import ROOT
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -104,6 +105,27 @@ def test_the_two_beats_share_the_schedule_not_the_schedule_file() -> None:
     tasks = importlib.import_module("examples.tasks")
     for entry in config.beat_schedule.values():
         assert entry["task"] in tasks.app.tasks
+
+
+def test_every_job_the_beats_send_runs_once_per_slot() -> None:
+    """Two beats send each entry twice per slot: each entry must be opted in to once-per-slot
+    (``lock_beat`` on its LockedTask, or in its options), with an interval the beats read as
+    the compose file sets it (no EXAMPLES_BEAT_EVERY: the 10 s default)."""
+    config = importlib.import_module("examples.celeryconfig")
+    tasks = importlib.import_module("examples.tasks")
+    beats = {name: service for name, service in APP_SERVICES.items() if name.startswith("beat")}
+    assert all("EXAMPLES_BEAT_EVERY" not in service["environment"] for service in beats.values())
+    assert config.beat_schedule
+    for name, entry in config.beat_schedule.items():
+        task = tasks.app.tasks[entry["task"]]
+        opted = (entry.get("options") or {}).get("lock_beat")
+        if opted is None:
+            assert isinstance(task, LockedTask), f"{name}: {entry['task']} is not a LockedTask"
+            opted = task._lock_options.beat
+        assert opted is True, f"{name}: not opted in to once-per-slot (lock_beat)"
+        assert entry["schedule"] == 10.0 and name == "digest-every-10s"
+    # the beats need no leader for that: each slot's marker decides
+    assert not tasks.app.conf.get("redislock_beat_leader")
 
 
 # -- where a Docker engine runs ----------------------------------------------------------------
