@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench bench-tasks clean
+.PHONY: demo test lint bench bench-tasks chart clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "celery-redislock needs Python 3.10+, $(PYTHON) is " + sys.version.split()[0])'
@@ -30,6 +30,10 @@ bench: $(VENV)/.installed
 # LockedTask vs a plain task, celery-once and celery-singleton in a real prefork worker (~5 min)
 bench-tasks: $(VENV)/.installed
 	$(BIN)/python bench/task_bench.py
+
+# bench/results/benchmarks.png from the two JSON files above (runs no benchmark)
+chart: $(VENV)/.installed
+	$(BIN)/python bench/chart.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

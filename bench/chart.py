@@ -1,0 +1,300 @@
+"""The benchmarks as one chart: ``bench/results/{lock,task}_bench.json`` -> ``bench/results/benchmarks.png``.
+
+Run: ``make chart`` (= ``.venv/bin/python bench/chart.py``; ``--lock``, ``--tasks``
+and ``--out`` name other files). It does not run a benchmark: it charts what the
+two JSON files hold (``make bench``, ``make bench-tasks`` write them), as ratios
+to a baseline so that runs on different machines compare:
+
+* the lock primitive, uncontended: acquire+release pairs/s x the bare
+  ``SET NX PX`` + ``EVALSHA`` loop;
+* 32 processes on one key: critical sections/s x the best peer, and fairness
+  (min/max acquisitions per process);
+* Celery tasks: wall time x a plain task, CPU per task of all processes, and
+  what a refused duplicate enqueue costs the producer (``refused_duplicates``).
+
+A scenario or variant a run left out is left out of its panel; a panel with
+nothing to show says why. matplotlib (the ``bench`` extra) is installed from
+PyPI if it cannot be imported. The PNG's ``Source`` text names the SHA-256 of
+both JSON files, so a test can tell a chart older than its data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LOCK_JSON = HERE / "results" / "lock_bench.json"
+TASK_JSON = HERE / "results" / "task_bench.json"
+OUT = HERE / "results" / "benchmarks.png"
+#: What ``make chart`` installs when matplotlib is missing (the ``bench`` extra's pin).
+MATPLOTLIB = "matplotlib>=3.8"
+#: "times", as in "0.92x the bare loop"
+X = "\N{MULTIPLICATION SIGN}"
+#: Variants of this package (drawn in its colour); the others are peers or baselines.
+OURS = ("RedisLock", "LockedTask", "until_executed")
+
+
+@dataclass
+class Bar:
+    label: str
+    value: float
+    #: written on the bar: the ratio and the measured number behind it
+    note: str
+
+
+@dataclass
+class Panel:
+    title: str
+    #: the y axis
+    unit: str
+    bars: list[Bar] = field(default_factory=list)
+    #: reference lines: (y, label)
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    #: why the panel is empty, when it is
+    missing: str = ""
+
+
+def ours(label: str) -> bool:
+    return label.startswith(OURS)
+
+
+def wrapped(label: str) -> str:
+    """A long label on two lines: at its first space, else after its first ``-`` or ``_``."""
+    if len(label) <= 10:
+        return label
+    for mark, keep in ((" ", ""), ("-", "-"), ("_", "_")):
+        head, found, tail = label.partition(mark)
+        if found:
+            return f"{head}{keep}\n{tail}"
+    return label
+
+
+def _section(data: dict[str, Any], *path: str) -> dict[str, Any]:
+    for name in path:
+        data = data.get(name) or {}
+    return data
+
+
+def lock_uncontended(lock: dict[str, Any]) -> Panel:
+    panel = Panel(
+        f"Lock, uncontended: pairs/s {X} bare loop (higher is better)", f"{X} bare SET NX + EVALSHA loop"
+    )
+    rows = _section(lock, "results", "uncontended")
+    for name, row in rows.items():
+        if name == "bare":
+            continue
+        note = (
+            f"{row['ratio_to_bare']:.2f}{X}\n{row['pairs_per_s']:,.0f}/s\n{row['round_trips_per_pair']:g} RT"
+        )
+        panel.bars.append(Bar(name.replace("watchdog=False", "no watchdog"), row["ratio_to_bare"], note))
+    if "bare" in rows:
+        panel.lines = [(1.0, f"bare loop, {rows['bare']['pairs_per_s']:,.0f}/s"), (0.95, f"target 0.95{X}")]
+    panel.missing = "" if panel.bars else "no uncontended results in lock_bench.json"
+    return panel
+
+
+def lock_contention(lock: dict[str, Any]) -> Panel:
+    panel = Panel(
+        f"Lock, 32 processes, 1 ms hold: critical sections/s {X} best peer",
+        f"{X} the best peer's critical sections/s",
+    )
+    rows = _section(lock, "results", "contention")
+    peers = [row["critical_sections_per_s"] for name, row in rows.items() if not ours(name)]
+    if not peers:
+        panel.missing = "no contention results for the peers in lock_bench.json"
+        return panel
+    best = max(peers)
+    for name, row in rows.items():
+        ratio = row["critical_sections_per_s"] / best
+        rate, trips = row["critical_sections_per_s"], row["round_trips_per_acquisition"]
+        note = f"{ratio:.2f}{X}\n{rate:,.0f}/s\n{trips:.1f} RT"
+        panel.bars.append(Bar(name, ratio, note))
+    panel.lines = [(1.0, f"best peer, {best:,.0f}/s")]
+    return panel
+
+
+def lock_fairness(lock: dict[str, Any]) -> Panel:
+    panel = Panel("Lock, 32 processes: fairness (higher is fairer)", "min / max acquisitions per process")
+    rows = _section(lock, "results", "contention")
+    for name, row in rows.items():
+        note = f"{row['min_max_ratio']:.2f}\np99 wait\n{row['p99_over_fifo_ideal']:.1f}{X} FIFO"
+        panel.bars.append(Bar(name, row["min_max_ratio"], note))
+    panel.lines = [(0.8, "target, fair=True")] if panel.bars else []
+    panel.missing = "" if panel.bars else "no contention results in lock_bench.json"
+    return panel
+
+
+def task_wall(tasks: dict[str, Any]) -> Panel:
+    count = _section(tasks, "args").get("tasks")
+    what = f"{count:,} tasks" if isinstance(count, int) else "tasks"
+    panel = Panel(
+        f"Celery, {what}, prefork worker: wall {X} plain task (lower is better)", f"{X} a plain task's wall"
+    )
+    for name, row in _section(tasks, "summary").items():
+        ratio = row.get("wall_ratio_to_plain")
+        if ratio is None:
+            continue
+        note = f"{ratio:.2f}{X}\n{row['wall_s']:.2f} s\n{row['round_trips_per_task']:.1f} RT"
+        panel.bars.append(Bar(name, ratio, note))
+    panel.lines = [(1.0, "plain"), (1.05, f"target 1.05{X}")] if panel.bars else []
+    panel.missing = "" if panel.bars else "no task results with a plain baseline in task_bench.json"
+    return panel
+
+
+def task_cpu(tasks: dict[str, Any]) -> Panel:
+    panel = Panel("Celery: CPU per task, all processes (lower is better)", "CPU ms per task")
+    for name, row in _section(tasks, "summary").items():
+        cpu = row.get("cpu_ms_per_task") or {}
+        if cpu:
+            total = sum(cpu.values())
+            note = (
+                f"{total:.2f} ms\npool {cpu.get('worker pool', 0):.2f}\nproducer {cpu.get('producer', 0):.2f}"
+            )
+            panel.bars.append(Bar(name, total, note))
+    panel.missing = "" if panel.bars else "no CPU figures in task_bench.json"
+    return panel
+
+
+def refused(tasks: dict[str, Any]) -> Panel:
+    panel = Panel(
+        "A refused duplicate enqueue: producer CPU (lower is better)", "producer CPU µs per refused duplicate"
+    )
+    for name, row in _section(tasks, "refused_duplicates").items():
+        note = f"{row['producer_cpu_us']:.0f} µs\n{row['round_trips']:.2f} RT\n{row['wall_us']:.0f} µs wall"
+        panel.bars.append(Bar(name, row["producer_cpu_us"], note))
+    panel.missing = (
+        "" if panel.bars else "no refused_duplicates in task_bench.json\n(make bench-tasks measures it)"
+    )
+    return panel
+
+
+def panels(lock: dict[str, Any], tasks: dict[str, Any]) -> list[Panel]:
+    """The chart's six panels, in reading order (two rows of three)."""
+    return [
+        lock_uncontended(lock),
+        lock_contention(lock),
+        lock_fairness(lock),
+        task_wall(tasks),
+        task_cpu(tasks),
+        refused(tasks),
+    ]
+
+
+def source(*paths: Path) -> str:
+    """What the PNG's ``Source`` text says: each file's name and SHA-256."""
+    return "; ".join(f"{path.name} sha256 {hashlib.sha256(path.read_bytes()).hexdigest()}" for path in paths)
+
+
+def subtitle(lock: dict[str, Any], tasks: dict[str, Any]) -> str:
+    parts = []
+    for name, data in (("lock_bench", lock), ("task_bench", tasks)):
+        if data:
+            where = f"{data.get('cpus', '?')} CPUs, Python {data.get('python', '?')}"
+            commit = f", commit {data['commit']}" if data.get("commit") else ""
+            parts.append(f"{name}.json: {where}{commit}")
+    return "; ".join(parts) + ". RT: round trips to Redis. Numbers vary with machine load: compare ratios."
+
+
+def ensure_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"installing {MATPLOTLIB} from PyPI ...", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", MATPLOTLIB], check=True)
+        importlib.invalidate_caches()
+
+
+def draw(charts: list[Panel], title: str, out: Path, metadata: dict[str, str]) -> None:
+    """Write ``charts`` as a PNG at ``out`` (two rows of three panels)."""
+    ensure_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 3, figsize=(18, 10.5))
+    for axis, panel in zip(axes.flat, charts, strict=True):
+        axis.set_title(panel.title, fontsize=10.5, loc="left")
+        if not panel.bars:
+            axis.text(
+                0.5, 0.5, panel.missing, ha="center", va="center", transform=axis.transAxes, color="0.4"
+            )
+            axis.axis("off")
+            continue
+        labels = [bar.label for bar in panel.bars]
+        values = [bar.value for bar in panel.bars]
+        colours = ["tab:blue" if ours(label) else "0.65" for label in labels]
+        drawn = axis.bar(range(len(values)), values, color=colours, width=0.75)
+        top = max([*values, *(y for y, _ in panel.lines)]) * 1.32
+        axis.set_ylim(0, top)
+        for rect, bar in zip(drawn, panel.bars, strict=True):
+            inside = rect.get_height() > top * 0.3  # a tall bar holds its note, clear of the lines above
+            axis.text(
+                rect.get_x() + rect.get_width() / 2,
+                rect.get_height() + top * (-0.015 if inside else 0.01),
+                bar.note,
+                ha="center",
+                va="top" if inside else "bottom",
+                fontsize=7.5 if len(values) <= 5 else 6.5,  # six bars are narrower
+                color="white" if inside and ours(bar.label) else "black",
+            )
+        for y, label in panel.lines:
+            colour = "tab:red" if "target" in label else "0.3"
+            axis.axhline(
+                y, color=colour, linestyle="--", linewidth=0.9, label=label, zorder=0.5
+            )  # behind bars
+        if panel.lines:  # in the headroom above the bars, where no note is
+            axis.legend(loc="upper left", fontsize=7.5, frameon=False, ncols=len(panel.lines))
+        axis.set_xticks(range(len(labels)), [wrapped(label) for label in labels], fontsize=8)
+        axis.set_ylabel(panel.unit, fontsize=8.5)
+        axis.tick_params(axis="y", labelsize=8)
+        axis.spines[["top", "right"]].set_visible(False)
+    figure.suptitle(
+        "celery-redislock benchmarks (blue: this package; grey: peers and baselines)",
+        fontsize=13,
+        x=0.01,
+        ha="left",
+    )
+    figure.text(0.01, 0.945, title, fontsize=8.5, color="0.3")
+    figure.tight_layout(rect=(0, 0, 1, 0.94))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=80, metadata={"Software": None, **metadata})  # type: ignore[dict-item]
+    plt.close(figure)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """The JSON at ``path``, or ``{}`` if there is none (its panels then say so)."""
+    if not path.exists():
+        print(f"{path} not found: its panels will be empty")
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--lock", type=Path, default=LOCK_JSON, help=f"lock_bench results (default {LOCK_JSON})"
+    )
+    parser.add_argument(
+        "--tasks", type=Path, default=TASK_JSON, help=f"task_bench results (default {TASK_JSON})"
+    )
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the PNG to write (default {OUT})")
+    args = parser.parse_args(argv)
+    lock, tasks = load(args.lock), load(args.tasks)
+    if not lock and not tasks:
+        parser.error("neither results file exists: run make bench and make bench-tasks first")
+    sources = source(*(path for path in (args.lock, args.tasks) if path.exists()))
+    draw(panels(lock, tasks), subtitle(lock, tasks), args.out, {"Source": sources})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""bench/chart.py: the benchmark PNG is drawn from the results JSON, whatever it holds, and the
+committed PNG is the one the committed JSON makes."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import struct
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples._support import ROOT
+
+_spec = importlib.util.spec_from_file_location("bench_chart", ROOT / "bench" / "chart.py")
+assert _spec is not None and _spec.loader is not None
+chart: Any = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = chart  # its dataclasses look their module up
+_spec.loader.exec_module(chart)
+
+LOCK: dict[str, Any] = json.loads(chart.LOCK_JSON.read_text())
+TASKS: dict[str, Any] = json.loads(chart.TASK_JSON.read_text())
+
+
+def png_info(path: Path) -> tuple[int, int, dict[str, str]]:
+    """(width, height, text chunks) of a PNG, read chunk by chunk (CRCs checked)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    offset, size, texts = 8, (0, 0), {}
+    while offset < len(data):
+        (length,) = struct.unpack(">I", data[offset : offset + 4])
+        kind, body = data[offset + 4 : offset + 8], data[offset + 8 : offset + 8 + length]
+        (crc,) = struct.unpack(">I", data[offset + 8 + length : offset + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"bad CRC in chunk {kind!r}"
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        elif kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            texts[key.decode("latin-1")] = value.decode("latin-1")
+        offset += 12 + length
+    return size[0], size[1], texts
+
+
+def by_title(panels: list[Any], start: str) -> Any:
+    (panel,) = [panel for panel in panels if panel.title.startswith(start)]
+    return panel
+
+
+def values(panel: Any) -> dict[str, float]:
+    return {bar.label: bar.value for bar in panel.bars}
+
+
+def test_the_committed_png_is_drawn_from_the_committed_results() -> None:
+    width, height, texts = png_info(chart.OUT)
+    assert (width, height) == (1440, 840)
+    assert texts.get("Source") == chart.source(chart.LOCK_JSON, chart.TASK_JSON), (
+        "bench/results/benchmarks.png is older than the results JSON: run `make chart` and commit the PNG"
+    )
+    readme = (ROOT / "README.md").read_text()
+    assert "bench/results/benchmarks.png" in readme and "make chart" in readme
+
+
+def test_the_panels_hold_the_ratios_of_the_results() -> None:
+    panels = chart.panels(LOCK, TASKS)
+    assert len(panels) == 6
+    uncontended = values(by_title(panels, "Lock, uncontended"))
+    for name, row in LOCK["results"]["uncontended"].items():
+        if name != "bare":
+            assert uncontended[name.replace("watchdog=False", "no watchdog")] == row["ratio_to_bare"]
+    contention = values(by_title(panels, "Lock, 32 processes, 1 ms hold"))
+    rows = LOCK["results"]["contention"]
+    peers = {name: row["critical_sections_per_s"] for name, row in rows.items() if not chart.ours(name)}
+    assert max(contention[name] for name in peers) == 1.0  # the best peer is the baseline
+    assert contention["RedisLock fair=True"] == pytest.approx(
+        rows["RedisLock fair=True"]["critical_sections_per_s"] / max(peers.values())
+    )
+    fairness = values(by_title(panels, "Lock, 32 processes: fairness"))
+    assert fairness == {name: row["min_max_ratio"] for name, row in rows.items()}
+    wall = values(by_title(panels, "Celery, 2,000 tasks"))
+    assert wall == {name: row["wall_ratio_to_plain"] for name, row in TASKS["summary"].items()}
+    cpu = values(by_title(panels, "Celery: CPU per task"))
+    assert cpu["LockedTask"] == pytest.approx(sum(TASKS["summary"]["LockedTask"]["cpu_ms_per_task"].values()))
+
+
+def test_the_until_executed_variant_and_refused_duplicates_are_charted(tmp_path: Path) -> None:
+    """The format bench/task_bench.py writes now: an ``until_executed`` variant, and a
+    ``refused_duplicates`` section per de-duplicating variant."""
+    tasks = copy.deepcopy(TASKS)
+    tasks["summary"]["until_executed"] = {**tasks["summary"]["LockedTask"], "wall_ratio_to_plain": 1.07}
+    tasks["refused_duplicates"] = {
+        "until_executed": {"round_trips": 1.0, "producer_cpu_us": 180.0, "wall_us": 260.0},
+        "celery-once": {"round_trips": 1.0, "producer_cpu_us": 240.0, "wall_us": 330.0},
+        "celery-singleton": {"round_trips": 2.0, "producer_cpu_us": 410.0, "wall_us": 520.0},
+    }
+    path = tmp_path / "task_bench.json"
+    path.write_text(json.dumps(tasks))
+    out = tmp_path / "chart.png"
+    assert chart.main(["--tasks", str(path), "--out", str(out)]) == 0
+    panels = chart.panels(LOCK, tasks)
+    assert values(by_title(panels, "Celery, 2,000 tasks"))["until_executed"] == 1.07
+    refused = by_title(panels, "A refused duplicate enqueue")
+    assert values(refused) == {"until_executed": 180.0, "celery-once": 240.0, "celery-singleton": 410.0}
+    assert not refused.missing and "2.00 RT" in refused.bars[2].note
+    width, _, texts = png_info(out)
+    assert width == 1440
+    assert texts["Source"] == chart.source(chart.LOCK_JSON, path)
+
+
+def test_what_a_run_left_out_leaves_its_panel_empty_and_the_chart_is_still_drawn(tmp_path: Path) -> None:
+    lock = {**LOCK, "results": {"uncontended": LOCK["results"]["uncontended"]}}  # --only uncontended
+    path = tmp_path / "lock_bench.json"
+    path.write_text(json.dumps(lock))
+    out = tmp_path / "chart.png"
+    assert chart.main(["--lock", str(path), "--tasks", str(tmp_path / "none.json"), "--out", str(out)]) == 0
+    panels = chart.panels(lock, {})
+    assert [bool(panel.bars) for panel in panels] == [True, False, False, False, False, False]
+    assert "no contention results" in panels[1].missing
+    assert "no refused_duplicates" in panels[5].missing
+    assert png_info(out)[2]["Source"] == chart.source(path)
+    with pytest.raises(SystemExit):  # neither file: nothing to chart
+        chart.main(["--lock", str(tmp_path / "a"), "--tasks", str(tmp_path / "b"), "--out", str(out)])
