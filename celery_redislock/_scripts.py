@@ -226,12 +226,11 @@ class Script:
         through ``execute_command``.
         """
         if type(client) is not redis.Redis or client.connection is not None:
-            command = ("EVALSHA", self.sha, len(keys), *keys, *args)
             try:
-                return client.execute_command(*command)
+                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
             except NoScriptError:
                 client.script_load(self.source)
-                return client.execute_command(*command)
+                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         pool = client.connection_pool
         connection: Any = pool.get_connection()
         try:
@@ -243,6 +242,14 @@ class Script:
             )
         finally:
             pool.release(connection)
+
+    async def call_async(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """Run on the asyncio client ``client`` (``redis.asyncio.Redis``), honouring its retry policy."""
+        try:
+            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self.source)
+            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
     def run_on(self, connection: Any, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
         """Run on one ``redis.connection.Connection``, bounded by its own socket timeouts.

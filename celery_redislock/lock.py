@@ -82,6 +82,38 @@ def _lease_seconds(ttl: object, watchdog: bool) -> float:
     return value
 
 
+def _lock_name(name: object) -> str:
+    """``name`` as a non-empty str, or ``LockConfigurationError`` saying what is allowed."""
+    if isinstance(name, bytes):
+        try:
+            name = name.decode()
+        except UnicodeDecodeError:
+            raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
+    if not isinstance(name, str) or not name:
+        raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
+    return name
+
+
+def _check_holder(holder: object) -> None:
+    if holder is not None and not isinstance(holder, str):
+        raise LockConfigurationError(f"holder must be a str, got {holder!r}")
+
+
+def _member(ttl_ms: int, token: str, fair: bool, holder: str | None) -> str:
+    """The waiter member (see ``_scripts``) describing an acquisition by ``token``."""
+    holder = holder if holder is not None else f"{_hostname()}:{os.getpid()}"
+    return f"{ttl_ms}:{token}:{'1' if fair else '0'}:{holder}"
+
+
+def _sleep_seconds(ttl: float, deadline: float | None, pttl_ms: int) -> float:
+    """How long a waiter blocks: until the holder's TTL (``pttl_ms``; at most our own ``ttl``)
+    runs out, or until ``deadline`` (monotonic)."""
+    waits = [ttl, pttl_ms / 1000 if pttl_ms > 0 else ttl]
+    if deadline is not None:
+        waits.append(deadline - mod_time.monotonic())
+    return max(min(waits), 0.001)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -124,17 +156,10 @@ class RedisLock:
             raise LockConfigurationError(
                 f"client must be a redis.Redis or redis.cluster.RedisCluster, got {type(client).__name__}"
             )
-        if isinstance(name, bytes):
-            try:
-                name = name.decode()
-            except UnicodeDecodeError:
-                raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
-        if not isinstance(name, str) or not name:
-            raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
+        name = _lock_name(name)
         self.ttl = _lease_seconds(ttl, watchdog)
         self.timeout = None if timeout is None else seconds(timeout, "timeout")
-        if holder is not None and not isinstance(holder, str):
-            raise LockConfigurationError(f"holder must be a str, got {holder!r}")
+        _check_holder(holder)
         self.client = client
         self.name = name
         self.watchdog = bool(watchdog)
@@ -178,8 +203,7 @@ class RedisLock:
                 self._count += 1
                 return True
         token = secrets.token_hex(16)
-        holder = self.holder if self.holder is not None else f"{_hostname()}:{os.getpid()}"
-        member = f"{self._ttl_ms}:{token}:{'1' if self.fair else '0'}:{holder}"
+        member = _member(self._ttl_ms, token, self.fair, self.holder)
         deadline = None if wait is None else mod_time.monotonic() + wait
         sent_at, fence = self._wait_for(token, member, blocking, deadline)
         if fence is None:
@@ -246,10 +270,7 @@ class RedisLock:
 
     def _sleep(self, token: str, deadline: float | None, pttl_ms: int) -> str | None:
         """Blocks until woken by a release, the holder's TTL runs out, or ``deadline``."""
-        waits = [self.ttl, pttl_ms / 1000 if pttl_ms > 0 else self.ttl]
-        if deadline is not None:
-            waits.append(deadline - mod_time.monotonic())
-        wait = max(min(waits), 0.001)
+        wait = _sleep_seconds(self.ttl, deadline, pttl_ms)
         key = self._wake_prefix + token
         reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
         return None if reply is None else _text(reply[1])

@@ -35,16 +35,13 @@ import time as mod_time
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis.cluster
 
 from . import signals
 from ._redis import node_client
 from ._scripts import RENEW, bulk
-
-if TYPE_CHECKING:
-    from .lock import RedisLock
 
 __all__ = ["BATCH", "Lease", "Watchdog", "get_watchdog"]
 
@@ -57,7 +54,11 @@ _IDLE = 120.0
 
 
 class Lease:
-    """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds."""
+    """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds.
+
+    ``owner`` refers to the lock object (``RedisLock`` or ``AsyncRedisLock``),
+    whose ``_mark_lost(lease)`` says whether a loss of this lease is its loss.
+    """
 
     __slots__ = (
         "cancelled",
@@ -73,7 +74,7 @@ class Lease:
         "ttl",
     )
 
-    def __init__(self, client: Any, key: str, token: str, ttl: float, owner: weakref.ref[RedisLock]) -> None:
+    def __init__(self, client: Any, key: str, token: str, ttl: float, owner: weakref.ref[Any]) -> None:
         self.client, self.key, self.token, self.ttl, self.owner = client, key, token, ttl, owner
         #: seconds between renewals (ttl / 3)
         self.interval = 0.0
