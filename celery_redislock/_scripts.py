@@ -257,25 +257,32 @@ class Script:
         ``keys`` and ``args`` are already RESP bulk strings (``bulk()``), so a
         caller sending many can pack each once; the command is sent in one write.
         """
-        command = [
-            b"".join(
-                (
-                    b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 + len(keys) + len(args)),
-                    bulk(self.sha.encode()),
-                    bulk(b"%d" % len(keys)),
-                    *keys,
-                    *args,
-                )
-            )
-        ]
-        connection.send_packed_command(command)
+        command = self.pack(keys, args)
+        connection.send_packed_command([command])
+        return self.reply_on(connection, command)
+
+    def reply_on(self, connection: Any, command: bytes) -> Any:
+        """The reply to ``command`` (from ``pack()``), sent on ``connection``; after NOSCRIPT
+        (a restarted or new server), the script is loaded and ``command`` sent again."""
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("SCRIPT", "LOAD", self.source)
             connection.read_response()
-            connection.send_packed_command(command)
+            connection.send_packed_command([command])
             return connection.read_response()
+
+    def pack(self, keys: Sequence[bytes], args: Sequence[bytes]) -> bytes:
+        """The EVALSHA command as RESP, ``keys`` and ``args`` being bulk strings already (``bulk()``)."""
+        return b"".join(
+            (
+                b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 + len(keys) + len(args)),
+                bulk(self.sha.encode()),
+                bulk(b"%d" % len(keys)),
+                *keys,
+                *args,
+            )
+        )
 
 
 def bulk(value: bytes) -> bytes:

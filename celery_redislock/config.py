@@ -41,7 +41,7 @@ BUSY = ("skip", "retry", "wait", "raise")
 DUPLICATE = ("return", "raise")
 ON_LOST = ("log", "raise")
 ON_ERROR = ("fail", "run")
-URL_SCHEMES = ("redis", "rediss", "unix")
+URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis-cluster", "rediss-cluster")
 
 #: Option name (without ``lock_``) -> library default; ``lock_busy`` and
 #: ``lock_wait_timeout`` have defaults that depend on other options.
@@ -57,7 +57,12 @@ TASK_OPTIONS: Mapping[str, Any] = {
     "wait_timeout": None,
     "on_lost": "log",
 }
-APP_SETTINGS: Mapping[str, Any] = {"url": None, "prefix": "redislock", "on_error": "fail"}
+APP_SETTINGS: Mapping[str, Any] = {
+    "url": None,
+    "prefix": "redislock",
+    "on_error": "fail",
+    "transport_options": None,
+}
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ class AppSettings:
     url: str | None
     prefix: str
     on_error: str
+    #: for a sentinel:// URL: ``master_name`` etc. (None: ``broker_transport_options``)
+    transport_options: Mapping[str, Any] | None = None
 
 
 class _Problem:
@@ -150,13 +157,20 @@ def app_settings(app: Any) -> AppSettings:
     if url is not None:
         scheme = url.partition("://")[0] if isinstance(url, str) else None
         if scheme not in URL_SCHEMES:
-            allowed = "allowed: a redis://, rediss:// or unix:// URL"
+            allowed = (
+                "allowed: a redis://, rediss://, unix://, redis-cluster://, rediss-cluster:// "
+                "or sentinel:// URL"
+            )
             raise problem("redislock_url", url, allowed)
     prefix = app.conf.get("redislock_prefix") or APP_SETTINGS["prefix"]
     if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
         raise problem("redislock_prefix", prefix, "allowed: a non-empty str without '{' or '}'")
     on_error = _choice(problem, "redislock_on_error", app.conf.get("redislock_on_error") or "fail", ON_ERROR)
-    return AppSettings(url=url, prefix=prefix, on_error=on_error)
+    transport_options = app.conf.get("redislock_transport_options")
+    if transport_options is not None and not isinstance(transport_options, Mapping):
+        allowed = "allowed: a dict, e.g. {'master_name': ...}"
+        raise problem("redislock_transport_options", transport_options, allowed)
+    return AppSettings(url=url, prefix=prefix, on_error=on_error, transport_options=transport_options)
 
 
 def task_options(task: type[Any], app: Any) -> LockOptions:

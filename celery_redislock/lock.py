@@ -23,6 +23,7 @@ import socket
 import threading
 import time as mod_time
 import weakref
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -141,9 +142,17 @@ class RedisLock:
     ``lost`` is set when the watchdog finds the lock gone or taken over.
     """
 
+    def __new__(cls, client: Any, *args: Any, **kwargs: Any) -> RedisLock:
+        """A list or tuple of clients or URLs makes a Redlock (see ``redlock.Redlock``)."""
+        if cls is RedisLock and isinstance(client, (list, tuple)):
+            from .redlock import Redlock
+
+            return super().__new__(Redlock)
+        return super().__new__(cls)
+
     def __init__(
         self,
-        client: redis.Redis | redis.cluster.RedisCluster,
+        client: redis.Redis | redis.cluster.RedisCluster | Sequence[redis.Redis | str],
         name: str | bytes,
         ttl: Duration = 30.0,
         *,
@@ -303,10 +312,14 @@ class RedisLock:
             if self._count > 1:
                 self._count -= 1
                 return
-        released = RELEASE(self.client, self._keys, [self._let_go()])
+        released = self._free(self._let_go())
         self._forget()
-        if not int(released):
+        if not released:
             raise LockNotOwned(self.name)
+
+    def _free(self, token: str) -> bool:
+        """Release ``token``'s hold in Redis, owner-checked; whether ``token`` held the lock."""
+        return bool(int(RELEASE(self.client, self._keys, [token])))
 
     def extend(self, ttl: Duration | None = None) -> None:
         """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it, never adding.

@@ -45,7 +45,7 @@ from ._durations import to_ms
 from ._scripts import RELEASE, RENEW
 from ._task_scripts import ADOPT, PARK, SETTLE
 from .config import AppSettings, LockOptions, app_settings, task_options
-from .connection import client_for
+from .connection import Client, client_for
 from .exceptions import (
     DuplicateTask,
     LockConfigurationError,
@@ -104,7 +104,7 @@ def parse_holder(holder: str | None) -> dict[str, str]:
     return dict(field.partition("=")[::2] for field in holder.split(" "))
 
 
-def release_held_by(client: redis.Redis, key: str, holder: str) -> bool:
+def release_held_by(client: Client, key: str, holder: str) -> bool:
     """Release ``key`` if ``holder`` holds it (two round trips); whether it was released.
 
     For a process that cleans up after another (the worker's main process
@@ -140,7 +140,7 @@ def request_ticket(request: Any) -> tuple[str, str] | None:
     )
 
 
-def free_ticket(client: redis.Redis, ticket: tuple[str, str]) -> bool:
+def free_ticket(client: Client, ticket: tuple[str, str]) -> bool:
     """Release a message's enqueue lock, owner-checked by its token; whether it was released."""
     key, token = ticket
     return bool(int(RELEASE(client, [key], [token])))
@@ -186,7 +186,7 @@ class _ExecutionLock(RedisLock):
     """A task's execution lock: a loss marks the request (``lock_lost``) and, with
     ``lock_on_lost="raise"``, raises ``LockLost`` in the thread running the body."""
 
-    def __init__(self, client: redis.Redis, key: str, ttl: float, holder: str, on_lost: str) -> None:
+    def __init__(self, client: Client, key: str, ttl: float, holder: str, on_lost: str) -> None:
         super().__init__(client, key, ttl, holder=holder)
         self.request: Any = None  # the request the body sees, once pushed
         self.raise_on_lost = on_lost == "raise"
