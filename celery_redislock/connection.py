@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -23,12 +24,11 @@ from urllib.parse import unquote, urlsplit
 import redis
 import redis.cluster
 import redis.sentinel
-from kombu.utils.url import maybe_sanitize_url
 
 from .config import URL_SCHEMES, app_settings
 from .exceptions import LockConfigurationError
 
-__all__ = ["DEFAULT_URL", "client_for", "lock_url", "redis_client"]
+__all__ = ["DEFAULT_URL", "client_for", "lock_url", "masked", "redis_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ DEFAULT_URL = "redis://localhost:6379/0"
 SOCKET_TIMEOUT = 5.0
 
 Client = redis.Redis | redis.cluster.RedisCluster
+
+
+def masked(url: str) -> str:
+    """``url`` with every password (one per listed URL) shown as ``**``."""
+    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)
 
 
 def _first_broker_url(app: Any) -> str | None:
@@ -87,7 +92,7 @@ def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str,
     master_name = transport_options.get("master_name")
     if not isinstance(master_name, str) or not master_name:
         raise LockConfigurationError(
-            f"{maybe_sanitize_url(url)!r}: a sentinel:// URL needs the master name, "
+            f"{masked(url)!r}: a sentinel:// URL needs the master name, "
             "e.g. redislock_transport_options={'master_name': 'mymaster'}"
         )
     sentinels: list[tuple[str, int]] = []
@@ -95,7 +100,7 @@ def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str,
     for part in url.split(";"):
         parsed = urlsplit(part.strip())
         if parsed.scheme != "sentinel" or not parsed.hostname:
-            safe = maybe_sanitize_url(url)
+            safe = masked(url)
             raise LockConfigurationError(f"{safe!r}: {part!r} is not a sentinel://host:port URL")
         sentinels.append((parsed.hostname, parsed.port or 26379))
         if parsed.username and "username" not in master:
@@ -142,7 +147,7 @@ def client_for(app: Any) -> tuple[Client, str]:
         options.update(ssl)
     transport_options = app_settings(app).transport_options or app.conf.get("broker_transport_options") or {}
     client = redis_client(url, transport_options, **options)
-    safe_url = str(maybe_sanitize_url(url))
+    safe_url = masked(url)
     app._redislock_client = (os.getpid(), client, safe_url)
     logger.info("celery-redislock: locks in Redis at %s (from %s)", safe_url, source)
     return client, safe_url

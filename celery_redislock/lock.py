@@ -281,7 +281,10 @@ class RedisLock:
         """Blocks until woken by a release, the holder's TTL runs out, or ``deadline``."""
         wait = _sleep_seconds(self.ttl, deadline, pttl_ms)
         key = self._wake_prefix + token
-        reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        try:
+            reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        except (redis.exceptions.MovedError, redis.exceptions.AskError):
+            return None  # a Cluster moving the slot: try again through the client, which follows it
         return None if reply is None else _text(reply[1])
 
     def _abandon(self, token: str, member: str) -> None:
