@@ -13,6 +13,7 @@ from .exceptions import (
     LockLost,
     LockNotAcquired,
     LockNotOwned,
+    LockNotReplicated,
     RedisLockError,
 )
 from .lock import RedisLock
@@ -26,6 +27,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockNotOwned",
+    "LockNotReplicated",
     "LockedTask",
     "RedisLock",
     "RedisLockError",

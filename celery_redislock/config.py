@@ -62,6 +62,8 @@ APP_SETTINGS: Mapping[str, Any] = {
     "prefix": "redislock",
     "on_error": "fail",
     "transport_options": None,
+    "replicas": 0,
+    "replica_timeout": 1.0,
 }
 
 
@@ -90,6 +92,14 @@ class AppSettings:
     on_error: str
     #: for a sentinel:// URL: ``master_name`` etc. (None: ``broker_transport_options``)
     transport_options: Mapping[str, Any] | None = None
+    #: replicas that must acknowledge an acquisition (``WAIT``), and how long to wait for them
+    replicas: int = 0
+    replica_timeout: float = 1.0
+
+    @property
+    def replication(self) -> dict[str, Any]:
+        """The ``RedisLock`` arguments that ask for replica acknowledgements."""
+        return {"replicas": self.replicas, "replica_timeout": self.replica_timeout} if self.replicas else {}
 
 
 class _Problem:
@@ -170,7 +180,20 @@ def app_settings(app: Any) -> AppSettings:
     if transport_options is not None and not isinstance(transport_options, Mapping):
         allowed = "allowed: a dict, e.g. {'master_name': ...}"
         raise problem("redislock_transport_options", transport_options, allowed)
-    return AppSettings(url=url, prefix=prefix, on_error=on_error, transport_options=transport_options)
+    replicas = app.conf.get("redislock_replicas") or 0
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise problem("redislock_replicas", replicas, "allowed: an int >= 0")
+    replica_timeout = _duration(
+        problem, "redislock_replica_timeout", app.conf.get("redislock_replica_timeout") or 1.0, 0.001
+    )
+    return AppSettings(
+        url=url,
+        prefix=prefix,
+        on_error=on_error,
+        transport_options=transport_options,
+        replicas=replicas,
+        replica_timeout=replica_timeout,
+    )
 
 
 def task_options(task: type[Any], app: Any) -> LockOptions:

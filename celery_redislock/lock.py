@@ -29,11 +29,12 @@ from typing import Any
 
 import redis
 import redis.cluster
+from redis.exceptions import NoScriptError
 
 from ._durations import Duration, seconds, to_ms
 from ._redis import call_with_timeout, node_client
 from ._scripts import ACQUIRE, RELEASE, RENEW
-from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
+from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned, LockNotReplicated
 from .watchdog import Lease, get_watchdog
 
 __all__ = ["MAX_TTL", "MIN_WATCHDOG_TTL", "RedisLock", "companion_key"]
@@ -160,6 +161,8 @@ class RedisLock:
         fair: bool = False,
         timeout: Duration | None = None,
         holder: str | None = None,
+        replicas: int = 0,
+        replica_timeout: Duration = 1.0,
     ) -> None:
         if not isinstance(client, (redis.Redis, redis.cluster.RedisCluster)):
             raise LockConfigurationError(
@@ -169,6 +172,16 @@ class RedisLock:
         self.ttl = _lease_seconds(ttl, watchdog)
         self.timeout = None if timeout is None else seconds(timeout, "timeout")
         _check_holder(holder)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise LockConfigurationError(f"replicas must be an int >= 0, got {replicas!r}")
+        if replicas and not isinstance(client, redis.Redis):
+            raise LockConfigurationError("replicas needs a redis.Redis client (one primary, or Sentinel's)")
+        self.replicas = replicas
+        self.replica_timeout = seconds(replica_timeout, "replica_timeout")
+        if not 0 < self.replica_timeout < self.ttl:
+            raise LockConfigurationError(
+                f"replica_timeout must be > 0 and < ttl ({self.ttl:g}), got {replica_timeout!r}"
+            )
         self.client = client
         self.name = name
         self.watchdog = bool(watchdog)
@@ -217,8 +230,36 @@ class RedisLock:
         sent_at, fence = self._wait_for(token, member, blocking, deadline)
         if fence is None:
             return False
+        if self.replicas:
+            self._confirm(token, member)
         self._hold(token, fence, sent_at)
         return True
+
+    def _confirm(self, token: str, member: str) -> None:
+        """Wait (``WAIT``, at most ``replica_timeout``) until ``replicas`` replicas have the hold of
+        ``token``; else release it, owner-checked, and raise ``LockNotReplicated``.
+
+        The hold is written again (its TTL set, owner-checked) on the connection that
+        then sends ``WAIT``, so the wait covers it however it was granted (also handed over).
+        """
+        try:
+            for _ in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.execute_command("EVALSHA", RENEW.sha, 1, self.name, self._ttl_ms, token)
+                pipe.execute_command("WAIT", self.replicas, to_ms(self.replica_timeout))
+                not_owned, acknowledged = pipe.execute(raise_on_error=False)
+                if not isinstance(not_owned, NoScriptError):
+                    break
+                self.client.script_load(RENEW.source)
+            for reply in (not_owned, acknowledged):
+                if isinstance(reply, Exception):
+                    raise reply
+        except BaseException:
+            self._abandon(token, member)
+            raise
+        if not_owned or int(acknowledged) < self.replicas:
+            self._abandon(token, member)
+            raise LockNotReplicated(self.name, int(acknowledged), self.replicas)
 
     def _hold(self, token: str, fence: int, sent_at: float) -> None:
         """Record the hold granted to ``token`` (``fence``) by a request sent at monotonic ``sent_at``."""

@@ -186,8 +186,10 @@ class _ExecutionLock(RedisLock):
     """A task's execution lock: a loss marks the request (``lock_lost``) and, with
     ``lock_on_lost="raise"``, raises ``LockLost`` in the thread running the body."""
 
-    def __init__(self, client: Client, key: str, ttl: float, holder: str, on_lost: str) -> None:
-        super().__init__(client, key, ttl, holder=holder)
+    def __init__(
+        self, client: Client, key: str, ttl: float, holder: str, on_lost: str, settings: AppSettings
+    ) -> None:
+        super().__init__(client, key, ttl, holder=holder, **settings.replication)
         self.request: Any = None  # the request the body sees, once pushed
         self.raise_on_lost = on_lost == "raise"
         self._thread_id = threading.get_ident()
@@ -292,7 +294,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             ttl = max(ttl, lock_options.period or 0)
         client, url = client_for(self.app)
         holder = holder_for(task_id, 0, socket.gethostname(), os.getpid(), "queued")
-        lock = RedisLock(client, key, ttl, watchdog=False, holder=holder)
+        lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **settings.replication)
         try:
             acquired = lock.acquire(blocking=False)
         except redis.RedisError as exc:
@@ -355,7 +357,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
         lock: _ExecutionLock | None = None
         if options.mode != "until_executing":
             lock = _ExecutionLock(
-                client, key, options.ttl, holder_for(task_id, retries, node, os.getpid()), options.on_lost
+                client,
+                key,
+                options.ttl,
+                holder_for(task_id, retries, node, os.getpid()),
+                options.on_lost,
+                settings,
             )
             lock.request = request
         # In these modes the message's enqueue lock goes once the message is dealt with here:
