@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import redis.cluster
 from redis.exceptions import NoScriptError
 
 _NAMES = """
@@ -222,10 +223,20 @@ class Script:
         packed here and sent in one write: redis-py's per-command layers
         (observability hooks, argument packing, callbacks) cost several times
         the CPU of the exchange itself, and these scripts run once or twice per
-        task. Any other client (Cluster, single-connection, a subclass) goes
-        through ``execute_command``.
+        task. A ``RedisCluster`` sends it the same way to the node serving the
+        keys' slot, and goes through its ``execute_command`` (which follows
+        MOVED/ASK and learns the new layout) when that node redirects it or is
+        gone. Any other client (single-connection, a subclass) goes through
+        ``execute_command``.
         """
         if type(client) is not redis.Redis or client.connection is not None:
+            if type(client) is redis.cluster.RedisCluster and keys:
+                try:  # straight to the node that serves the keys' slot, on that node's own fast path
+                    cluster: Any = client
+                    node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
+                    return self(node.redis_connection, keys, args)
+                except _REDIRECTED:
+                    pass  # the slot moved, or the node is gone: the Cluster client follows and learns
             try:
                 return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
             except NoScriptError:
@@ -283,6 +294,17 @@ class Script:
                 *args,
             )
         )
+
+
+#: Errors after which a Cluster's direct node call is sent again through the Cluster client.
+_REDIRECTED = (
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.RedisClusterException,
+)
 
 
 def bulk(value: bytes) -> bytes:

@@ -178,7 +178,7 @@ class RedisLock:
             raise LockConfigurationError("replicas needs a redis.Redis client (one primary, or Sentinel's)")
         self.replicas = replicas
         self.replica_timeout = seconds(replica_timeout, "replica_timeout")
-        if not 0 < self.replica_timeout < self.ttl:
+        if replicas and not 0 < self.replica_timeout < self.ttl:
             raise LockConfigurationError(
                 f"replica_timeout must be > 0 and < ttl ({self.ttl:g}), got {replica_timeout!r}"
             )
