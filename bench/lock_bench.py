@@ -17,6 +17,11 @@ Scenarios, each run for every contender in the same invocation:
   acquisitions over processes (min/max), round trips per acquisition and the
   p50/p99 wait (from calling ``acquire`` to holding), also relative to the
   "FIFO ideal" wait of ``(N - 1) * wall / acquisitions``.
+* **redlock**: on three private primaries of its own, uncontended
+  acquire+release pairs/s of ``RedisLock([c1, c2, c3], ...)`` and pottery's
+  ``Redlock(masters={c1, c2, c3})``, in rotating rounds, best round counts.
+* **cluster**: uncontended ``RedisLock`` pairs/s on a private 3-primary Redis
+  Cluster vs a private single server, same rounds.
 * **watchdog**: one process holds 10,000 RedisLocks (ttl 3 s, so a renewal
   interval of 1 s) and, while its main thread only waits on an Event,
   measures the watchdog's renewal round trips per interval and the process's
@@ -68,7 +73,7 @@ import redis
 from redis.connection import Connection
 
 from celery_redislock import RedisLock
-from celery_redislock.testing import RedisServer
+from celery_redislock.testing import RedisClusterServers, RedisServer
 from celery_redislock.watchdog import BATCH, get_watchdog
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lock_bench.json"
@@ -543,6 +548,103 @@ def bench_watchdog(url: str, prefix: str, count: int, intervals: int) -> dict[st
     return row
 
 
+# -- topologies: Redlock over three primaries, a Redis Cluster -------------------------
+
+
+def best_of_rounds(pairs: dict[str, Pair], admin: redis.Redis, seconds: float, rounds: int) -> dict[str, Any]:
+    """Best pairs/s of each contender over ``rounds`` rotating rounds, as in ``bench_uncontended``."""
+    names = list(pairs)
+    for pair in pairs.values():  # warm up: scripts, connections, threads
+        time_pairs(pair, 0.05, admin)
+    runs: dict[str, list[Run]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            runs[name].append(time_pairs(pairs[name], seconds, admin))
+    return {
+        name: {
+            "pairs_per_s": max(run.rate for run in done),
+            "pairs_per_s_all_rounds": [run.rate for run in done],
+            "round_trips_per_pair": sum(run.commands for run in done) / sum(run.pairs for run in done),
+        }
+        for name, done in runs.items()
+    }
+
+
+def bench_redlock(prefix: str, seconds: float, rounds: int) -> dict[str, Any]:
+    """Uncontended acquire+release over three private primaries: our Redlock vs pottery's."""
+    import pottery
+
+    servers = [RedisServer() for _ in range(3)]
+    try:
+        for server in servers:
+            server.start()
+        clients = [counting_client(server.url) for server in servers]
+        admin = redis.Redis.from_url(servers[0].url)
+        ours = RedisLock(clients, f"{prefix}r:ours")
+        theirs = pottery.Redlock(key=f"{prefix}r:pottery", masters=set(clients), auto_release_time=30)
+        rows = best_of_rounds(
+            {
+                "RedisLock over 3": (
+                    lambda: checked(ours.acquire(blocking=False), "RedisLock"),
+                    ours.release,
+                ),
+                "pottery Redlock over 3": (
+                    lambda: checked(theirs.acquire(blocking=False), "pottery"),
+                    theirs.release,
+                ),
+            },
+            admin,
+            seconds,
+            rounds,
+        )
+        admin.close()
+    finally:
+        for server in servers:
+            server.close()
+    print_table(
+        f"Redlock over 3 primaries, uncontended acquire+release (best of {rounds} rounds of {seconds:g}s)",
+        ["lock", "pairs/s", "RT/pair"],
+        [
+            [name, f"{row['pairs_per_s']:.0f}", f"{row['round_trips_per_pair']:.2f}"]
+            for name, row in rows.items()
+        ],
+    )
+    return rows
+
+
+def bench_cluster(prefix: str, seconds: float, rounds: int) -> dict[str, Any]:
+    """Uncontended RedisLock acquire+release: a 3-primary Cluster vs one server, same machine."""
+    with RedisServer() as single, RedisClusterServers(3) as cluster:
+        plain = counting_client(single.url)
+        clustered = cluster.client()
+        admin = redis.Redis.from_url(single.url)
+        on_single = RedisLock(plain, f"{prefix}s:single")
+        on_cluster = RedisLock(clustered, f"{prefix}s:cluster")
+        rows = best_of_rounds(
+            {
+                "RedisLock, one server": (
+                    lambda: checked(on_single.acquire(blocking=False), "single"),
+                    on_single.release,
+                ),
+                "RedisLock, Cluster": (
+                    lambda: checked(on_cluster.acquire(blocking=False), "cluster"),
+                    on_cluster.release,
+                ),
+            },
+            admin,
+            seconds,
+            rounds,
+        )
+        admin.close()
+        clustered.close()
+    print_table(
+        f"Cluster vs one server, uncontended acquire+release (best of {rounds} rounds of {seconds:g}s)",
+        ["lock", "pairs/s"],
+        [[name, f"{row['pairs_per_s']:.0f}"] for name, row in rows.items()],
+    )
+    return rows
+
+
 # -- reporting -------------------------------------------------------------------
 
 
@@ -668,6 +770,25 @@ def checks(results: dict[str, Any]) -> list[Check]:
             Check(f"watchdog seconds to acquire {locks} locks", row["acquire_all_s"], "", "{:.2f}"),
             Check(f"watchdog seconds to release {locks} locks", row["release_all_s"], "", "{:.2f}"),
         ]
+    if "redlock" in results:
+        rows = results["redlock"]
+        found.append(
+            Check(
+                "Redlock over 3: RedisLock/pottery pairs/s",
+                rows["RedisLock over 3"]["pairs_per_s"] / rows["pottery Redlock over 3"]["pairs_per_s"],
+                ">= 2",
+                "{:.2f}",
+            )
+        )
+    if "cluster" in results:
+        rows = results["cluster"]
+        found.append(
+            Check(
+                "uncontended RedisLock Cluster/one server pairs/s",
+                rows["RedisLock, Cluster"]["pairs_per_s"] / rows["RedisLock, one server"]["pairs_per_s"],
+                ">= 0.9",
+            )
+        )
     return found
 
 
@@ -702,7 +823,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["uncontended", "contention", "watchdog"],
+        choices=["uncontended", "contention", "watchdog", "redlock", "cluster"],
         help="run only this scenario (repeatable; default: all)",
     )
     parser.add_argument(
@@ -736,7 +857,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     prefix = f"lock_bench:{secrets.token_hex(4)}:"
     check_counting(url, prefix)
-    scenarios = args.only or ["uncontended", "contention", "watchdog"]
+    scenarios = args.only or ["uncontended", "contention", "watchdog", "redlock", "cluster"]
     results: dict[str, Any] = {}
     if "uncontended" in scenarios:
         results["uncontended"] = bench_uncontended(url, prefix, args.uncontended_seconds, args.rounds)
@@ -744,6 +865,10 @@ def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         results["contention"] = bench_contention(url, prefix, args.processes, args.seconds)
     if "watchdog" in scenarios:
         results["watchdog"] = bench_watchdog(url, prefix, args.watchdog_locks, args.watchdog_intervals)
+    if "redlock" in scenarios:  # servers of their own
+        results["redlock"] = bench_redlock(prefix, args.uncontended_seconds, args.rounds)
+    if "cluster" in scenarios:
+        results["cluster"] = bench_cluster(prefix, args.uncontended_seconds, args.rounds)
     return results
 
 

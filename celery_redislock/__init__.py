@@ -5,6 +5,7 @@ Importing the package connects nothing and starts nothing.
 
 from __future__ import annotations
 
+from .aio import AsyncRedisLock
 from .exceptions import (
     DuplicateTask,
     LockConfigurationError,
@@ -12,18 +13,21 @@ from .exceptions import (
     LockLost,
     LockNotAcquired,
     LockNotOwned,
+    LockNotReplicated,
     RedisLockError,
 )
 from .lock import RedisLock
 from .task import LockedTask, install, task_lock_key
 
 __all__ = [
+    "AsyncRedisLock",
     "DuplicateTask",
     "LockConfigurationError",
     "LockKeyError",
     "LockLost",
     "LockNotAcquired",
     "LockNotOwned",
+    "LockNotReplicated",
     "LockedTask",
     "RedisLock",
     "RedisLockError",

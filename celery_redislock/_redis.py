@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 from typing import Any
 
 import redis
@@ -39,3 +41,26 @@ def call_with_timeout(client: redis.Redis, timeout: float, *command: str | int) 
         raise
     finally:
         pool.release(connection)
+
+
+async def call_with_timeout_async(client: Any, timeout: float, *command: str | int) -> Any:
+    """``call_with_timeout`` for a ``redis.asyncio.Redis``: the reply must start within ``timeout``.
+
+    The connection is dropped when the exchange did not end cleanly (no reply
+    in time, cancelled, broken), so a late reply is never read by its next user.
+    """
+    pool = client.connection_pool
+    connection = await pool.get_connection()
+    try:
+        await connection.send_command(*command)
+        try:  # math.inf: no socket_timeout for this read; the deadline is wait_for's
+            return await asyncio.wait_for(connection.read_response(timeout=math.inf), timeout)
+        except asyncio.TimeoutError:
+            raise redis.exceptions.TimeoutError(f"no reply to {command[0]} within {timeout:.3f}s") from None
+    except redis.exceptions.ResponseError:
+        raise  # a complete error reply: the connection is clean
+    except BaseException:
+        await connection.disconnect(nowait=True)
+        raise
+    finally:
+        await pool.release(connection)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import redis.cluster
 from redis.exceptions import NoScriptError
 
 _NAMES = """
@@ -222,16 +223,25 @@ class Script:
         packed here and sent in one write: redis-py's per-command layers
         (observability hooks, argument packing, callbacks) cost several times
         the CPU of the exchange itself, and these scripts run once or twice per
-        task. Any other client (Cluster, single-connection, a subclass) goes
-        through ``execute_command``.
+        task. A ``RedisCluster`` sends it the same way to the node serving the
+        keys' slot, and goes through its ``execute_command`` (which follows
+        MOVED/ASK and learns the new layout) when that node redirects it or is
+        gone. Any other client (single-connection, a subclass) goes through
+        ``execute_command``.
         """
         if type(client) is not redis.Redis or client.connection is not None:
-            command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+            if type(client) is redis.cluster.RedisCluster and keys:
+                try:  # straight to the node that serves the keys' slot, on that node's own fast path
+                    cluster: Any = client
+                    node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
+                    return self(node.redis_connection, keys, args)
+                except _REDIRECTED:
+                    pass  # the slot moved, or the node is gone: the Cluster client follows and learns
             try:
-                return client.execute_command(*command)
+                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
             except NoScriptError:
                 client.script_load(self.source)
-                return client.execute_command(*command)
+                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         pool = client.connection_pool
         connection: Any = pool.get_connection()
         try:
@@ -244,31 +254,57 @@ class Script:
         finally:
             pool.release(connection)
 
+    async def call_async(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """Run on the asyncio client ``client`` (``redis.asyncio.Redis``), honouring its retry policy."""
+        try:
+            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self.source)
+            return await client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
     def run_on(self, connection: Any, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
         """Run on one ``redis.connection.Connection``, bounded by its own socket timeouts.
 
         ``keys`` and ``args`` are already RESP bulk strings (``bulk()``), so a
         caller sending many can pack each once; the command is sent in one write.
         """
-        command = [
-            b"".join(
-                (
-                    b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 + len(keys) + len(args)),
-                    bulk(self.sha.encode()),
-                    bulk(b"%d" % len(keys)),
-                    *keys,
-                    *args,
-                )
-            )
-        ]
-        connection.send_packed_command(command)
+        command = self.pack(keys, args)
+        connection.send_packed_command([command])
+        return self.reply_on(connection, command)
+
+    def reply_on(self, connection: Any, command: bytes) -> Any:
+        """The reply to ``command`` (from ``pack()``), sent on ``connection``; after NOSCRIPT
+        (a restarted or new server), the script is loaded and ``command`` sent again."""
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("SCRIPT", "LOAD", self.source)
             connection.read_response()
-            connection.send_packed_command(command)
+            connection.send_packed_command([command])
             return connection.read_response()
+
+    def pack(self, keys: Sequence[bytes], args: Sequence[bytes]) -> bytes:
+        """The EVALSHA command as RESP, ``keys`` and ``args`` being bulk strings already (``bulk()``)."""
+        return b"".join(
+            (
+                b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 + len(keys) + len(args)),
+                bulk(self.sha.encode()),
+                bulk(b"%d" % len(keys)),
+                *keys,
+                *args,
+            )
+        )
+
+
+#: Errors after which a Cluster's direct node call is sent again through the Cluster client.
+_REDIRECTED = (
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.RedisClusterException,
+)
 
 
 def bulk(value: bytes) -> bytes:

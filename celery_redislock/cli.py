@@ -36,7 +36,7 @@ import click
 import redis
 
 from .config import app_settings
-from .connection import client_for
+from .connection import Client, client_for
 from .exceptions import RedisLockError
 from .lock import _text, companion_key
 from .task import LockedTask, free_ticket, parse_holder, task_lock_key
@@ -127,7 +127,7 @@ def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | Non
     )
 
 
-def _read(client: redis.Redis, keys: Sequence[str], prefix: str) -> list[HeldLock]:
+def _read(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
     """The locks among ``keys`` (GET and PTTL of each, in one round trip)."""
     with client.pipeline(transaction=False) as pipe:
         for key in keys:
@@ -142,7 +142,7 @@ def _read(client: redis.Redis, keys: Sequence[str], prefix: str) -> list[HeldLoc
     return found
 
 
-def read_lock(client: redis.Redis, key: str, prefix: str) -> HeldLock | None:
+def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:
     """The lock at ``key`` (``None`` if the key is missing or holds no lock)."""
     found = _read(client, [key], prefix)
     return found[0] if found else None
@@ -152,7 +152,7 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-def held_locks(client: redis.Redis, prefix: str, task: str | None = None) -> list[HeldLock]:
+def held_locks(client: Client, prefix: str, task: str | None = None) -> list[HeldLock]:
     """Every lock under ``{prefix}:`` (only ``task``'s, if given), sorted by key.
 
     Keys are found with SCAN, so a large keyspace is walked without blocking
@@ -179,7 +179,7 @@ def _batches(keys: Iterator[Any], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def force_release(client: redis.Redis, lock: HeldLock, why: str) -> bool:
+def force_release(client: Client, lock: HeldLock, why: str) -> bool:
     """Free the hold ``lock`` describes, whoever holds it; whether it was freed.
 
     ``False`` when that hold is gone or was taken over since it was read:
@@ -209,7 +209,7 @@ class _Group(click.Group):
 @dataclass
 class _Context:
     app: Any
-    client: redis.Redis
+    client: Client
     url: str
     prefix: str
 

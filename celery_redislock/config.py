@@ -41,7 +41,7 @@ BUSY = ("skip", "retry", "wait", "raise")
 DUPLICATE = ("return", "raise")
 ON_LOST = ("log", "raise")
 ON_ERROR = ("fail", "run")
-URL_SCHEMES = ("redis", "rediss", "unix")
+URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis-cluster", "rediss-cluster")
 
 #: Option name (without ``lock_``) -> library default; ``lock_busy`` and
 #: ``lock_wait_timeout`` have defaults that depend on other options.
@@ -64,6 +64,9 @@ APP_SETTINGS: Mapping[str, Any] = {
     "on_error": "fail",
     "beat_leader": False,
     "beat_leader_ttl": 30.0,
+    "transport_options": None,
+    "replicas": 0,
+    "replica_timeout": 1.0,
 }
 
 
@@ -95,6 +98,16 @@ class AppSettings:
     #: beat processes elect a leader that alone sends, holding its lock for ``beat_leader_ttl`` s
     beat_leader: bool
     beat_leader_ttl: float
+    #: for a sentinel:// URL: ``master_name`` etc. (None: ``broker_transport_options``)
+    transport_options: Mapping[str, Any] | None = None
+    #: replicas that must acknowledge an acquisition (``WAIT``), and how long to wait for them
+    replicas: int = 0
+    replica_timeout: float = 1.0
+
+    @property
+    def replication(self) -> dict[str, Any]:
+        """The ``RedisLock`` arguments that ask for replica acknowledgements."""
+        return {"replicas": self.replicas, "replica_timeout": self.replica_timeout} if self.replicas else {}
 
 
 class _Problem:
@@ -168,7 +181,10 @@ def app_settings(app: Any) -> AppSettings:
     if url is not None:
         scheme = url.partition("://")[0] if isinstance(url, str) else None
         if scheme not in URL_SCHEMES:
-            allowed = "allowed: a redis://, rediss:// or unix:// URL"
+            allowed = (
+                "allowed: a redis://, rediss://, unix://, redis-cluster://, rediss-cluster:// "
+                "or sentinel:// URL"
+            )
             raise problem("redislock_url", url, allowed)
     prefix = app.conf.get("redislock_prefix") or APP_SETTINGS["prefix"]
     if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
@@ -176,6 +192,16 @@ def app_settings(app: Any) -> AppSettings:
     on_error = _choice(problem, "redislock_on_error", app.conf.get("redislock_on_error") or "fail", ON_ERROR)
     leader = app.conf.get("redislock_beat_leader")
     leader_ttl = app.conf.get("redislock_beat_leader_ttl")
+    transport_options = app.conf.get("redislock_transport_options")
+    if transport_options is not None and not isinstance(transport_options, Mapping):
+        allowed = "allowed: a dict, e.g. {'master_name': ...}"
+        raise problem("redislock_transport_options", transport_options, allowed)
+    replicas = app.conf.get("redislock_replicas") or 0
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise problem("redislock_replicas", replicas, "allowed: an int >= 0")
+    replica_timeout = _duration(
+        problem, "redislock_replica_timeout", app.conf.get("redislock_replica_timeout") or 1.0, 0.001
+    )
     return AppSettings(
         url=url,
         prefix=prefix,
@@ -189,6 +215,9 @@ def app_settings(app: Any) -> AppSettings:
             APP_SETTINGS["beat_leader_ttl"] if leader_ttl is None else leader_ttl,
             MIN_WATCHDOG_TTL,
         ),
+        transport_options=transport_options,
+        replicas=replicas,
+        replica_timeout=replica_timeout,
     )
 
 

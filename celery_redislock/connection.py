@@ -1,17 +1,34 @@
-"""The Redis client an app's locks use: one connection pool per app per process."""
+"""The Redis client an app's locks use: one connection pool per app per process.
+
+URL kinds (``redislock_url``, or the broker URL):
+
+* ``redis://``, ``rediss://``, ``unix://``: one server, as redis-py reads them;
+* ``redis-cluster://[user:password@]host:port[,host:port...]`` (``rediss-cluster://``
+  for TLS): a Redis Cluster, found from any of the nodes listed;
+* ``sentinel://[user:password@]host:port[/db][;sentinel://host:port...]``: the
+  primary that Sentinel names, Celery's spelling, with the master name in the
+  transport options (``{"master_name": ...}``; also ``sentinel_kwargs`` and
+  ``min_other_sentinels``, as kombu reads them). The credentials and db are
+  the primary's, as with kombu.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
-from kombu.utils.url import maybe_sanitize_url
+import redis.cluster
+import redis.sentinel
 
 from .config import URL_SCHEMES, app_settings
+from .exceptions import LockConfigurationError
 
-__all__ = ["DEFAULT_URL", "client_for", "lock_url"]
+__all__ = ["DEFAULT_URL", "client_for", "lock_url", "masked", "redis_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -19,12 +36,19 @@ DEFAULT_URL = "redis://localhost:6379/0"
 #: Seconds to connect and to wait for a reply; a blocked waiter's BLPOP sets its own.
 SOCKET_TIMEOUT = 5.0
 
+Client = redis.Redis | redis.cluster.RedisCluster
+
+
+def masked(url: str) -> str:
+    """``url`` with every password (one per listed URL) shown as ``**``."""
+    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)
+
 
 def _first_broker_url(app: Any) -> str | None:
     url = app.conf.broker_url
     if isinstance(url, (list, tuple)):
         url = url[0] if url else None
-    if isinstance(url, str):
+    if isinstance(url, str) and not url.startswith("sentinel://"):  # one sentinel URL lists them all
         url = url.split(";")[0].strip()
     return url if isinstance(url, str) else None
 
@@ -40,7 +64,74 @@ def lock_url(app: Any) -> tuple[str, str]:
     return DEFAULT_URL, "default"
 
 
-def client_for(app: Any) -> tuple[redis.Redis, str]:
+def _cluster(url: str, options: dict[str, Any]) -> redis.cluster.RedisCluster:
+    scheme, _, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    netloc, _, query = netloc.partition("?")
+    userinfo, _, hosts = netloc.rpartition("@")
+    nodes = []
+    for address in hosts.split(","):
+        host, _, port = address.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise LockConfigurationError(f"{url!r}: each node must be host:port, got {address!r}")
+        nodes.append(redis.cluster.ClusterNode(host, int(port)))  # type: ignore[no-untyped-call]
+    # the credentials, db and query options as redis-py reads them from a one-node URL
+    plain = f"{scheme.removesuffix('-cluster')}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}"
+    plain += (slash + tail if tail else "") + ("?" + query if query else "")
+    kwargs: dict[str, Any] = redis.connection.parse_url(plain)  # type: ignore[no-untyped-call]
+    if kwargs.pop("db", 0) not in (0, "0"):
+        raise LockConfigurationError(f"{url!r}: a Redis Cluster has only db 0")
+    for name in ("host", "port", "connection_class"):
+        kwargs.pop(name, None)
+    if scheme == "rediss-cluster":
+        kwargs["ssl"] = True
+    return redis.cluster.RedisCluster(startup_nodes=nodes, **kwargs, **options)
+
+
+def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str, Any]) -> redis.Redis:
+    master_name = transport_options.get("master_name")
+    if not isinstance(master_name, str) or not master_name:
+        raise LockConfigurationError(
+            f"{masked(url)!r}: a sentinel:// URL needs the master name, "
+            "e.g. redislock_transport_options={'master_name': 'mymaster'}"
+        )
+    sentinels: list[tuple[str, int]] = []
+    master: dict[str, Any] = {}
+    for part in url.split(";"):
+        parsed = urlsplit(part.strip())
+        if parsed.scheme != "sentinel" or not parsed.hostname:
+            safe = masked(url)
+            raise LockConfigurationError(f"{safe!r}: {part!r} is not a sentinel://host:port URL")
+        sentinels.append((parsed.hostname, parsed.port or 26379))
+        if parsed.username and "username" not in master:
+            master["username"] = unquote(parsed.username)
+        if parsed.password and "password" not in master:
+            master["password"] = unquote(parsed.password)
+        if parsed.path.strip("/") and "db" not in master:
+            master["db"] = int(parsed.path.strip("/"))
+    sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        sentinels,
+        min_other_sentinels=int(transport_options.get("min_other_sentinels", 0)),
+        sentinel_kwargs=transport_options.get("sentinel_kwargs"),
+        **options,
+    )
+    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        master_name, redis_class=redis.Redis, **master
+    )
+    return client
+
+
+def redis_client(url: str, transport_options: Mapping[str, Any] | None = None, **options: Any) -> Client:
+    """A client for ``url`` (any kind in the module docstring), with redis-py ``options``."""
+    scheme = url.partition("://")[0]
+    if scheme in ("redis-cluster", "rediss-cluster"):
+        return _cluster(url, options)
+    if scheme == "sentinel":
+        return _sentinel(url, transport_options or {}, options)
+    return redis.Redis.from_url(url, **options)
+
+
+def client_for(app: Any) -> tuple[Client, str]:
     """The app's lock client in this process, and its URL with the password masked.
 
     Created on first use (and again in a forked child, which must not share
@@ -54,8 +145,9 @@ def client_for(app: Any) -> tuple[redis.Redis, str]:
     ssl = app.conf.get("broker_use_ssl")
     if source == "broker_url" and url.startswith("rediss://") and isinstance(ssl, dict):
         options.update(ssl)
-    client = redis.Redis.from_url(url, **options)
-    safe_url = str(maybe_sanitize_url(url))
+    transport_options = app_settings(app).transport_options or app.conf.get("broker_transport_options") or {}
+    client = redis_client(url, transport_options, **options)
+    safe_url = masked(url)
     app._redislock_client = (os.getpid(), client, safe_url)
     logger.info("celery-redislock: locks in Redis at %s (from %s)", safe_url, source)
     return client, safe_url

@@ -14,6 +14,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockNotOwned",
+    "LockNotReplicated",
     "RedisLockError",
 ]
 
@@ -55,6 +56,25 @@ class DuplicateTask(LockNotAcquired):
 
     def __str__(self) -> str:
         return f"duplicate of task {self.existing_task_id!r} (lock {self.key!r})"
+
+
+class LockNotReplicated(LockNotAcquired):
+    """The lock at ``key`` was granted, but fewer than ``wanted`` replicas (``acknowledged``)
+    confirmed it in time, so it was released again."""
+
+    def __init__(self, key: str, acknowledged: int | None = None, wanted: int | None = None) -> None:
+        RedisLockError.__init__(self, key, acknowledged, wanted)
+        self.key = key
+        self.acknowledged = acknowledged
+        self.wanted = wanted
+        self.holder = None
+        self.ttl = None
+
+    def __str__(self) -> str:
+        return (
+            f"lock {self.key!r} was granted but only {self.acknowledged} of {self.wanted} replicas "
+            "acknowledged it in time; released"
+        )
 
 
 class LockNotOwned(RedisLockError):

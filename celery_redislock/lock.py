@@ -23,16 +23,18 @@ import socket
 import threading
 import time as mod_time
 import weakref
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import redis
 import redis.cluster
+from redis.exceptions import NoScriptError
 
 from ._durations import Duration, seconds, to_ms
 from ._redis import call_with_timeout, node_client
 from ._scripts import ACQUIRE, RELEASE, RENEW
-from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
+from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned, LockNotReplicated
 from .watchdog import Lease, get_watchdog
 
 __all__ = ["MAX_TTL", "MIN_WATCHDOG_TTL", "RedisLock", "companion_key"]
@@ -82,6 +84,38 @@ def _lease_seconds(ttl: object, watchdog: bool) -> float:
     return value
 
 
+def _lock_name(name: object) -> str:
+    """``name`` as a non-empty str, or ``LockConfigurationError`` saying what is allowed."""
+    if isinstance(name, bytes):
+        try:
+            name = name.decode()
+        except UnicodeDecodeError:
+            raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
+    if not isinstance(name, str) or not name:
+        raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
+    return name
+
+
+def _check_holder(holder: object) -> None:
+    if holder is not None and not isinstance(holder, str):
+        raise LockConfigurationError(f"holder must be a str, got {holder!r}")
+
+
+def _member(ttl_ms: int, token: str, fair: bool, holder: str | None) -> str:
+    """The waiter member (see ``_scripts``) describing an acquisition by ``token``."""
+    holder = holder if holder is not None else f"{_hostname()}:{os.getpid()}"
+    return f"{ttl_ms}:{token}:{'1' if fair else '0'}:{holder}"
+
+
+def _sleep_seconds(ttl: float, deadline: float | None, pttl_ms: int) -> float:
+    """How long a waiter blocks: until the holder's TTL (``pttl_ms``; at most our own ``ttl``)
+    runs out, or until ``deadline`` (monotonic)."""
+    waits = [ttl, pttl_ms / 1000 if pttl_ms > 0 else ttl]
+    if deadline is not None:
+        waits.append(deadline - mod_time.monotonic())
+    return max(min(waits), 0.001)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -109,9 +143,17 @@ class RedisLock:
     ``lost`` is set when the watchdog finds the lock gone or taken over.
     """
 
+    def __new__(cls, client: Any, *args: Any, **kwargs: Any) -> RedisLock:
+        """A list or tuple of clients or URLs makes a Redlock (see ``redlock.Redlock``)."""
+        if cls is RedisLock and isinstance(client, (list, tuple)):
+            from .redlock import Redlock
+
+            return super().__new__(Redlock)
+        return super().__new__(cls)
+
     def __init__(
         self,
-        client: redis.Redis | redis.cluster.RedisCluster,
+        client: redis.Redis | redis.cluster.RedisCluster | Sequence[redis.Redis | str],
         name: str | bytes,
         ttl: Duration = 30.0,
         *,
@@ -119,22 +161,27 @@ class RedisLock:
         fair: bool = False,
         timeout: Duration | None = None,
         holder: str | None = None,
+        replicas: int = 0,
+        replica_timeout: Duration = 1.0,
     ) -> None:
         if not isinstance(client, (redis.Redis, redis.cluster.RedisCluster)):
             raise LockConfigurationError(
                 f"client must be a redis.Redis or redis.cluster.RedisCluster, got {type(client).__name__}"
             )
-        if isinstance(name, bytes):
-            try:
-                name = name.decode()
-            except UnicodeDecodeError:
-                raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
-        if not isinstance(name, str) or not name:
-            raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
+        name = _lock_name(name)
         self.ttl = _lease_seconds(ttl, watchdog)
         self.timeout = None if timeout is None else seconds(timeout, "timeout")
-        if holder is not None and not isinstance(holder, str):
-            raise LockConfigurationError(f"holder must be a str, got {holder!r}")
+        _check_holder(holder)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise LockConfigurationError(f"replicas must be an int >= 0, got {replicas!r}")
+        if replicas and not isinstance(client, redis.Redis):
+            raise LockConfigurationError("replicas needs a redis.Redis client (one primary, or Sentinel's)")
+        self.replicas = replicas
+        self.replica_timeout = seconds(replica_timeout, "replica_timeout")
+        if replicas and not 0 < self.replica_timeout < self.ttl:
+            raise LockConfigurationError(
+                f"replica_timeout must be > 0 and < ttl ({self.ttl:g}), got {replica_timeout!r}"
+            )
         self.client = client
         self.name = name
         self.watchdog = bool(watchdog)
@@ -178,14 +225,41 @@ class RedisLock:
                 self._count += 1
                 return True
         token = secrets.token_hex(16)
-        holder = self.holder if self.holder is not None else f"{_hostname()}:{os.getpid()}"
-        member = f"{self._ttl_ms}:{token}:{'1' if self.fair else '0'}:{holder}"
+        member = _member(self._ttl_ms, token, self.fair, self.holder)
         deadline = None if wait is None else mod_time.monotonic() + wait
         sent_at, fence = self._wait_for(token, member, blocking, deadline)
         if fence is None:
             return False
+        if self.replicas:
+            self._confirm(token, member)
         self._hold(token, fence, sent_at)
         return True
+
+    def _confirm(self, token: str, member: str) -> None:
+        """Wait (``WAIT``, at most ``replica_timeout``) until ``replicas`` replicas have the hold of
+        ``token``; else release it, owner-checked, and raise ``LockNotReplicated``.
+
+        The hold is written again (its TTL set, owner-checked) on the connection that
+        then sends ``WAIT``, so the wait covers it however it was granted (also handed over).
+        """
+        try:
+            for _ in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.execute_command("EVALSHA", RENEW.sha, 1, self.name, self._ttl_ms, token)
+                pipe.execute_command("WAIT", self.replicas, to_ms(self.replica_timeout))
+                not_owned, acknowledged = pipe.execute(raise_on_error=False)
+                if not isinstance(not_owned, NoScriptError):
+                    break
+                self.client.script_load(RENEW.source)
+            for reply in (not_owned, acknowledged):
+                if isinstance(reply, Exception):
+                    raise reply
+        except BaseException:
+            self._abandon(token, member)
+            raise
+        if not_owned or int(acknowledged) < self.replicas:
+            self._abandon(token, member)
+            raise LockNotReplicated(self.name, int(acknowledged), self.replicas)
 
     def _hold(self, token: str, fence: int, sent_at: float) -> None:
         """Record the hold granted to ``token`` (``fence``) by a request sent at monotonic ``sent_at``."""
@@ -246,12 +320,12 @@ class RedisLock:
 
     def _sleep(self, token: str, deadline: float | None, pttl_ms: int) -> str | None:
         """Blocks until woken by a release, the holder's TTL runs out, or ``deadline``."""
-        waits = [self.ttl, pttl_ms / 1000 if pttl_ms > 0 else self.ttl]
-        if deadline is not None:
-            waits.append(deadline - mod_time.monotonic())
-        wait = max(min(waits), 0.001)
+        wait = _sleep_seconds(self.ttl, deadline, pttl_ms)
         key = self._wake_prefix + token
-        reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        try:
+            reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        except (redis.exceptions.MovedError, redis.exceptions.AskError):
+            return None  # a Cluster moving the slot: try again through the client, which follows it
         return None if reply is None else _text(reply[1])
 
     def _abandon(self, token: str, member: str) -> None:
@@ -282,10 +356,14 @@ class RedisLock:
             if self._count > 1:
                 self._count -= 1
                 return
-        released = RELEASE(self.client, self._keys, [self._let_go()])
+        released = self._free(self._let_go())
         self._forget()
-        if not int(released):
+        if not released:
             raise LockNotOwned(self.name)
+
+    def _free(self, token: str) -> bool:
+        """Release ``token``'s hold in Redis, owner-checked; whether ``token`` held the lock."""
+        return bool(int(RELEASE(self.client, self._keys, [token])))
 
     def extend(self, ttl: Duration | None = None) -> None:
         """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it, never adding.

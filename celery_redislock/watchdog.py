@@ -4,8 +4,11 @@ Contract:
 
 * A lease is renewed every ``interval`` (``ttl / 3``) counted from the send
   time of its last successful renewal; leases that fall due close together are
-  renewed together, one round trip per client (per Cluster hash slot) per
-  ``BATCH`` leases. Renewals use connections of the watchdog's own whose
+  renewed together: one round trip per server (each Cluster node, each
+  Redlock server), carrying one script call per Cluster hash slot and
+  ``BATCH`` leases. A call that a Cluster node redirects (MOVED, ASK: the
+  slot is moving) is sent again through the Cluster client, which follows it.
+  Renewals use connections of the watchdog's own whose
   connect and read timeouts are half an interval, so a stalled server or
   network can neither stop the thread from reporting a loss nor starve the
   leases held on other servers: they are still renewed well within their TTL.
@@ -35,16 +38,13 @@ import time as mod_time
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis.cluster
+from redis.exceptions import NoScriptError
 
 from . import signals
-from ._redis import node_client
 from ._scripts import RENEW, bulk
-
-if TYPE_CHECKING:
-    from .lock import RedisLock
 
 __all__ = ["BATCH", "Lease", "Watchdog", "get_watchdog"]
 
@@ -57,7 +57,11 @@ _IDLE = 120.0
 
 
 class Lease:
-    """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds."""
+    """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds.
+
+    ``owner`` refers to the lock object (``RedisLock`` or ``AsyncRedisLock``),
+    whose ``_mark_lost(lease)`` says whether a loss of this lease is its loss.
+    """
 
     __slots__ = (
         "cancelled",
@@ -73,7 +77,7 @@ class Lease:
         "ttl",
     )
 
-    def __init__(self, client: Any, key: str, token: str, ttl: float, owner: weakref.ref[RedisLock]) -> None:
+    def __init__(self, client: Any, key: str, token: str, ttl: float, owner: weakref.ref[Any]) -> None:
         self.client, self.key, self.token, self.ttl, self.owner = client, key, token, ttl, owner
         #: seconds between renewals (ttl / 3)
         self.interval = 0.0
@@ -177,43 +181,95 @@ class Watchdog:
             return [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
 
     def _renew(self, leases: Iterable[Lease]) -> None:
-        groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
+        nodes: dict[tuple[int, int], tuple[Any, list[Lease]]] = {}
+        lost: list[tuple[Lease, str]] = []
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
                 self.discard(lease)
                 continue
-            groups[lease.group or _group(lease)].append(lease)
-        lost: list[tuple[Lease, str]] = []
-        for (_, _, ttl_ms), group in groups.items():
-            for start in range(0, len(group), BATCH):
-                lost += self._renew_batch(group[start : start + BATCH], ttl_ms)
+            group = lease.group or _group(lease)
+            try:
+                node = _node(lease.client, group[1])
+            except redis.exceptions.RedisError as exc:  # its slot is not covered (a Cluster changing)
+                lost += _failed([lease], exc)
+                continue
+            nodes.setdefault((id(node), group[2]), (node, []))[1].append(lease)
+        for (_, ttl_ms), (node, batch) in nodes.items():
+            lost += self._renew_node(node, batch, ttl_ms)
         for lease, reason in lost:
             self._report(lease, reason)
 
-    def _renew_batch(self, batch: list[Lease], ttl_ms: int) -> list[tuple[Lease, str]]:
-        """Renews one batch in one round trip; returns the leases found lost, with why."""
+    def _renew_node(self, node: Any, leases: list[Lease], ttl_ms: int) -> list[tuple[Lease, str]]:
+        """Renews ``leases``, all on the server ``node``, in one round trip: one script call per
+        hash slot and ``BATCH`` leases, sent in one write. Returns the leases found lost, with why."""
         sent_at = mod_time.monotonic()
+        slots: dict[int, list[Lease]] = defaultdict(list)
+        for lease in leases:
+            slots[lease.group[1] if lease.group else 0].append(lease)
+        batches = [
+            chunk[start : start + BATCH] for chunk in slots.values() for start in range(0, len(chunk), BATCH)
+        ]
+        replies: list[Any] = []
         try:
-            connection = self._connection(batch[0], batch[0].interval / 2)
+            connection = self._connection(node, leases[0].interval / 2)
             encoder = connection.encoder
-            packed = [lease.packed or lease.pack(encoder) for lease in batch]
-            keys, tokens = [key for key, _ in packed], [token for _, token in packed]
-            not_owned = RENEW.run_on(connection, keys, [bulk(b"%d" % ttl_ms), *tokens])
+            commands = []
+            for batch in batches:
+                packed = [lease.packed or lease.pack(encoder) for lease in batch]
+                keys, tokens = [key for key, _ in packed], [token for _, token in packed]
+                commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
+            connection.send_packed_command(commands)
+            for _ in commands:
+                try:
+                    replies.append(connection.read_response())
+                except redis.exceptions.ResponseError as exc:  # that call's own error; the others stand
+                    replies.append(exc)
+            again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            if again:  # a new or restarted server: load the script, send those calls again in one write
+                connection.send_command("SCRIPT", "LOAD", RENEW.source)
+                connection.read_response()
+                connection.send_packed_command([commands[index] for index in again])
+                for index in again:
+                    try:
+                        replies[index] = connection.read_response()
+                    except redis.exceptions.ResponseError as exc:
+                        replies[index] = exc
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
-            now = mod_time.monotonic()
-            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
+            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(leases), exc)
+            return _failed(leases, exc)
+        found: list[tuple[Lease, str]] = []
+        for batch, reply in zip(batches, replies, strict=True):
+            if isinstance(reply, redis.exceptions.ResponseError):  # e.g. MOVED, ASK: a Cluster resharding
+                found += self._renew_through_client(batch, ttl_ms, sent_at, reply)
+                continue
+            # The lost ones are rescheduled too, harmlessly: they are dropped when reported.
+            interval = ttl_ms / 3000
+            due, expires = sent_at + interval, sent_at + ttl_ms / 1000
             for lease in batch:
-                lease.due = now + min(lease.interval / 3, 1.0)
-            return [(lease, "expired") for lease in batch if now >= lease.expires]
-        # The lost ones are rescheduled too, harmlessly: they are dropped when reported.
-        interval = ttl_ms / 3000
-        due, expires = sent_at + interval, sent_at + ttl_ms / 1000
+                lease.due, lease.expires = due, expires
+            found += [(batch[position - 1], "not owned") for position in reply]
+        return found
+
+    def _renew_through_client(
+        self, batch: list[Lease], ttl_ms: int, sent_at: float, error: Exception
+    ) -> list[tuple[Lease, str]]:
+        """Renews ``batch`` through its client, which follows redirects (MOVED, ASK) and learns the
+        Cluster's new layout; for a call refused by the node the watchdog asked directly."""
+        logger.info(
+            "celery-redislock watchdog: %r; renewing %d lock(s) through the client", error, len(batch)
+        )
+        try:
+            keys, tokens = [lease.key for lease in batch], [lease.token for lease in batch]
+            not_owned = RENEW(batch[0].client, keys, [ttl_ms, *tokens])
+        except Exception as exc:
+            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
+            return _failed(batch, exc)
         for lease in batch:
-            lease.due, lease.expires = due, expires
+            lease.due, lease.expires = sent_at + ttl_ms / 3000, sent_at + ttl_ms / 1000
         return [(batch[position - 1], "not owned") for position in not_owned]
 
-    def _connection(self, lease: Lease, timeout: float) -> Any:
-        """The thread's connection to the server holding ``lease``, with ``timeout`` for connect and reads.
+    def _connection(self, client: Any, timeout: float) -> Any:
+        """The thread's connection to the server of ``client``, with ``timeout`` for connect and reads.
 
         Connections unused for ``_IDLE`` seconds are closed, and with them the
         reference to their client (which keeps ids from being reused meanwhile).
@@ -223,7 +279,6 @@ class Watchdog:
             if now - last_used > _IDLE:
                 idle.disconnect()
                 del self._connections[slot]
-        client = node_client(lease.client, lease.key)
         slot = (id(client), timeout)
         if slot in self._connections:
             connection = self._connections[slot][1]
@@ -246,8 +301,23 @@ class Watchdog:
         signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
 
 
+def _failed(leases: list[Lease], error: Exception) -> list[tuple[Lease, str]]:
+    """A renewal of ``leases`` failed: retry soon; those past their lease are lost."""
+    now = mod_time.monotonic()
+    for lease in leases:
+        lease.due = now + min(lease.interval / 3, 1.0)
+    return [(lease, "expired") for lease in leases if now >= lease.expires]
+
+
+def _node(client: Any, slot: int) -> Any:
+    """The plain client of the server that serves ``slot``: ``client`` itself, or its Cluster node."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        return client.nodes_manager.get_node_from_slot(slot).redis_connection
+    return client
+
+
 def _group(lease: Lease) -> tuple[int, int, int]:
-    """Sets and returns ``lease.group``: one script call per client, Cluster hash slot and lease length."""
+    """Sets and returns ``lease.group``: (client, Cluster hash slot, lease length), renewed together."""
     client = lease.client
     cluster = isinstance(client, redis.cluster.RedisCluster)
     lease.group = (id(client), client.keyslot(lease.key) if cluster else 0, round(lease.ttl * 1000))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
 
-from celery_redislock.testing import RedisServer
+from celery_redislock.connection import redis_client
+from celery_redislock.testing import RedisClusterServers, RedisSentinelServers, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -75,3 +78,78 @@ def command_calls(client: redis.Redis) -> dict[str, int]:
 def calls_since(client: redis.Redis, before: dict[str, int]) -> dict[str, int]:
     after = command_calls(client)
     return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
+
+
+# -- topologies: one server, Redlock over three, a Cluster, a Sentinel-watched primary ------------
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A deployment the lock runs on; picklable, so that forked test processes connect too."""
+
+    kind: str
+    #: one URL (a redis://, redis-cluster:// or sentinel:// one), or one per Redlock server
+    urls: tuple[str, ...]
+
+    def lock_client(self) -> Any:
+        """What ``RedisLock`` takes: a client, or for Redlock the list of URLs."""
+        if self.kind == "redlock":
+            return list(self.urls)
+        return redis_client(self.urls[0], {"master_name": RedisSentinelServers.master_name})
+
+    def data_clients(self) -> list[Any]:
+        """Clients that see the data: every Redlock server, else the one (Cluster, Sentinel) client."""
+        if self.kind == "redlock":
+            return [redis.Redis.from_url(url) for url in self.urls]
+        return [self.lock_client()]
+
+    def delete(self, key: str) -> None:
+        for client in self.data_clients():
+            client.delete(key)
+
+    def exists(self, key: str) -> int:
+        return sum(int(client.exists(key)) for client in self.data_clients())
+
+
+@pytest.fixture(scope="session")
+def redlock_servers() -> Iterator[list[RedisServer]]:
+    servers = [RedisServer() for _ in range(3)]
+    try:
+        for server in servers:
+            server.start()
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[RedisClusterServers]:
+    """A 3-primary Redis Cluster for the session."""
+    with RedisClusterServers(3) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="session")
+def sentinels() -> Iterator[RedisSentinelServers]:
+    """A primary, a replica and three sentinels for the session (never failed over)."""
+    with RedisSentinelServers() as servers:
+        yield servers
+
+
+TOPOLOGIES = ["single", "redlock", "cluster", "sentinel"]
+
+
+@pytest.fixture(params=TOPOLOGIES)
+def topology(request: pytest.FixtureRequest, prefix: str) -> Iterator[Topology]:
+    """Each kind of deployment in turn; after the test, none of its keys lacks a TTL."""
+    kind = request.param
+    if kind == "single":
+        found = Topology(kind, (request.getfixturevalue("redis_server").url,))
+    elif kind == "redlock":
+        found = Topology(kind, tuple(server.url for server in request.getfixturevalue("redlock_servers")))
+    else:
+        found = Topology(kind, (request.getfixturevalue(kind if kind == "cluster" else "sentinels").url,))
+    yield found
+    for client in found.data_clients():
+        assert keys_without_ttl(client, prefix) == []

@@ -20,7 +20,7 @@ from celery_redislock._scripts import RENEW
 from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
-from tests.conftest import calls_since, command_calls
+from tests.conftest import Topology, calls_since, command_calls
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,13 +64,14 @@ def test_a_deleted_key_is_reported_lost_within_one_interval(
 
 
 def test_a_lock_taken_by_another_token_is_reported_lost_and_left_alone(
-    client: redis.Redis, prefix: str, lost_reports: list[dict[str, Any]]
+    topology: Topology, prefix: str, lost_reports: list[dict[str, Any]]
 ) -> None:
-    lock = RedisLock(client, f"{prefix}:k", ttl=0.6)
+    """On every topology (one server, Redlock, Cluster, Sentinel)."""
+    lock = RedisLock(topology.lock_client(), f"{prefix}:k", ttl=0.6)
     lock.acquire()
     stale_fence = lock.fence
-    client.delete(f"{prefix}:k")
-    thief = RedisLock(client, f"{prefix}:k", ttl=5, watchdog=False)
+    topology.delete(f"{prefix}:k")
+    thief = RedisLock(topology.lock_client(), f"{prefix}:k", ttl=5, watchdog=False)
     thief.acquire()
     assert lock.lost.wait(5)
     with pytest.raises(LockNotOwned):

@@ -1,0 +1,366 @@
+"""AsyncRedisLock: ``RedisLock`` for asyncio, on a ``redis.asyncio.Redis``.
+
+Same keys, values, Lua scripts (the very ``Script`` objects of ``_scripts``)
+and guarantees as ``RedisLock``, so sync and async users of one key exclude
+each other. The watchdog is one asyncio task per event loop renewing every
+held lease of that loop in batches (one round trip per client and lease
+length per tick), started with the first hold and ending with the last.
+
+Cancellation (``asyncio.timeout``, ``task.cancel()``) timeline:
+
+* during ``acquire()``: the Redis exchange in flight is finished, not cut
+  (bounded by the client's ``socket_timeout``), then the attempt is undone
+  owner-checked (leave the waiter queue; release the lock if it was granted,
+  also by a fair hand-over that arrived while waiting), then
+  ``CancelledError`` propagates: a cancelled acquire never leaves a lock held;
+* during ``release()``: the release is finished and the object forgets the
+  hold before ``CancelledError`` propagates: a cancelled release is a release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time as mod_time
+import weakref
+from collections import defaultdict
+from collections.abc import Awaitable
+from types import TracebackType
+from typing import TypeVar
+
+import redis.asyncio
+
+from . import signals
+from ._durations import Duration, seconds, to_ms
+from ._redis import call_with_timeout_async
+from ._scripts import ACQUIRE, RELEASE, RENEW
+from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
+from .lock import _check_holder, _lease_seconds, _lock_name, _member, _sleep_seconds, _text, companion_key
+from .watchdog import Lease
+
+__all__ = ["AsyncRedisLock"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def _to_the_end(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile.
+
+    A cancellation that arrives meanwhile is raised (``CancelledError``) once
+    ``awaitable`` has ended, whatever its outcome.
+    """
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # the inner work itself was cancelled (event loop shutting down)
+                raise
+            cancelled = True
+        except Exception:
+            break  # the outcome is the task's, read below
+    if cancelled:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("interrupted Redis call failed: %r", task.exception())
+        raise asyncio.CancelledError
+    return task.result()
+
+
+class AsyncRedisLock:
+    """``RedisLock`` for asyncio: the same arguments, semantics and keys; methods are coroutines.
+
+    ``client`` is a ``redis.asyncio.Redis`` (a Sentinel ``master_for`` one
+    included; any ``decode_responses``). ``await acquire(blocking=True,
+    timeout=None) -> bool``, ``await release()``, ``await extend(ttl=None)``,
+    ``await locked()``, ``await owned()``, ``async with`` (raising
+    ``LockNotAcquired`` after ``timeout``); ``token``, ``fence``, and ``lost``,
+    an ``asyncio.Event`` the watchdog sets when it finds the lock gone.
+    Re-entrant per object; share the key, not the object, between tasks that
+    must exclude each other. Use the object on one event loop.
+    """
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        name: str | bytes,
+        ttl: Duration = 30.0,
+        *,
+        watchdog: bool = True,
+        fair: bool = False,
+        timeout: Duration | None = None,
+        holder: str | None = None,
+    ) -> None:
+        if not isinstance(client, redis.asyncio.Redis):
+            raise LockConfigurationError(f"client must be a redis.asyncio.Redis, got {type(client).__name__}")
+        name = _lock_name(name)
+        self.ttl = _lease_seconds(ttl, watchdog)
+        self.timeout = None if timeout is None else seconds(timeout, "timeout")
+        _check_holder(holder)
+        self.client = client
+        self.name = name
+        self.watchdog = bool(watchdog)
+        self.fair = bool(fair)
+        self.holder = holder
+        self.token: str | None = None
+        self.fence: int | None = None
+        self.lost = asyncio.Event()
+        self._keys = (name,)
+        self._wake_prefix = companion_key(name, "wake:")
+        self._ttl_ms = to_ms(self.ttl)
+        self._count = 0
+        self._pid = 0
+        self._lease: Lease | None = None
+        self._busy: tuple[str | None, float | None] = (None, None)
+
+    def __repr__(self) -> str:
+        return f"<AsyncRedisLock {self.name!r} ttl={self.ttl} held={self._count}>"
+
+    def _held_here(self) -> bool:
+        return self._count > 0 and self._pid == os.getpid()
+
+    async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
+        """Take the lock; ``True`` once held, ``False`` if not within ``timeout`` (see ``RedisLock``)."""
+        if timeout is not None and not blocking:
+            raise LockConfigurationError("timeout cannot be given with blocking=False")
+        wait = self.timeout if timeout is None else seconds(timeout, "timeout")
+        if self._held_here():
+            if self.lost.is_set():
+                raise LockLost(self.name)
+            self._count += 1
+            return True
+        token = secrets.token_hex(16)
+        member = _member(self._ttl_ms, token, self.fair, self.holder)
+        deadline = None if wait is None else mod_time.monotonic() + wait
+        sent_at, fence = await self._wait_for(token, member, blocking, deadline)
+        if fence is None:
+            return False
+        self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+        self.lost.clear()
+        if self.watchdog:
+            self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
+            _watchdog().add(self._lease, sent_at)
+        return True
+
+    async def _wait_for(
+        self, token: str, member: str, blocking: bool, deadline: float | None
+    ) -> tuple[float, int | None]:
+        """``RedisLock._wait_for``; cancelled or failing after an attempt was sent, it undoes it."""
+        queued = sent = False
+        try:
+            while True:
+                sent_at = mod_time.monotonic()
+                waiting = blocking and (deadline is None or sent_at < deadline)
+                mode = ("again" if waiting else "last") if queued else ("wait" if waiting else "try")
+                sent = True
+                reply = await _to_the_end(ACQUIRE.call_async(self.client, self._keys, [member, mode]))
+                if isinstance(reply, int):
+                    return sent_at, reply
+                pttl = int(reply[0])
+                self._busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
+                if not waiting:
+                    return sent_at, None
+                queued = True
+                message = await self._sleep(token, deadline, pttl)
+                if message not in (None, "retry"):  # handed over after our last attempt was sent
+                    return sent_at, int(message)
+        except BaseException:
+            if sent:
+                await _to_the_end(self._abandon(token, member))
+            raise
+
+    async def _sleep(self, token: str, deadline: float | None, pttl_ms: int) -> str | None:
+        wait = _sleep_seconds(self.ttl, deadline, pttl_ms)
+        key = self._wake_prefix + token
+        reply = await call_with_timeout_async(self.client, wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        return None if reply is None else _text(reply[1])
+
+    async def _abandon(self, token: str, member: str) -> None:
+        try:
+            await RELEASE.call_async(self.client, self._keys, [token, member])
+        except Exception as exc:
+            logger.warning("lock %r: could not leave the waiter queue: %s", self.name, exc)
+
+    async def release(self) -> None:
+        """Lower the hold count; at zero, free the key, owner-checked (see ``RedisLock.release``)."""
+        if not self._held_here():
+            raise LockNotOwned(self.name)
+        if self._count > 1:
+            self._count -= 1
+            return
+        if self._lease is not None:
+            _watchdog().discard(self._lease)
+        if not await _to_the_end(self._free(self.token or "")):
+            raise LockNotOwned(self.name)
+
+    async def _free(self, token: str) -> bool:
+        released = await RELEASE.call_async(self.client, self._keys, [token])
+        self.token, self.fence, self._count, self._lease = None, None, 0, None
+        return bool(int(released))
+
+    async def extend(self, ttl: Duration | None = None) -> None:
+        """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it (see ``RedisLock.extend``)."""
+        new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
+        if not self._held_here():
+            raise LockNotOwned(self.name)
+        lease = self._lease
+        sent_at = mod_time.monotonic()
+        if await RENEW.call_async(self.client, [self.name], [to_ms(new_ttl), self.token or ""]):
+            self.lost.set()
+            raise LockNotOwned(self.name)
+        if lease is not None and lease is self._lease:
+            _watchdog().reschedule(lease, new_ttl, sent_at)
+
+    async def locked(self) -> bool:
+        """Whether anyone holds the lock (one round trip)."""
+        return bool(await self.client.exists(self.name))
+
+    async def owned(self) -> bool:
+        """Whether this object holds the lock, as Redis sees it now (one round trip)."""
+        if not self._held_here():
+            return False
+        token = self.token
+        current = await self.client.get(self.name)
+        return current is not None and _text(current)[:32] == token
+
+    async def __aenter__(self) -> AsyncRedisLock:
+        if not await self.acquire():
+            holder, ttl = self._busy
+            raise LockNotAcquired(self.name, holder, ttl)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.release()
+            return
+        try:  # the body's exception is the one to see
+            await self.release()
+        except LockNotOwned:
+            logger.warning("lock %r was not held any more when its with-block raised", self.name)
+
+    def _mark_lost(self, lease: Lease) -> bool:
+        """Called by the watchdog: set ``lost`` if ``lease`` is still this object's hold."""
+        if self._lease is not lease:
+            return False
+        self.lost.set()
+        return True
+
+
+class _AsyncWatchdog:
+    """Renews one event loop's leases on one task; the contract of ``watchdog.Watchdog``.
+
+    A renewal is bounded by half the lease's interval (``asyncio.wait_for``),
+    so a stalled server cannot stop the task from reporting a loss in time.
+    """
+
+    def __init__(self) -> None:
+        self._leases: set[Lease] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        #: when the sleeping task will wake by itself
+        self._wake_at = float("-inf")
+
+    def add(self, lease: Lease, sent_at: float) -> None:
+        lease.renewed(lease.ttl, sent_at)
+        self._leases.add(lease)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="celery-redislock-watchdog")
+        elif lease.due < self._wake_at:
+            self._wake.set()
+
+    def discard(self, lease: Lease) -> None:
+        lease.cancelled = True
+        self._leases.discard(lease)
+
+    def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
+        if lease in self._leases:
+            lease.renewed(ttl, sent_at)
+            if lease.due < self._wake_at:
+                self._wake.set()
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    async def _run(self) -> None:
+        try:
+            while self._leases:
+                try:
+                    now = mod_time.monotonic()
+                    earliest = min(lease.due for lease in self._leases)
+                    if earliest > now:
+                        self._wake.clear()
+                        self._wake_at = earliest
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), earliest - now)
+                        continue
+                    self._wake_at = float("inf")
+                    due = [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
+                    await self._renew(due)
+                except Exception:  # the task must survive anything
+                    logger.exception("celery-redislock async watchdog: unexpected error; carrying on")
+                    await asyncio.sleep(0.1)
+        finally:
+            self._task = None
+
+    async def _renew(self, leases: list[Lease]) -> None:
+        groups: dict[tuple[int, int], list[Lease]] = defaultdict(list)
+        for lease in leases:
+            if lease.owner() is None:  # the lock object is gone: let the key expire
+                self.discard(lease)
+                continue
+            groups[id(lease.client), round(lease.ttl * 1000)].append(lease)
+        results = await asyncio.gather(
+            *(self._renew_batch(group, ttl_ms) for (_, ttl_ms), group in groups.items())
+        )
+        for lost in results:
+            for lease, reason in lost:
+                self._report(lease, reason)
+
+    async def _renew_batch(self, batch: list[Lease], ttl_ms: int) -> list[tuple[Lease, str]]:
+        sent_at = mod_time.monotonic()
+        keys, tokens = [lease.key for lease in batch], [lease.token for lease in batch]
+        try:
+            renewal = RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
+            not_owned = await asyncio.wait_for(renewal, batch[0].interval / 2)
+        except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
+            now = mod_time.monotonic()
+            logger.warning("celery-redislock async watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
+            for lease in batch:
+                lease.due = now + min(lease.interval / 3, 1.0)
+            return [(lease, "expired") for lease in batch if now >= lease.expires]
+        for lease in batch:
+            lease.renewed(ttl_ms / 1000, sent_at)
+        return [(batch[position - 1], "not owned") for position in not_owned]
+
+    def _report(self, lease: Lease, reason: str) -> None:
+        if lease.cancelled:  # released meanwhile: nothing was lost
+            return
+        self.discard(lease)
+        lock = lease.owner()
+        if lock is None or not lock._mark_lost(lease):
+            return
+        logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
+        signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
+
+
+#: The watchdog of each running event loop (by contract, one per loop).
+_watchdogs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncWatchdog] = weakref.WeakKeyDictionary()
+
+
+def _watchdog() -> _AsyncWatchdog:
+    """The running event loop's watchdog, created on first use."""
+    loop = asyncio.get_running_loop()
+    watchdog = _watchdogs.get(loop)
+    if watchdog is None:
+        watchdog = _watchdogs[loop] = _AsyncWatchdog()
+    return watchdog

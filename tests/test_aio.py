@@ -1,0 +1,288 @@
+"""AsyncRedisLock on a real redis-server: the sync lock's semantics, its watchdog task, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+
+import celery_redislock.aio as aio_module
+from celery_redislock import (
+    AsyncRedisLock,
+    LockConfigurationError,
+    LockLost,
+    LockNotAcquired,
+    LockNotOwned,
+    RedisLock,
+)
+from celery_redislock._scripts import ACQUIRE, RELEASE
+from celery_redislock.lock import companion_key
+from celery_redislock.testing import RedisServer
+
+
+def run(redis_server: RedisServer, body: Callable[[redis.asyncio.Redis], Awaitable[None]]) -> None:
+    """Run ``body(client)`` on a fresh event loop with an asyncio client of ``redis_server``."""
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port)
+        try:
+            await body(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+async def until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not await condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.005)  # poll the condition against the deadline
+
+
+def test_acquire_release_and_the_sync_lock_share_the_key(redis_server: RedisServer, prefix: str) -> None:
+    name = f"{prefix}:k"
+    sync_client = redis_server.client()
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, name, ttl=10)
+        assert not await lock.locked() and not await lock.owned()
+        assert await lock.acquire(blocking=False)
+        assert lock.token is not None and isinstance(lock.fence, int)
+        assert await lock.locked() and await lock.owned()
+        assert 0 < sync_client.pttl(name) <= 10_000
+        assert not RedisLock(sync_client, name).acquire(blocking=False)  # one key, sync or async
+        assert not await AsyncRedisLock(client, name).acquire(blocking=False)
+        assert await lock.acquire()  # re-entrant: no round trip, a hold count
+        await lock.release()
+        assert await lock.owned()
+        await lock.release()
+        assert lock.token is None and sync_client.exists(name) == 0
+        with pytest.raises(LockNotOwned):
+            await lock.release()
+        with pytest.raises(LockNotOwned):
+            await lock.extend()
+        sync_lock = RedisLock(sync_client, name, ttl=10)
+        sync_lock.acquire()
+        other = AsyncRedisLock(client, name, ttl=10)
+        assert await other.acquire(timeout=0.05) is False
+        assert other._busy[0] is not None  # the holder, for LockNotAcquired
+        sync_lock.release()
+        fences = []
+        for _ in range(3):
+            async with AsyncRedisLock(client, name, ttl=10) as held:
+                fences.append(held.fence)
+        assert fences == sorted(set(fences))
+
+    run(redis_server, body)
+
+
+def test_bad_input_names_the_argument(redis_server: RedisServer, prefix: str) -> None:
+    with pytest.raises(LockConfigurationError, match=r"client must be a redis\.asyncio\.Redis"):
+        AsyncRedisLock(redis_server.client(), f"{prefix}:k")  # type: ignore[arg-type]
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        with pytest.raises(LockConfigurationError, match="name"):
+            AsyncRedisLock(client, "")
+        with pytest.raises(LockConfigurationError, match="ttl"):
+            AsyncRedisLock(client, f"{prefix}:k", ttl=0.1)
+        with pytest.raises(LockConfigurationError, match="timeout"):
+            await AsyncRedisLock(client, f"{prefix}:k").acquire(blocking=False, timeout=1)
+
+    run(redis_server, body)
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["unfair", "fair"])
+def test_a_waiter_is_woken_by_the_release(redis_server: RedisServer, prefix: str, fair: bool) -> None:
+    name = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, name, ttl=30, fair=fair)
+        waiter = AsyncRedisLock(client, name, ttl=30, fair=fair)
+        await holder.acquire()
+        waiting = asyncio.ensure_future(waiter.acquire(timeout=20))
+        await until(lambda: _queued(client, name), "the waiter queued")
+        released_at = time.monotonic()
+        await holder.release()
+        assert await waiting
+        assert time.monotonic() - released_at < 5  # woken, not timed out at the holder's 30 s TTL
+        assert waiter.fence is not None and holder.fence is None
+        await waiter.release()
+        assert not await waiter.locked()
+
+    run(redis_server, body)
+
+
+async def _queued(client: redis.asyncio.Redis, name: str) -> bool:
+    return bool(await client.zcard(companion_key(name, "queue")))
+
+
+def test_the_watchdog_task_renews_and_reports_a_loss(redis_server: RedisServer, prefix: str) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        kept, deleted = (
+            AsyncRedisLock(client, f"{prefix}:kept", ttl=0.6),
+            AsyncRedisLock(client, f"{prefix}:deleted", ttl=0.6),
+        )
+        await kept.acquire()
+        await deleted.acquire()
+        assert any(task.get_name() == "celery-redislock-watchdog" for task in asyncio.all_tasks())
+        await client.delete(f"{prefix}:deleted")
+        await asyncio.wait_for(deleted.lost.wait(), 5)  # reported within one renewal interval
+        with pytest.raises(LockLost):
+            await deleted.acquire()
+        with pytest.raises(LockNotOwned):
+            await deleted.release()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(kept.lost.wait(), 1.5)  # five intervals: renewed all along
+        assert await kept.owned() and 0 < await client.pttl(f"{prefix}:kept") <= 600
+        await kept.extend(2)
+        assert 600 < await client.pttl(f"{prefix}:kept") <= 2000
+        await kept.release()
+        assert len(aio_module._watchdog()) == 0
+        await until(lambda: _watchdog_gone(), "the watchdog task ended with the last hold")
+
+    run(redis_server, body)
+
+
+async def _watchdog_gone() -> bool:
+    return all(task.get_name() != "celery-redislock-watchdog" for task in asyncio.all_tasks())
+
+
+def test_without_watchdog_the_lease_expires(redis_server: RedisServer, prefix: str) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, f"{prefix}:k", ttl=0.2, watchdog=False)
+        await lock.acquire()
+        waiter = AsyncRedisLock(client, f"{prefix}:k", ttl=5)
+        assert await waiter.acquire(timeout=5)  # woken at the holder's TTL, not by a release
+        with pytest.raises(LockNotOwned):
+            await lock.release()
+        await waiter.release()
+
+    run(redis_server, body)
+
+
+def test_context_manager_raises_lock_not_acquired(redis_server: RedisServer, prefix: str) -> None:
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, f"{prefix}:k", holder="the holder")
+        await holder.acquire()
+        with pytest.raises(LockNotAcquired) as busy:
+            async with AsyncRedisLock(client, f"{prefix}:k", timeout=0.1):
+                pass
+        assert busy.value.holder == "the holder" and busy.value.ttl is not None
+        await holder.release()
+
+    run(redis_server, body)
+
+
+# -- cancellation ---------------------------------------------------------------
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> dict[str, asyncio.Event]:
+    """Scripts named in the dict, once their reply is in, wait for the event before returning it."""
+    gates: dict[str, asyncio.Event] = {}
+    real = type(ACQUIRE).call_async
+
+    async def gated(self: Any, client: Any, keys: Any, args: Any) -> Any:
+        reply = await real(self, client, keys, args)
+        which = "acquire" if self is ACQUIRE else "release" if self is RELEASE else "other"
+        if which in gates:
+            gates[which + " reached"].set()
+            await gates[which].wait()  # the caller is cancelled here, after Redis acted
+        return reply
+
+    monkeypatch.setattr(type(ACQUIRE), "call_async", gated)
+    return gates
+
+
+def test_cancelled_after_the_grant_releases_the_lock(
+    redis_server: RedisServer, prefix: str, gate: dict[str, asyncio.Event]
+) -> None:
+    name = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        gate["acquire"], gate["acquire reached"] = asyncio.Event(), asyncio.Event()
+        lock = AsyncRedisLock(client, name, ttl=30)
+        attempt = asyncio.ensure_future(lock.acquire())
+        await gate["acquire reached"].wait()
+        assert await client.exists(name) == 1  # granted in Redis...
+        attempt.cancel()  # ...and cancelled before the caller saw it
+        await asyncio.sleep(0)
+        gate["acquire"].set()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        assert lock.token is None and await client.exists(name) == 0
+
+    run(redis_server, body)
+
+
+def test_cancelled_by_a_timeout_while_waiting_leaves_nothing(redis_server: RedisServer, prefix: str) -> None:
+    name = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, name, ttl=30)
+        await holder.acquire()
+        waiter = AsyncRedisLock(client, name, ttl=30, fair=True)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(waiter.acquire(), 0.3)  # cancelled while blocked on its wake list
+        assert not await _queued(client, name)
+        assert await client.exists(companion_key(name, "waiters")) == 0
+        await holder.release()
+        assert await client.exists(name) == 0  # nothing handed to the gone waiter
+
+    run(redis_server, body)
+
+
+def test_cancelled_after_a_fair_hand_over_releases_it(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"{prefix}:k"
+
+    async def deaf(*args: Any) -> None:
+        await asyncio.Event().wait()  # never reads its wake list: the hand-over goes unseen
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, name, ttl=30, fair=True)
+        await holder.acquire()
+        waiter = AsyncRedisLock(client, name, ttl=30, fair=True, holder="the waiter")
+        monkeypatch.setattr(waiter, "_sleep", deaf)
+        attempt = asyncio.ensure_future(waiter.acquire())
+        await until(lambda: _queued(client, name), "the waiter queued")
+        await holder.release()  # hands the lock to the waiter
+        value = await client.get(name)
+        assert value is not None and value.endswith(b":the waiter")
+        attempt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        assert await client.exists(name) == 0 and not await _queued(client, name)
+
+    run(redis_server, body)
+
+
+def test_cancelled_during_release_still_releases(
+    redis_server: RedisServer, prefix: str, gate: dict[str, asyncio.Event]
+) -> None:
+    name = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, name, ttl=30)
+        await lock.acquire()
+        gate["release"], gate["release reached"] = asyncio.Event(), asyncio.Event()
+        releasing = asyncio.ensure_future(lock.release())
+        await gate["release reached"].wait()
+        releasing.cancel()
+        await asyncio.sleep(0)
+        gate["release"].set()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        assert lock.token is None and not lock._held_here()  # the object knows it is released
+        assert await client.exists(name) == 0
+        assert await lock.acquire(blocking=False)  # and can take it again
+        await lock.release()
+
+    run(redis_server, body)

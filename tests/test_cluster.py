@@ -1,0 +1,148 @@
+"""Redis Cluster (3 primaries on loopback): redislock_url, hash slots, per-node renewal, resharding."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import redis.cluster
+import redis.connection
+from celery import Celery
+
+from celery_redislock import LockedTask, RedisLock
+from celery_redislock.connection import client_for
+from celery_redislock.lock import companion_key
+from celery_redislock.testing import RedisClusterServers, RedisServer
+
+
+@pytest.fixture
+def client(cluster: RedisClusterServers) -> Iterator[redis.cluster.RedisCluster]:
+    connection = cluster.client()
+    yield connection
+    connection.close()
+
+
+def node_of(cluster: RedisClusterServers, client: redis.cluster.RedisCluster, key: str) -> RedisServer:
+    port = client.get_node_from_key(key).port
+    return next(server for server in cluster.servers if server.port == port)
+
+
+def test_redislock_url_names_a_cluster(cluster: RedisClusterServers, prefix: str) -> None:
+    app = Celery("cluster", set_as_current=False)
+    app.conf.update(redislock_url=cluster.url, redislock_prefix=prefix, task_always_eager=True)
+    seen = {}
+
+    @app.task(base=LockedTask, bind=True, name="cluster.work")
+    def work(self: LockedTask, n: int) -> int:
+        lock_client, _ = client_for(app)
+        seen["fence"], seen["held"] = self.request.lock_fence, lock_client.exists(self.request.lock_key)
+        return n
+
+    assert isinstance(client_for(app)[0], redis.cluster.RedisCluster)
+    assert work.delay(3).get() == 3
+    assert isinstance(seen["fence"], int) and seen["held"] == 1
+
+
+def test_every_key_of_a_lock_lives_in_its_slot(
+    client: redis.cluster.RedisCluster, cluster: RedisClusterServers, prefix: str
+) -> None:
+    name = f"{prefix}:k"
+    holder = RedisLock(client, name, ttl=30, fair=True)
+    holder.acquire()
+    waiters = [RedisLock(client, name, ttl=30, fair=True) for _ in range(2)]
+    threads = [threading.Thread(target=waiter.acquire) for waiter in waiters]
+    for thread in threads:
+        thread.start()
+    node = node_of(cluster, client, name).client()
+    deadline = time.monotonic() + 10
+    while node.zcard(companion_key(name, "queue")) < 2:
+        assert time.monotonic() < deadline, "the waiters never queued"
+    keys = [key for server in cluster.servers for key in server.client().scan_iter(match=f"*{prefix}*")]
+    assert len(keys) >= 3  # the lock, its queue and its waiters' deadlines
+    assert {client.keyslot(key) for key in keys} == {client.keyslot(name)}
+    holder.release()  # hands over to the first waiter, who hands over to the second
+    threads[0].join()
+    waiters[0].release()
+    threads[1].join()
+    waiters[1].release()
+    assert client.exists(name) == 0
+
+
+def test_the_watchdog_renews_each_node_in_one_round_trip(
+    client: redis.cluster.RedisCluster, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[tuple[int, int]] = []  # (connection, commands) of each write by the watchdog thread
+    real_send = redis.connection.Connection.send_packed_command
+
+    def counted(self: redis.connection.Connection, command: Any, check_health: bool = True) -> None:
+        if threading.current_thread().name == "celery-redislock-watchdog":
+            writes.append((id(self), len(command)))
+        real_send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+    locks = [RedisLock(client, f"{prefix}:{i}", ttl=1.5) for i in range(300)]  # ~100 slots per node
+    for lock in locks:
+        lock.acquire()
+    assert len({client.keyslot(lock.name) for lock in locks}) > 250
+    threading.Event().wait(2.0)  # four renewal intervals of 0.5 s
+    renewed = list(writes)
+    assert all(not lock.lost.is_set() for lock in locks)
+    for lock in locks:
+        lock.release()
+    assert len({connection for connection, _ in renewed}) == 3  # one connection per node
+    commands = sum(count for _, count in renewed)
+    assert commands >= 3 * 250  # a script call per slot and interval...
+    assert len(renewed) <= 3 * 4 * 3  # ...sent in one write per node and tick (leases due in <= 3 ticks)
+    assert commands / len(renewed) >= 10
+
+
+def _move_slot(cluster: RedisClusterServers, slot: int, source: RedisServer, finish: bool) -> RedisServer:
+    """Migrates ``slot``'s keys from ``source`` to another node; ``finish`` assigns the slot to it
+    (clients then get MOVED), else the slot stays migrating (clients get ASK for moved keys)."""
+    target = next(server for server in cluster.servers if server is not source)
+    src, dst = source.client(), target.client()
+    src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    for key in src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, key, 0, 5000)
+    if finish:
+        for server in cluster.servers:
+            server.client().execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    return target
+
+
+def test_a_reshard_is_followed_with_ask_and_moved(
+    client: redis.cluster.RedisCluster,
+    cluster: RedisClusterServers,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="celery_redislock.watchdog")
+    name = f"{{{prefix}}}:k"
+    lock = RedisLock(client, name, ttl=0.6)
+    lock.acquire()
+    slot, source = client.keyslot(name), node_of(cluster, client, name)
+    _move_slot(cluster, slot, source, finish=False)  # the key moved, the slot is migrating: ASK
+    assert lock.owned()
+    assert not lock.lost.wait(1.0)  # renewals redirected by ASK, followed by the client
+    assert any("AskError" in record.getMessage() for record in caplog.records)
+    target = _move_slot(cluster, slot, source, finish=True)  # the slot moved: MOVED
+    assert not lock.lost.wait(1.0)
+    assert any("MovedError" in record.getMessage() for record in caplog.records)
+    assert lock.owned() and node_of(cluster, client, name) is target
+    assert not RedisLock(client, name, ttl=5).acquire(blocking=False)
+    lock.release()
+    assert client.exists(name) == 0
+    with target.client() as node:
+        node_id = node.execute_command("CLUSTER MYID")
+    with source.client() as node:
+        source_id = node.execute_command("CLUSTER MYID")
+    for server in cluster.servers:  # and back, for the tests that follow
+        server.client().execute_command("CLUSTER SETSLOT", slot, "NODE", source_id)
+    assert node_id != source_id

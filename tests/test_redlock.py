@@ -1,0 +1,165 @@
+"""Redlock: RedisLock over 3 and 5 independent primaries; quorum, validity, servers down, loss."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock
+from celery_redislock.redlock import Redlock
+from celery_redislock.testing import RedisServer
+from tests.conftest import keys_without_ttl
+
+
+@pytest.fixture(scope="module")
+def five() -> Iterator[list[RedisServer]]:
+    """Five independent servers for the module; a test that stops some starts them again."""
+    servers = [RedisServer() for _ in range(5)]
+    try:
+        for server in servers:
+            server.start()
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.fixture(params=[3, 5], ids=["3 servers", "5 servers"])
+def servers(
+    request: pytest.FixtureRequest, five: list[RedisServer], prefix: str
+) -> Iterator[list[RedisServer]]:
+    chosen = five[: request.param]
+    yield chosen
+    for server in chosen:
+        if server.process is None or server.process.poll() is not None:
+            server.start()  # stopped by the test: back, empty, on the same port
+        with server.client() as client:
+            assert keys_without_ttl(client, prefix) == []
+
+
+def clients(servers: list[RedisServer]) -> list[redis.Redis]:
+    return [server.client() for server in servers]
+
+
+def holders_of(servers: list[RedisServer], name: str) -> list[bytes | None]:
+    values = []
+    for server in servers:
+        with server.client() as client:
+            values.append(client.get(name))
+    return values
+
+
+def test_a_list_makes_a_redlock_holding_every_server(servers: list[RedisServer], prefix: str) -> None:
+    name = f"{prefix}:k"
+    lock = RedisLock([server.url for server in servers], name, ttl=10)
+    assert isinstance(lock, Redlock) and lock.quorum == len(servers) // 2 + 1
+    assert lock.acquire(blocking=False)
+    assert lock.validity is not None and 0 < lock.validity < 10 - 0.1  # ttl - elapsed - drift
+    assert isinstance(lock.fence, int)
+    assert all(value is not None and value.decode()[:32] == lock.token for value in holders_of(servers, name))
+    assert lock.locked() and lock.owned()
+    other = RedisLock(clients(servers), name, ttl=10)
+    assert not other.acquire(blocking=False)
+    assert not other.owned() and other.locked()
+    lock.extend(5)
+    for server in servers:
+        with server.client() as client:
+            assert 4000 < client.pttl(name) <= 5000  # replaced, never added
+    lock.release()
+    assert holders_of(servers, name) == [None] * len(servers)
+    with pytest.raises(LockNotOwned):
+        lock.release()
+    assert other.acquire(timeout=1)
+    assert other.fence is not None and other.fence > 0
+    other.release()
+
+
+def test_a_waiter_gets_the_lock_when_it_is_released(servers: list[RedisServer], prefix: str) -> None:
+    name = f"{prefix}:k"
+    holder = RedisLock(clients(servers), name, ttl=30)
+    waiter = RedisLock(clients(servers), name, ttl=30)
+    holder.acquire()
+    first_fence = holder.fence
+    thread = threading.Thread(target=waiter.acquire, kwargs={"timeout": 10})
+    thread.start()
+    holder.release()
+    thread.join()
+    assert waiter.owned()
+    assert waiter.fence is not None and first_fence is not None and waiter.fence > first_fence
+    waiter.release()
+
+
+def test_a_minority_down_still_locks_renews_and_releases(servers: list[RedisServer], prefix: str) -> None:
+    name = f"{prefix}:k"
+    down = servers[: (len(servers) - 1) // 2]  # 1 of 3, 2 of 5
+    for server in down:
+        server.stop()
+    lock = RedisLock([server.url for server in servers], name, ttl=0.6)
+    assert lock.acquire(blocking=False)
+    assert not lock.lost.wait(1.5)  # renewed on the live servers all along (five intervals)
+    assert lock.owned()
+    assert not RedisLock([server.url for server in servers], name, ttl=0.6).acquire(blocking=False)
+    lock.release()
+    assert holders_of(servers[len(down) :], name) == [None] * (len(servers) - len(down))
+
+
+def test_a_majority_down_fails_with_lock_not_acquired(servers: list[RedisServer], prefix: str) -> None:
+    name = f"{prefix}:k"
+    down = servers[: len(servers) // 2 + 1]  # 2 of 3, 3 of 5
+    for server in down:
+        server.stop()
+    urls = [server.url for server in servers]
+    assert not RedisLock(urls, name, ttl=5).acquire(blocking=False)
+    with pytest.raises(LockNotAcquired, match="servers failed"), RedisLock(urls, name, ttl=5, timeout=0.2):
+        pass
+    assert holders_of(servers[len(down) :], name) == [None] * (len(servers) - len(down))  # grants undone
+
+
+def test_a_minority_grant_is_given_back(servers: list[RedisServer], prefix: str) -> None:
+    name = f"{prefix}:k"
+    majority = servers[: len(servers) // 2 + 1]
+    squatter = RedisLock(clients(majority), name, ttl=10, holder="squatter")  # holds a majority
+    squatter.acquire()
+    lock = RedisLock(clients(servers), name, ttl=10)
+    assert not lock.acquire(blocking=False)
+    assert lock._busy[0] == "squatter"
+    assert holders_of(servers[len(majority) :], name) == [None] * (len(servers) - len(majority))
+    squatter.release()
+
+
+def test_lost_only_when_a_majority_lost_it(servers: list[RedisServer], prefix: str) -> None:
+    name = f"{prefix}:k"
+    lock = RedisLock(clients(servers), name, ttl=0.6)
+    lock.acquire()
+    minority = servers[: (len(servers) - 1) // 2]
+    for server in minority:
+        with server.client() as client:
+            client.delete(name)
+    assert not lock.lost.wait(1.0)  # still held on a majority
+    with servers[-1].client() as client:
+        client.delete(name)  # now a majority lost it
+    assert lock.lost.wait(5)
+    with pytest.raises(LockNotOwned):
+        lock.release()
+    for server in servers:
+        with server.client() as client:
+            client.delete(name)
+
+
+def test_bad_input_names_the_argument(redis_server: RedisServer, prefix: str) -> None:
+    name = f"{prefix}:k"
+    with pytest.raises(LockConfigurationError, match="non-empty list"):
+        RedisLock([], name)
+    with pytest.raises(LockConfigurationError, match="distinct"):
+        RedisLock([redis_server.url, redis_server.url], name)
+    with pytest.raises(LockConfigurationError, match=r"each server must be a redis\.Redis"):
+        RedisLock([redis_server.url, 42], name)  # type: ignore[list-item]
+    with pytest.raises(LockConfigurationError, match="bad Redis URL"):
+        RedisLock([redis_server.url, "http://example"], name)
+    with pytest.raises(LockConfigurationError, match="fair=True"):
+        RedisLock([redis_server.url], name, fair=True)
+    with pytest.raises(LockConfigurationError, match="ttl"):
+        RedisLock([redis_server.url], name, ttl=0)
