@@ -9,6 +9,8 @@ to a baseline so that runs on different machines compare:
   ``SET NX PX`` + ``EVALSHA`` loop;
 * 32 processes on one key: critical sections/s x the best peer, and fairness
   (min/max acquisitions per process);
+* beyond one Redis: a Redlock over 3 primaries x pottery's, a 3-primary
+  Cluster x one server (``--only redlock``, ``--only cluster``);
 * Celery tasks: wall time x a plain task, CPU per task of all processes, and
   what a refused duplicate enqueue costs the producer (``refused_duplicates``).
 
@@ -48,6 +50,8 @@ class Bar:
     value: float
     #: written on the bar: the ratio and the measured number behind it
     note: str
+    #: drawn as this package's (blue); ``None``: decided by the label (``ours``)
+    mine: bool | None = None
 
 
 @dataclass
@@ -68,7 +72,7 @@ def ours(label: str) -> bool:
 
 def wrapped(label: str) -> str:
     """A long label on two lines: at its first space, else after its first ``-`` or ``_``."""
-    if len(label) <= 10:
+    if len(label) <= 10 or "\n" in label:
         return label
     for mark, keep in ((" ", ""), ("-", "-"), ("_", "_")):
         head, found, tail = label.partition(mark)
@@ -85,7 +89,7 @@ def _section(data: dict[str, Any], *path: str) -> dict[str, Any]:
 
 def lock_uncontended(lock: dict[str, Any]) -> Panel:
     panel = Panel(
-        f"Lock, uncontended: pairs/s {X} bare loop (higher is better)", f"{X} bare SET NX + EVALSHA loop"
+        f"Lock, uncontended: pairs/s {X} bare loop", f"{X} bare SET NX + EVALSHA loop (higher is better)"
     )
     rows = _section(lock, "results", "uncontended")
     for name, row in rows.items():
@@ -104,7 +108,7 @@ def lock_uncontended(lock: dict[str, Any]) -> Panel:
 def lock_contention(lock: dict[str, Any]) -> Panel:
     panel = Panel(
         f"Lock, 32 processes, 1 ms hold: critical sections/s {X} best peer",
-        f"{X} the best peer's critical sections/s",
+        f"{X} the best peer (higher is better)",
     )
     rows = _section(lock, "results", "contention")
     peers = [row["critical_sections_per_s"] for name, row in rows.items() if not ours(name)]
@@ -122,7 +126,7 @@ def lock_contention(lock: dict[str, Any]) -> Panel:
 
 
 def lock_fairness(lock: dict[str, Any]) -> Panel:
-    panel = Panel("Lock, 32 processes: fairness (higher is fairer)", "min / max acquisitions per process")
+    panel = Panel("Lock, 32 processes: fairness", "min / max acquisitions per process (higher is fairer)")
     rows = _section(lock, "results", "contention")
     for name, row in rows.items():
         note = f"{row['min_max_ratio']:.2f}\np99 wait\n{row['p99_over_fifo_ideal']:.1f}{X} FIFO"
@@ -135,9 +139,7 @@ def lock_fairness(lock: dict[str, Any]) -> Panel:
 def task_wall(tasks: dict[str, Any]) -> Panel:
     count = _section(tasks, "args").get("tasks")
     what = f"{count:,} tasks" if isinstance(count, int) else "tasks"
-    panel = Panel(
-        f"Celery, {what}, prefork worker: wall {X} plain task (lower is better)", f"{X} a plain task's wall"
-    )
+    panel = Panel(f"Celery, {what}: wall {X} a plain task", f"{X} a plain task's wall time (lower is better)")
     for name, row in _section(tasks, "summary").items():
         ratio = row.get("wall_ratio_to_plain")
         if ratio is None:
@@ -150,7 +152,7 @@ def task_wall(tasks: dict[str, Any]) -> Panel:
 
 
 def task_cpu(tasks: dict[str, Any]) -> Panel:
-    panel = Panel("Celery: CPU per task, all processes (lower is better)", "CPU ms per task")
+    panel = Panel("Celery: CPU per task, all processes", "CPU ms per task (lower is better)")
     for name, row in _section(tasks, "summary").items():
         cpu = row.get("cpu_ms_per_task") or {}
         if cpu:
@@ -165,7 +167,7 @@ def task_cpu(tasks: dict[str, Any]) -> Panel:
 
 def refused(tasks: dict[str, Any]) -> Panel:
     panel = Panel(
-        "A refused duplicate enqueue: producer CPU (lower is better)", "producer CPU µs per refused duplicate"
+        "A refused duplicate enqueue: producer CPU", "producer CPU µs per refused duplicate (lower is better)"
     )
     for name, row in _section(tasks, "refused_duplicates").items():
         note = f"{row['producer_cpu_us']:.0f} µs\n{row['round_trips']:.2f} RT\n{row['wall_us']:.0f} µs wall"
@@ -176,15 +178,57 @@ def refused(tasks: dict[str, Any]) -> Panel:
     return panel
 
 
+def beyond_one_redis(lock: dict[str, Any]) -> Panel:
+    panel = Panel(
+        f"Beyond one Redis: uncontended pairs/s {X} baseline", f"{X} the baseline (higher is better)"
+    )
+    pairs = [
+        ("redlock", "pottery Redlock over 3", "pottery\nover 3", "RedisLock over 3", "Redlock\nover 3"),
+        ("cluster", "RedisLock, one server", "one\nserver", "RedisLock, Cluster", "3-primary\nCluster"),
+    ]
+    for scenario, base_name, base_label, our_name, our_label in pairs:
+        rows = _section(lock, "results", scenario)
+        if base_name not in rows or our_name not in rows:
+            continue
+        base, mine = rows[base_name], rows[our_name]
+        ratio = mine["pairs_per_s"] / base["pairs_per_s"]
+        panel.bars.append(Bar(base_label, 1.0, f"1.00{X}\n{base['pairs_per_s']:,.0f}/s", mine=False))
+        panel.bars.append(Bar(our_label, ratio, f"{ratio:.2f}{X}\n{mine['pairs_per_s']:,.0f}/s", mine=True))
+    panel.lines = [(1.0, "baseline")] if panel.bars else []
+    panel.missing = (
+        "" if panel.bars else "no redlock or cluster results in lock_bench.json\n(make bench measures them)"
+    )
+    return panel
+
+
+def notes(lock: dict[str, Any], tasks: dict[str, Any]) -> Panel:
+    """Not a chart: how the numbers were made, and the versions compared."""
+    versions = {**_section(lock, "versions"), **_section(tasks, "versions")}
+    compared = [f"{name} {version}" for name, version in versions.items() if name != "celery-redislock"]
+    lines = [
+        "make bench        -> bench/results/lock_bench.json",
+        "make bench-tasks  -> bench/results/task_bench.json",
+        "make chart        -> this PNG (runs no benchmark)",
+        "",
+        "versions compared:",
+        *(", ".join(compared[i : i + 3]) for i in range(0, len(compared), 3)),
+        "",
+        "RT: round trips to Redis per operation",
+    ]
+    return Panel("How these were made", "", missing="\n".join(lines))
+
+
 def panels(lock: dict[str, Any], tasks: dict[str, Any]) -> list[Panel]:
-    """The chart's six panels, in reading order (two rows of three)."""
+    """The chart's eight panels, in reading order (two rows of four): the lock, then Celery tasks."""
     return [
         lock_uncontended(lock),
         lock_contention(lock),
         lock_fairness(lock),
+        beyond_one_redis(lock),
         task_wall(tasks),
         task_cpu(tasks),
         refused(tasks),
+        notes(lock, tasks),
     ]
 
 
@@ -211,29 +255,37 @@ def ensure_matplotlib() -> None:
 
 
 def draw(charts: list[Panel], title: str, out: Path, metadata: dict[str, str]) -> None:
-    """Write ``charts`` as a PNG at ``out`` (two rows of three panels)."""
+    """Write ``charts`` as a PNG at ``out`` (two rows of four panels)."""
     ensure_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, 3, figsize=(18, 10.5))
+    figure, axes = plt.subplots(2, 4, figsize=(24, 10.5))
     for axis, panel in zip(axes.flat, charts, strict=True):
         axis.set_title(panel.title, fontsize=10.5, loc="left")
-        if not panel.bars:
+        if not panel.bars:  # what is missing, or the notes
             axis.text(
-                0.5, 0.5, panel.missing, ha="center", va="center", transform=axis.transAxes, color="0.4"
+                0.02,
+                0.6,
+                panel.missing,
+                va="center",
+                transform=axis.transAxes,
+                color="0.3",
+                family="monospace",
+                fontsize=9,
             )
             axis.axis("off")
             continue
         labels = [bar.label for bar in panel.bars]
         values = [bar.value for bar in panel.bars]
-        colours = ["tab:blue" if ours(label) else "0.65" for label in labels]
+        mine = [ours(bar.label) if bar.mine is None else bar.mine for bar in panel.bars]
+        colours = ["tab:blue" if blue else "0.65" for blue in mine]
         drawn = axis.bar(range(len(values)), values, color=colours, width=0.75)
         top = max([*values, *(y for y, _ in panel.lines)]) * 1.32
         axis.set_ylim(0, top)
-        for rect, bar in zip(drawn, panel.bars, strict=True):
+        for rect, bar, blue in zip(drawn, panel.bars, mine, strict=True):
             inside = rect.get_height() > top * 0.3  # a tall bar holds its note, clear of the lines above
             axis.text(
                 rect.get_x() + rect.get_width() / 2,
@@ -242,7 +294,7 @@ def draw(charts: list[Panel], title: str, out: Path, metadata: dict[str, str]) -
                 ha="center",
                 va="top" if inside else "bottom",
                 fontsize=7.5 if len(values) <= 5 else 6.5,  # six bars are narrower
-                color="white" if inside and ours(bar.label) else "black",
+                color="white" if inside and blue else "black",
             )
         for y, label in panel.lines:
             colour = "tab:red" if "target" in label else "0.3"

@@ -56,7 +56,7 @@ def values(panel: Any) -> dict[str, float]:
 
 def test_the_committed_png_is_drawn_from_the_committed_results() -> None:
     width, height, texts = png_info(chart.OUT)
-    assert (width, height) == (1440, 840)
+    assert (width, height) == (1920, 840)
     assert texts.get("Source") == chart.source(chart.LOCK_JSON, chart.TASK_JSON), (
         "bench/results/benchmarks.png is older than the results JSON: run `make chart` and commit the PNG"
     )
@@ -66,7 +66,7 @@ def test_the_committed_png_is_drawn_from_the_committed_results() -> None:
 
 def test_the_panels_hold_the_ratios_of_the_results() -> None:
     panels = chart.panels(LOCK, TASKS)
-    assert len(panels) == 6
+    assert len(panels) == 8
     uncontended = values(by_title(panels, "Lock, uncontended"))
     for name, row in LOCK["results"]["uncontended"].items():
         if name != "bare":
@@ -106,7 +106,7 @@ def test_the_until_executed_variant_and_refused_duplicates_are_charted(tmp_path:
     assert values(refused) == {"until_executed": 180.0, "celery-once": 240.0, "celery-singleton": 410.0}
     assert not refused.missing and "2.00 RT" in refused.bars[2].note
     width, _, texts = png_info(out)
-    assert width == 1440
+    assert width == 1920
     assert texts["Source"] == chart.source(chart.LOCK_JSON, path)
 
 
@@ -117,9 +117,34 @@ def test_what_a_run_left_out_leaves_its_panel_empty_and_the_chart_is_still_drawn
     out = tmp_path / "chart.png"
     assert chart.main(["--lock", str(path), "--tasks", str(tmp_path / "none.json"), "--out", str(out)]) == 0
     panels = chart.panels(lock, {})
-    assert [bool(panel.bars) for panel in panels] == [True, False, False, False, False, False]
+    assert [bool(panel.bars) for panel in panels] == [True, False, False, False, False, False, False, False]
     assert "no contention results" in panels[1].missing
-    assert "no refused_duplicates" in panels[5].missing
+    assert "no redlock or cluster results" in panels[3].missing
+    assert "no refused_duplicates" in panels[6].missing
+    assert "make chart" in panels[7].missing  # the notes panel
     assert png_info(out)[2]["Source"] == chart.source(path)
     with pytest.raises(SystemExit):  # neither file: nothing to chart
         chart.main(["--lock", str(tmp_path / "a"), "--tasks", str(tmp_path / "b"), "--out", str(out)])
+
+
+def test_redlock_and_cluster_results_are_charted_against_their_baselines() -> None:
+    """The scenarios ``lock_bench.py --only redlock --only cluster`` adds to lock_bench.json."""
+    lock = copy.deepcopy(LOCK)
+    lock["results"]["redlock"] = {
+        "RedisLock over 3": {"pairs_per_s": 1279.0, "round_trips_per_pair": 6.0},
+        "pottery Redlock over 3": {"pairs_per_s": 282.0, "round_trips_per_pair": 6.0},
+    }
+    lock["results"]["cluster"] = {
+        "RedisLock, one server": {"pairs_per_s": 3479.0},
+        "RedisLock, Cluster": {"pairs_per_s": 3429.0},
+    }
+    beyond = by_title(chart.panels(lock, TASKS), "Beyond one Redis")
+    assert [(bar.label, bar.mine) for bar in beyond.bars] == [
+        ("pottery\nover 3", False),
+        ("Redlock\nover 3", True),
+        ("one\nserver", False),
+        ("3-primary\nCluster", True),
+    ]
+    assert [bar.value for bar in beyond.bars] == pytest.approx([1.0, 1279 / 282, 1.0, 3429 / 3479])
+    lock["results"].pop("cluster")
+    assert len(by_title(chart.panels(lock, TASKS), "Beyond one Redis").bars) == 2  # one scenario only
