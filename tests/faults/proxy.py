@@ -11,7 +11,8 @@ on a thread of its own. A cut is one of:
   ``heal()`` lets new connections through again.
 
 The thread sleeps in ``select`` and is woken by a pipe on every change of mode;
-``close()`` stops it and closes every socket.
+a change returns once the thread has applied it (after ``drop()``, every
+connection is closed). ``close()`` stops the thread and closes every socket.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ class TCPProxy:
         self._mode = "open"
         self._peers: dict[socket.socket, socket.socket] = {}  # each end of a pair -> the other end
         self._wake_r, self._wake_w = socket.socketpair()
-        self._state = threading.Lock()
+        self._state = threading.Condition()
         self._closed = False
+        self._requested = self._applied = 0  # mode changes asked for, and applied by the thread
         self._thread = threading.Thread(target=self._run, name=f"tcp-proxy-{self.port}", daemon=True)
         #: connections accepted so far (a test can check that its client went through the proxy)
         self.accepted = 0
@@ -63,6 +65,7 @@ class TCPProxy:
             self._closed = True
         self._wake_w.send(b"x")
         self._thread.join(10)
+        assert not self._thread.is_alive(), "the proxy thread did not stop"
         for sock in [*self._peers, self._listener, self._wake_r, self._wake_w]:
             sock.close()
         self._peers.clear()
@@ -81,18 +84,26 @@ class TCPProxy:
     def _set(self, mode: str) -> None:
         with self._state:
             self._mode = mode
+            self._requested += 1
+            wanted = self._requested
         self._wake_w.send(b"x")
+        with self._state:
+            applied = self._state.wait_for(lambda: self._applied >= wanted, timeout=10)
+        assert applied, f"the proxy thread did not switch to {mode!r}"
 
     # -- the thread ------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._state:
-                mode, closed = self._mode, self._closed
+                mode, closed, requested = self._mode, self._closed, self._requested
             if closed:
                 return
             if mode == "drop":
                 self._close_all()
+            with self._state:
+                self._applied = requested
+                self._state.notify_all()
             readers = [self._wake_r]
             if mode != "stall":
                 readers += [self._listener, *self._peers]
