@@ -68,11 +68,13 @@ class Stage:
         self.workers.append(worker)
         worker.start()
         wait_for(
-            lambda: any(
-                entry.decode().startswith(f"{name}@")
-                for entry in self.client.lrange(f"{self.prefix}:ready", 0, -1)
-            )
-            or worker.process.poll() is not None,  # type: ignore[union-attr]
+            lambda: (
+                any(
+                    entry.decode().startswith(f"{name}@")
+                    for entry in self.client.lrange(f"{self.prefix}:ready", 0, -1)
+                )
+                or worker.process.poll() is not None
+            ),  # type: ignore[union-attr]
             what=f"worker {name} to start",
         )
         assert worker.process.poll() is None, f"worker {name} died:\n{worker.output()}"  # type: ignore[union-attr]
@@ -94,10 +96,12 @@ class Stage:
         )
 
     def stop_workers(self) -> None:
-        """Stop every worker by its pid; print the end of their logs (pytest shows them if the test failed)."""
+        """Stop every worker by its pid; print the end of their logs (shown if the test failed)."""
         for worker in self.workers:
             worker.stop()
-            print(f"--- {worker.args[worker.args.index('-n') + 1]} ({worker.log}):\n{worker.output()[-6000:]}")
+            print(
+                f"--- {worker.args[worker.args.index('-n') + 1]} ({worker.log}):\n{worker.output()[-6000:]}"
+            )
 
 
 @pytest.fixture

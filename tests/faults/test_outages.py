@@ -112,7 +112,7 @@ def test_redis_unreachable_at_enqueue(
             with pytest.raises(RedisLockError) as raised:
                 task.delay(x)
             message = str(raised.value)
-            assert f"task 'taskapp.until_executed'" in message and shown in message
+            assert "task 'taskapp.until_executed'" in message and shown in message
             assert task_lock_key(task, (x,)) in message and "secret" not in message
             assert stage.client.llen(stage.queue) == 0  # nothing was sent
         else:
@@ -129,7 +129,9 @@ def test_redis_unreachable_at_enqueue(
 
 
 @pytest.mark.parametrize("on_error", ["fail", "run"])
-def test_redis_unreachable_at_execution_then_back(stage: Stage, unreachable: RedisServer, on_error: str) -> None:
+def test_redis_unreachable_at_execution_then_back(
+    stage: Stage, unreachable: RedisServer, on_error: str
+) -> None:
     url = shown = unreachable.url  # (the password is masked in messages: see the enqueue test)
     worker = stage.worker("w", redislock_url=url, redislock_on_error=on_error, redislock_ttl=TTL)
     x, task = fresh(), stage.task("hold_skip")  # no enqueue lock: the test side does not need Redis
@@ -181,6 +183,6 @@ def test_the_worker_reconnects_through_the_proxy(stage: Stage) -> None:
         proxy.heal()
         assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
         assert proxy.accepted >= 2
+        proxy.drop()
         with pytest.raises(redis.ConnectionError):
-            proxy.drop()
             redis.Redis.from_url(proxy.url(), retry=None).ping()

@@ -105,7 +105,9 @@ def cut(proxy: TCPProxy, how: Callable[[], None]) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("how", ["stall", "drop"])
-def test_a_network_cut_longer_than_lock_ttl_is_noticed_when_the_lease_runs_out(stage: Stage, how: str) -> None:
+def test_a_network_cut_longer_than_lock_ttl_is_noticed_when_the_lease_runs_out(
+    stage: Stage, how: str
+) -> None:
     with TCPProxy(stage.server.port) as proxy:
         stale = stage.worker("stale", queue="stale", redislock_url=proxy.url(), redislock_ttl=TTL)
         stage.worker("fresh", queue="fresh", redislock_ttl=TTL)
