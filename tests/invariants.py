@@ -28,7 +28,10 @@ COMPANIONS = (b"}:queue", b"}:waiters", b"}:wake:")
 
 def keys_of(client: redis.Redis, prefix: str) -> list[bytes]:
     """Every key of the test: ``prefix...`` and companions ``{prefix...}...``."""
-    found = {*client.scan_iter(match=f"{prefix}*", count=1000), *client.scan_iter(match=f"{{{prefix}*", count=1000)}
+    found = {
+        *client.scan_iter(match=f"{prefix}*", count=1000),
+        *client.scan_iter(match=f"{{{prefix}*", count=1000),
+    }
     return sorted(found)
 
 
