@@ -221,12 +221,15 @@ def _announce_ready(sender: Any = None, **_: Any) -> None:
 
 @signals.lock_busy.connect
 def _record_busy(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    sender.app.recorder.record("busy", sender, sender.request.args[0] if sender.request.args else None)
+    if hasattr(sender.app, "recorder"):  # an app of this module's
+        sender.app.recorder.record("busy", sender, sender.request.args[0] if sender.request.args else None)
 
 
 @signals.lock_released.connect
 def _record_released(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    sender.app.recorder.record("released", sender, sender.request.args[0] if sender.request.args else None)
+    if hasattr(sender.app, "recorder"):
+        args = sender.request.args
+        sender.app.recorder.record("released", sender, args[0] if args else None)
 
 
 @signals.lock_lost.connect
