@@ -49,7 +49,7 @@ def leftover_locks(client: redis.Redis, prefix: str) -> list[str]:
         if client.type(key) != b"string":
             continue
         value = client.get(key)
-        if value is not None and LOCK_VALUE.match(value):
+        if isinstance(value, bytes) and LOCK_VALUE.match(value):
             left.append(f"{key!r} = {value!r} (ttl {client.pttl(key)} ms)")
     return left
 

@@ -10,6 +10,7 @@ checks that no lock is left.
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import uuid
@@ -68,17 +69,19 @@ class Stage:
         )
         self.workers.append(worker)
         worker.start()
+        process = worker.process
+        assert process is not None
         wait_for(
             lambda: (
                 any(
-                    entry.decode().startswith(f"{name}@")
+                    (entry.decode() if isinstance(entry, bytes) else entry).startswith(f"{name}@")
                     for entry in self.client.lrange(f"{self.prefix}:ready", 0, -1)
                 )
-                or worker.process.poll() is not None
-            ),  # type: ignore[union-attr]
+                or process.poll() is not None
+            ),
             what=f"worker {name} to start",
         )
-        assert worker.process.poll() is None, f"worker {name} died:\n{worker.output()}"  # type: ignore[union-attr]
+        assert process.poll() is None, f"worker {name} died:\n{worker.output()}"
         return worker
 
     def events(self, kind: str | None = None, x: object = None) -> list[list[str]]:
@@ -90,8 +93,13 @@ class Stage:
 
     def wait_events(self, kind: str, x: object, n: int = 1, timeout: float = 60.0) -> list[list[str]]:
         """Wait until ``n`` events ``kind`` of ``x`` were recorded; all of them."""
+
+        def enough() -> list[list[str]]:
+            found = self.events(kind, x)
+            return found if len(found) >= n else []
+
         return wait_for(
-            lambda: (found := self.events(kind, x)) and len(found) >= n and found,
+            enough,
             timeout=timeout,
             what=lambda: f"{n} {kind} event(s) of {x}; events: {self.events(x=x)}",
         )
@@ -116,6 +124,7 @@ def stage(fresh_server: RedisServer, prefix: str) -> Iterator[Stage]:
         yield stage
     finally:
         stage.stop_workers()
+        gc.collect()  # results left in reference cycles unsubscribe now, while their server is up
         stage.app.close()
         sampler.stop()
 

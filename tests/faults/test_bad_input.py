@@ -67,13 +67,14 @@ class Env:
             return a
 
         options = {"lock_mode": "until_executed", **options}
-        return (app or self.app()).task(base=LockedTask, shared=False, name="bad.add", **options)(add)
+        target: Any = app or self.app()
+        return target.task(base=LockedTask, shared=False, name="bad.add", **options)(add)
 
     def url_for(self, *rules: str) -> str:
         """A URL logging in as a new ACL user (password ``SECRET``) with ``rules``."""
         name = f"u{uuid.uuid4().hex[:8]}"
         admin = self.server.client()
-        admin.execute_command("ACL", "SETUSER", name, "on", f">{SECRET}", *rules)
+        admin.execute_command("ACL", "SETUSER", name, "on", f">{SECRET}", *rules)  # type: ignore[no-untyped-call]
         admin.close()
         self.users.append(name)
         return f"redis://{name}:{SECRET}@127.0.0.1:{self.server.port}/0"
@@ -83,7 +84,7 @@ class Env:
             app.close()
         if self.users:
             admin = self.server.client()
-            admin.execute_command("ACL", "DELUSER", *self.users)
+            admin.acl_deluser(*self.users)
             admin.close()
 
 
@@ -292,7 +293,7 @@ CASES = [
         id="lock-timeout-without-blocking",
     ),
     pytest.param(
-        lambda env: RedisLock(env.server.url, f"{env.prefix}:k"),  # type: ignore[arg-type]
+        lambda env: RedisLock(env.server.url, f"{env.prefix}:k"),
         LockConfigurationError,
         ["client must be a redis.Redis or redis.cluster.RedisCluster, got str"],
         id="lock-client-a-url",

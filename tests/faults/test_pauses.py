@@ -69,7 +69,7 @@ class Takeover:
         assert self.stage.events("end", self.x) == []  # the stale body was stopped
         assert int(self.stale_start[5]) < int(self.fresh_start[5])
         value = self.stage.client.get(self.key)  # the stale exit left the new holder's lock alone
-        assert value is not None and int(value.split(b":")[1]) == int(self.fresh_start[5])
+        assert isinstance(value, bytes) and int(value.split(b":")[1]) == int(self.fresh_start[5])
         log = self.stale_worker.output()
         assert f"lock '{self.key}' lost ({reason})" in log
         assert f"lock {self.key} was no longer held" in log or f"could not release lock {self.key}" in log

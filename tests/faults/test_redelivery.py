@@ -66,7 +66,11 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     the lock still naming the same task and attempt, as a twin's would, but nobody renews it:
     once the dead worker's lease has run out, the redelivered message runs."""
     ttl = 5.0  # long enough for the redelivery to arrive while the dead worker's lease lasts
-    conf = {"broker_transport_options": TRANSPORT, "task_acks_late": True, "redislock_ttl": ttl}
+    conf: dict[str, Any] = {
+        "broker_transport_options": TRANSPORT,
+        "task_acks_late": True,
+        "redislock_ttl": ttl,
+    }
     doomed = stage.worker("doomed", **conf)
     x, task = fresh(), stage.task("hold_skip")
     key = task_lock_key(task, (x,), {"gate": True})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import gc
 import re
 import ssl
 import threading
@@ -40,19 +41,20 @@ def everything_in(client: redis.Redis) -> list[tuple[bytes, bytes]]:
     found: list[tuple[bytes, bytes]] = []
     for key in client.scan_iter(match="*", count=1000):
         kind = client.type(key)
+        values: list[Any]
         if kind == b"string":
             values = [client.get(key) or b""]
         elif kind == b"list":
-            values = client.lrange(key, 0, -1)
+            values = list(client.lrange(key, 0, -1))
         elif kind == b"zset":
-            values = [member for member, _ in client.zrange(key, 0, -1, withscores=True)]
+            values = list(client.zrange(key, 0, -1))
         elif kind == b"hash":
             values = [item for pair in client.hgetall(key).items() for item in pair]
         elif kind == b"set":
             values = list(client.smembers(key))
         else:
             values = [kind]
-        found += [(key, value) for value in values]
+        found += [(bytes(key), bytes(value)) for value in values]
     return found
 
 
@@ -62,7 +64,7 @@ def test_argument_values_never_appear_in_lock_keys_or_values(stage: Stage) -> No
     secret = f"hunter2-{uuid.uuid4().hex}"
     forms = [secret.encode(), secret.encode().hex().encode(), base64.b64encode(secret.encode())]
     with RedisServer() as locks:
-        json_only = {"accept_content": ["json"], "result_accept_content": ["json"]}
+        json_only: dict[str, Any] = {"accept_content": ["json"], "result_accept_content": ["json"]}
         stage.worker("w", "threads", 6, redislock_url=locks.url, **json_only)
         app = stage.app_with(redislock_url=locks.url, **json_only)
         task = app.tasks.__getitem__
@@ -138,6 +140,7 @@ def tls_server(tmp_path: Path) -> Iterator[TLSRedisServer]:
         pytest.skip("openssl is needed to make the test CA")
     server = TLSRedisServer(tmp_path).start()
     yield server
+    gc.collect()  # results left in reference cycles unsubscribe now, while their server is up
     server.stop()
 
 
@@ -219,9 +222,9 @@ def acl_server() -> Iterator[RedisServer]:
 def acl_url(server: RedisServer, prefix: str, commands: list[str]) -> str:
     name = f"locks-{uuid.uuid4().hex[:8]}"
     admin = server.client()
-    patterns = [f"~{prefix}:*", f"~{{{prefix}:*"]  # the README's, with the test's prefix
-    admin.execute_command("ACL", "SETUSER", name, "on", ">pw", *patterns, "resetchannels", "-@all")
-    admin.execute_command("ACL", "SETUSER", name, *[f"+{command}" for command in commands])
+    rules = [f"~{prefix}:*", f"~{{{prefix}:*", "resetchannels", "-@all"]  # the README's, for this prefix
+    admin.acl_setuser(name, enabled=True, passwords=["+pw"], reset=True)
+    admin.execute_command("ACL", "SETUSER", name, *rules, *[f"+{command}" for command in commands])  # type: ignore[no-untyped-call]
     admin.close()
     return f"redis://{name}:pw@127.0.0.1:{server.port}/0"
 
@@ -270,8 +273,10 @@ def lock_workload(url: str, prefix: str, admin: redis.Redis) -> list[str]:
     admin.script_flush()
     lock = RedisLock(client, name, ttl=0.3)
     if attempt("acquire", lambda: lock.acquire(blocking=False)):
-        attempt("owned", lambda: lock.owned() or problems.append("owned() was False"))
-        attempt("locked", lambda: lock.locked() or problems.append("locked() was False"))
+        if not attempt("owned", lock.owned):
+            problems.append("owned() was not True")
+        if not attempt("locked", lock.locked):
+            problems.append("locked() was not True")
         if lock.lost.wait(0.4):  # renewed every 0.1 s by the watchdog meanwhile
             problems.append("the watchdog could not renew the lease")
         attempt("extend", lambda: lock.extend(0.3))
