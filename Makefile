@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench bench-tasks clean
+.PHONY: demo test lint bench bench-tasks bench-crash clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "celery-redislock needs Python 3.10+, $(PYTHON) is " + sys.version.split()[0])'
@@ -30,6 +30,10 @@ bench: $(VENV)/.installed
 # LockedTask vs a plain task, celery-once and celery-singleton in a real prefork worker (~5 min)
 bench-tasks: $(VENV)/.installed
 	$(BIN)/python bench/task_bench.py
+
+# Time from a kill to the duplicate running again: LockedTask, celery-once, celery-singleton (~9 min)
+bench-crash: $(VENV)/.installed
+	$(BIN)/python bench/crash_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

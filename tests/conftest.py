@@ -7,6 +7,7 @@ test left once its tasks finished (unless marked ``locks_may_remain``).
 
 from __future__ import annotations
 
+import gc
 import uuid
 from collections.abc import Iterator
 
@@ -22,6 +23,7 @@ def redis_server() -> Iterator[RedisServer]:
     """One server for the session; tests keep to their own ``prefix``."""
     with RedisServer() as server:
         yield server
+        gc.collect()  # Celery results left in reference cycles unsubscribe now, while the server is up
 
 
 @pytest.fixture
@@ -29,6 +31,7 @@ def fresh_server(request: pytest.FixtureRequest, prefix: str) -> Iterator[RedisS
     """A server of the test's own, for tests that restart it or count its commands."""
     with RedisServer() as server:
         yield server
+        gc.collect()  # as for redis_server
         if server.process is not None and server.process.poll() is None:
             check_invariants(request, server, prefix)
 

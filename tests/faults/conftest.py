@@ -10,7 +10,6 @@ checks that no lock is left.
 
 from __future__ import annotations
 
-import gc
 import json
 import signal
 import uuid
@@ -124,7 +123,6 @@ def stage(fresh_server: RedisServer, prefix: str) -> Iterator[Stage]:
         yield stage
     finally:
         stage.stop_workers()
-        gc.collect()  # results left in reference cycles unsubscribe now, while their server is up
         stage.app.close()
         sampler.stop()
 
