@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench bench-tasks chart clean
+.PHONY: demo test lint bench bench-tasks bench-crash chart clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "celery-redislock needs Python 3.10+, $(PYTHON) is " + sys.version.split()[0])'
@@ -34,6 +34,10 @@ bench-tasks: $(VENV)/.installed
 # bench/results/benchmarks.png from the two JSON files above (runs no benchmark)
 chart: $(VENV)/.installed
 	$(BIN)/python bench/chart.py
+
+# Time from a kill to the duplicate running again: LockedTask, celery-once, celery-singleton (~9 min)
+bench-crash: $(VENV)/.installed
+	$(BIN)/python bench/crash_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

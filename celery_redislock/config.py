@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
+
+from redis.connection import parse_url
 
 from ._durations import seconds
 from .exceptions import LockConfigurationError
@@ -169,6 +173,26 @@ def _unknown(problem: _Problem, kind: str, name: str, known: list[str]) -> LockC
     return LockConfigurationError(f"{problem.where}: unknown {kind} {name!r}{hint}")
 
 
+def _check_url(problem: _Problem, url: object) -> None:
+    """``redislock_url`` as redis-py will read it, or an error showing it with its password masked."""
+    allowed = (
+        "allowed: a redis://, rediss://, unix://, redis-cluster://, rediss-cluster:// or sentinel:// URL"
+    )
+    scheme = url.partition("://")[0] if isinstance(url, str) else None
+    if not isinstance(url, str) or scheme not in URL_SCHEMES:
+        raise problem("redislock_url", url, allowed)
+    if scheme not in ("redis", "rediss", "unix"):
+        return  # several hosts: connection.redis_client reads them
+    shown = re.sub(r"^([a-z]+://[^:/@]*:)[^@/]*@", r"\1**@", url)  # as kombu masks it
+    try:
+        parsed = parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise problem("redislock_url", shown, f"{allowed}: {exc}") from None
+    database = urlsplit(url).path.strip("/")
+    if scheme != "unix" and database and "db" not in parsed:  # redis-py would quietly use db 0
+        raise problem("redislock_url", shown, f"{allowed}: the database {database!r} is not a number")
+
+
 def app_settings(app: Any) -> AppSettings:
     """The app's ``redislock_*`` settings, validated (unknown ``redislock_*`` names included)."""
     problem = _Problem(f"app {app.main or app!r}")
@@ -179,13 +203,7 @@ def app_settings(app: Any) -> AppSettings:
             raise _unknown(problem, "setting", name, known)
     url = app.conf.get("redislock_url")
     if url is not None:
-        scheme = url.partition("://")[0] if isinstance(url, str) else None
-        if scheme not in URL_SCHEMES:
-            allowed = (
-                "allowed: a redis://, rediss://, unix://, redis-cluster://, rediss-cluster:// "
-                "or sentinel:// URL"
-            )
-            raise problem("redislock_url", url, allowed)
+        _check_url(problem, url)
     prefix = app.conf.get("redislock_prefix") or APP_SETTINGS["prefix"]
     if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
         raise problem("redislock_prefix", prefix, "allowed: a non-empty str without '{' or '}'")

@@ -86,7 +86,7 @@ def call_digest(
     value = _keyed_value(task_name, run, args, kwargs or {}, lock_on)
     try:
         text = _canonical(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         culprit = "lock_on"
         if isinstance(value, dict) and not callable(lock_on):
             culprit = next((name for name, item in value.items() if not _encodable(item)), "*")
@@ -102,7 +102,7 @@ def call_digest(
 def _encodable(value: Any) -> bool:
     try:
         _canonical(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return False
     return True
 

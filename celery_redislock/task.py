@@ -536,7 +536,17 @@ class LockedTask(Task):  # type: ignore[type-arg]
         held_by = parse_holder(holder)
         same_task = request is not None and held_by.get("task") == task_id
         if same_task and int(held_by["try"]) == (request.retries or 0) and held_by.get("state") == "running":
-            # A redelivered message (acks_late, visibility timeout) whose first delivery still runs.
+            # A redelivered message (acks_late, visibility timeout, a dead consumer's messages):
+            # ignored while its first delivery runs, run if that delivery's worker died.
+            if self._first_delivery_died(lock, options, holder, ttl or 0.0):
+                logger.warning(
+                    "task %s[%s]: redelivered after its first delivery's worker died (its lease on %s "
+                    "ran out); running it",
+                    self.name,
+                    task_id,
+                    lock.name,
+                )
+                return self._acquired(lock, task_id)
             logger.info("task %s[%s]: redelivered while its first delivery runs; ignored", self.name, task_id)
             raise Ignore()
         if same_task and int(held_by["try"]) < (request.retries or 0):
@@ -580,6 +590,34 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if busy == "wait":
             holder, ttl = lock._busy
         raise LockNotAcquired(lock.name, holder, ttl)
+
+    def _first_delivery_died(
+        self, lock: _ExecutionLock, options: LockOptions, holder: str | None, left: float
+    ) -> bool:
+        """A redelivered message found ``lock`` held by its own first delivery, ``left`` seconds from expiry.
+
+        ``True`` (``lock`` now held here) if that holder died: its lease ran out
+        unrenewed. ``False`` if it is alive (it renewed the lease or released
+        it: it ran to its end, or its pool child died and the worker released
+        for it). A live holder renews every ``lock_ttl/3``, so this waits at most
+        one renewal interval for a live holder, and the rest of the lease for a
+        dead one; it is woken at once by a release.
+        """
+        margin = 0.1  # seconds: a release this close to the lease's end counts as its running out
+        began = time.monotonic()
+        if left > margin:  # watch for one renewal interval, never up to the end of the lease
+            if lock.acquire(timeout=min(options.ttl / 3, left - margin)):
+                _release(self, lock, None)  # freed early: released by its holder, who is done
+                return False
+            now_holder, now_left = lock._busy
+            if now_holder != holder or (now_left or 0.0) > left - (time.monotonic() - began) + margin:
+                return False  # renewed (alive), or released and taken by another
+            began, left = time.monotonic(), now_left or 0.0
+        if lock.acquire(timeout=left + margin):  # not renewed for an interval: wait for the lease to end
+            if time.monotonic() - began >= left - margin:
+                return True  # it ran out: the holder is dead
+            _release(self, lock, None)  # released late: it was alive after all
+        return False
 
     def _let_go(
         self, lock: _ExecutionLock, options: LockOptions, task_id: str | None, retries: int, outcome: Any

@@ -1,7 +1,13 @@
-"""Fixtures: real redis-servers started by the suite itself, on 127.0.0.1, stopped by pid."""
+"""Fixtures: real redis-servers started by the suite itself, on 127.0.0.1, stopped by pid.
+
+After every test, the invariant checker (``tests.invariants``) runs on the
+servers the test used: no key of the test without a TTL, and no lock of the
+test left once its tasks finished (unless marked ``locks_may_remain``).
+"""
 
 from __future__ import annotations
 
+import gc
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +18,7 @@ import redis
 
 from celery_redislock.connection import redis_client
 from celery_redislock.testing import RedisClusterServers, RedisSentinelServers, RedisServer
+from tests import invariants
 
 
 @pytest.fixture(scope="session")
@@ -19,15 +26,17 @@ def redis_server() -> Iterator[RedisServer]:
     """One server for the session; tests keep to their own ``prefix``."""
     with RedisServer() as server:
         yield server
+        gc.collect()  # Celery results left in reference cycles unsubscribe now, while the server is up
 
 
 @pytest.fixture
-def fresh_server(prefix: str) -> Iterator[RedisServer]:
+def fresh_server(request: pytest.FixtureRequest, prefix: str) -> Iterator[RedisServer]:
     """A server of the test's own, for tests that restart it or count its commands."""
     with RedisServer() as server:
         yield server
+        gc.collect()  # as for redis_server
         if server.process is not None and server.process.poll() is None:
-            assert_every_key_has_a_ttl(server, prefix)
+            check_invariants(request, server, prefix)
 
 
 @pytest.fixture
@@ -43,26 +52,22 @@ def prefix() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
 
 
-def keys_without_ttl(client: redis.Redis, prefix: str) -> list[bytes]:
-    """Keys of the test (``prefix...`` and companions ``{prefix...}...``) that have no TTL."""
-    found = [*client.scan_iter(match=f"{prefix}*"), *client.scan_iter(match=f"{{{prefix}*")]
-    return [key for key in found if client.pttl(key) == -1]
-
-
-def assert_every_key_has_a_ttl(server: RedisServer, prefix: str) -> None:
+def check_invariants(request: pytest.FixtureRequest, server: RedisServer, prefix: str) -> None:
+    """The invariants for ``prefix`` on ``server``, as the test's ``locks_may_remain`` marker allows."""
     checker = server.client()
     try:
-        assert keys_without_ttl(checker, prefix) == []
+        marked = request.node.get_closest_marker("locks_may_remain") is not None
+        invariants.check(checker, prefix, locks_may_remain=marked)
     finally:
         checker.close()
 
 
 @pytest.fixture(autouse=True)
-def _every_key_has_a_ttl(request: pytest.FixtureRequest, prefix: str) -> Iterator[None]:
-    """After every test, no key under its prefix lacks a TTL (``fresh_server`` checks its own)."""
+def _invariants(request: pytest.FixtureRequest, prefix: str) -> Iterator[None]:
+    """After every test, the invariants on the session server (``fresh_server`` checks its own)."""
     yield
     if "redis_server" in request.fixturenames:
-        assert_every_key_has_a_ttl(request.getfixturevalue("redis_server"), prefix)
+        check_invariants(request, request.getfixturevalue("redis_server"), prefix)
 
 
 def command_calls(client: redis.Redis) -> dict[str, int]:
@@ -152,4 +157,4 @@ def topology(request: pytest.FixtureRequest, prefix: str) -> Iterator[Topology]:
         found = Topology(kind, (request.getfixturevalue(kind if kind == "cluster" else "sentinels").url,))
     yield found
     for client in found.data_clients():
-        assert keys_without_ttl(client, prefix) == []
+        assert invariants.keys_without_ttl(client, prefix) == []

@@ -6,7 +6,8 @@ worker subprocesses run ``celery -A tests.taskapp worker`` and build the same
 app from ``TASKAPP_URL``, ``TASKAPP_PREFIX`` and ``TASKAPP_QUEUE``.
 
 Bodies record what they do in the list ``{prefix}:events`` (entries
-``"<event> <task> <x> <task id> <pid> <fence> <retries>"``) and block, where a test
+``"<event> <task> <x> <task id> <pid> <fence> <retries> <monotonic time>"``; a
+lost lock adds ``"lost ... <reason>"``) and block, where a test
 needs a slow body, on the list ``{prefix}:gate:<x>`` until the test pushes to
 it: tests synchronise on these events, never on sleeps.
 
@@ -58,7 +59,17 @@ class Recorder:
     def record(self, event: str, task: Task[Any, Any], x: object) -> None:
         request = task.request
         entry = f"{event} {task.name.rsplit('.', 1)[-1]} {x} {request.id} {os.getpid()} "
-        entry += f"{getattr(request, 'lock_fence', None)} {request.retries}"
+        entry += f"{getattr(request, 'lock_fence', None)} {request.retries} {time.monotonic():.6f}"
+        self.push(self.events_key, entry)
+
+    def record_lost(self, lock: Any, reason: str) -> None:
+        """A ``lock_lost`` report, from the watchdog thread of the process that lost ``lock``."""
+        request = lock.request
+        name = (getattr(request, "task", None) or "-").rsplit(".", 1)[-1]
+        x = request.args[0] if request is not None and request.args else None
+        task_id = getattr(request, "id", None)
+        entry = f"lost {name} {x} {task_id} {os.getpid()} {lock.fence} {getattr(request, 'retries', None)} "
+        entry += f"{time.monotonic():.6f} {reason.replace(' ', '_')}"
         self.push(self.events_key, entry)
 
     def push(self, key: str, *values: str) -> None:
@@ -97,6 +108,10 @@ class Recorder:
         return [entry.decode().split(" ") for entry in self.client.lrange(f"{self.prefix}:runs", 0, -1)]
 
 
+#: prefix -> the recorder of the app using it, for the ``lock_lost`` receiver (its sender is a lock)
+_recorders: dict[str, Recorder] = {}
+
+
 def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), **conf: Any) -> Celery:
     """The tests' app; the tasks named in ``without`` are not registered (a beat that
     does not import them sends them with ``send_task``)."""
@@ -105,17 +120,20 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
             entry["schedule"] = schedule(timedelta(seconds=entry["schedule"]), nowfun=skewed_now)
     app = Celery("taskapp", broker=url, backend=url, set_as_current=False)
     app.conf.update(
-        redislock_url=url,
-        redislock_prefix=prefix,
-        task_default_queue=queue,
-        result_expires=600,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        worker_prefetch_multiplier=1,
-        **conf,
+        {
+            "redislock_url": url,
+            "redislock_prefix": prefix,
+            "task_default_queue": queue,
+            "result_expires": 600,
+            "broker_connection_retry_on_startup": True,
+            "worker_hijack_root_logger": False,
+            "worker_prefetch_multiplier": 1,
+            **conf,
+        }
     )
     recorder = Recorder(url, prefix)
     app.recorder = recorder  # type: ignore[attr-defined]
+    _recorders[prefix] = recorder
     locked_task = functools.partial(app.task, base=LockedTask, bind=True, shared=False)
 
     def gated(self: Task[Any, Any], x: object, gate: bool = False) -> object:
@@ -212,6 +230,15 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         """A long lease: after a kill, only the worker's main process can free it in time."""
         return gated(self, x, gate)
 
+    @locked_task(name="taskapp.fenced", lock_on_lost="raise")
+    def fenced(self: Task[Any, Any], x: object, gate: bool = True) -> object:
+        """Holds its lock (``redislock_ttl``) until its gate opens; a lost lock stops it (``LockLost``)."""
+        recorder.record("start", self, x)
+        if gate:
+            recorder.wait_gate(x, poll=0.05)
+        recorder.record("end", self, x)  # only if LockLost did not stop the body
+        return x
+
     @locked_task(name="taskapp.nested", lock_on=("x",))
     def nested(self: Task[Any, Any], x: object, depth: int) -> object:
         recorder.record(f"depth{depth}", self, x)
@@ -245,12 +272,22 @@ def _announce_ready(sender: Any = None, **_: Any) -> None:
 
 @signals.lock_busy.connect
 def _record_busy(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    sender.app.recorder.record("busy", sender, sender.request.args[0] if sender.request.args else None)
+    if hasattr(sender.app, "recorder"):  # an app of this module's
+        sender.app.recorder.record("busy", sender, sender.request.args[0] if sender.request.args else None)
 
 
 @signals.lock_released.connect
 def _record_released(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    sender.app.recorder.record("released", sender, sender.request.args[0] if sender.request.args else None)
+    if hasattr(sender.app, "recorder"):
+        args = sender.request.args
+        sender.app.recorder.record("released", sender, args[0] if args else None)
+
+
+@signals.lock_lost.connect
+def _record_lost(sender: Any = None, key: str = "", reason: str = "", **_: Any) -> None:
+    recorder = _recorders.get(key.partition(":")[0])
+    if recorder is not None and getattr(sender, "request", None) is not None:
+        recorder.record_lost(sender, reason)
 
 
 app: Celery | None = (

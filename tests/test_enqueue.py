@@ -207,6 +207,7 @@ def test_revoking_a_queued_task_frees_its_enqueue_lock(app: Celery) -> None:
     assert starts(app, x) == []
 
 
+@pytest.mark.locks_may_remain("the message is never consumed: its enqueue lock stays until it expires")
 def test_an_expiring_message_bounds_its_enqueue_lock(app: Celery) -> None:
     x, task = fresh(), app.tasks["taskapp.until_executed"]
     task.apply_async((x,), expires=30)

@@ -1,0 +1,131 @@
+"""Fixtures of the fault suite: a Redis server of the test's own, worker subprocesses, a sampler.
+
+Each fault test gets ``stage``: a private redis-server (broker, results and
+locks, unless the test points the locks elsewhere), the test-side app, and a
+way to start worker subprocesses that are stopped by pid when the test ends.
+While the test runs, a ``Sampler`` checks that no key of the test is ever
+without a TTL; once it ends, the suite-wide checker (``tests/conftest.py``)
+checks that no lock is left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock.testing import RedisServer
+from tests.invariants import Sampler
+from tests.taskapp import Recorder, make_app
+from tests.workers import WorkerProcess, wait_for
+
+RESULT_TIMEOUT = 30
+
+
+class Stage:
+    """A fault test's world: ``server``, ``app`` (the test side), workers, events."""
+
+    def __init__(self, server: RedisServer, prefix: str) -> None:
+        self.server = server
+        self.prefix = prefix
+        self.queue = f"q-{prefix}"
+        self.app = make_app(server.url, prefix, self.queue)
+        self.recorder: Recorder = self.app.recorder  # type: ignore[attr-defined]
+        self.client: redis.Redis = self.recorder.client
+        self.workers: list[WorkerProcess] = []
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[f"taskapp.{name}"]
+
+    def app_with(self, **conf: Any) -> Celery:
+        """Another test-side app on the same prefix, with more settings."""
+        return make_app(self.server.url, self.prefix, self.queue, **conf)
+
+    def worker(
+        self,
+        name: str,
+        pool: str = "solo",
+        concurrency: int = 1,
+        queue: str | None = None,
+        url: str | None = None,
+        **conf: Any,
+    ) -> WorkerProcess:
+        """Start ``celery worker`` (``conf``: more app settings) and wait until it consumes."""
+        worker = WorkerProcess(
+            url or self.server.url,
+            self.prefix,
+            queue or self.queue,
+            pool,
+            concurrency,
+            name,
+            json.dumps(conf),
+        )
+        self.workers.append(worker)
+        worker.start()
+        process = worker.process
+        assert process is not None
+        wait_for(
+            lambda: (
+                any(
+                    (entry.decode() if isinstance(entry, bytes) else entry).startswith(f"{name}@")
+                    for entry in self.client.lrange(f"{self.prefix}:ready", 0, -1)
+                )
+                or process.poll() is not None
+            ),
+            what=f"worker {name} to start",
+        )
+        assert process.poll() is None, f"worker {name} died:\n{worker.output()}"
+        return worker
+
+    def events(self, kind: str | None = None, x: object = None) -> list[list[str]]:
+        return [
+            event
+            for event in self.recorder.events()
+            if (kind is None or event[0] == kind) and (x is None or event[2] == str(x))
+        ]
+
+    def wait_events(self, kind: str, x: object, n: int = 1, timeout: float = 60.0) -> list[list[str]]:
+        """Wait until ``n`` events ``kind`` of ``x`` were recorded; all of them."""
+
+        def enough() -> list[list[str]]:
+            found = self.events(kind, x)
+            return found if len(found) >= n else []
+
+        return wait_for(
+            enough,
+            timeout=timeout,
+            what=lambda: f"{n} {kind} event(s) of {x}; events: {self.events(x=x)}",
+        )
+
+    def stop_workers(self) -> None:
+        """Stop every worker by its pid; print the end of their logs (shown if the test failed)."""
+        for worker in self.workers:  # all at once: a prefork worker takes ~2 s to shut down
+            if worker.process is not None and worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)
+        for worker in self.workers:
+            worker.stop()  # waits, and kills the worker's process group if it hangs
+            print(
+                f"--- {worker.args[worker.args.index('-n') + 1]} ({worker.log}):\n{worker.output()[-6000:]}"
+            )
+
+
+@pytest.fixture
+def stage(fresh_server: RedisServer, prefix: str) -> Iterator[Stage]:
+    stage = Stage(fresh_server, prefix)
+    sampler = Sampler(fresh_server.client(), prefix).start()
+    try:
+        yield stage
+    finally:
+        stage.stop_workers()
+        stage.app.close()
+        sampler.stop()
+
+
+def fresh() -> str:
+    return uuid.uuid4().hex[:10]

@@ -1,0 +1,360 @@
+"""Bad input (issue item 10): each case fails with a clear error naming the culprit, and leaves
+nothing in Redis (no key under the test's prefix) and nothing in the queue.
+
+``tests/test_task_config.py`` holds the first cases (``BAD_OPTIONS``: mode, busy, duplicate,
+on_lost, ttl, queue_ttl, retry_delay, wait_timeout, period, lock_on; bad app settings; an
+unkeyable keyword argument; a raising ``lock_on``); the cases here are others: more option
+values, malformed URLs, arguments that cannot be keyed, connection and permission errors, and
+the primitive's own arguments.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_redislock import (
+    LockConfigurationError,
+    LockedTask,
+    LockKeyError,
+    RedisLock,
+    RedisLockError,
+    task_lock_key,
+)
+from celery_redislock import connection as connection_module
+from celery_redislock.testing import RedisServer
+from tests import invariants
+
+SECRET = "s3cret-pw"
+
+
+@dataclass
+class Env:
+    server: RedisServer
+    prefix: str
+    apps: list[Celery] = field(default_factory=list)
+    users: list[str] = field(default_factory=list)
+
+    @property
+    def queue(self) -> str:
+        return f"q-{self.prefix}"
+
+    def app(self, **conf: Any) -> Celery:
+        app = Celery("bad", broker=self.server.url, backend=self.server.url, set_as_current=False)
+        app.conf.update(
+            {
+                "redislock_url": self.server.url,
+                "redislock_prefix": self.prefix,
+                "task_default_queue": self.queue,
+                **conf,
+            }
+        )
+        app.finalize()  # tasks defined from now on are bound (and their options checked) at once
+        self.apps.append(app)
+        return app
+
+    def task(self, app: Celery | None = None, **options: Any) -> Any:
+        """``bad.add(a, b=2)``, locked at enqueue (``until_executed``) unless told otherwise."""
+
+        def add(a: Any, b: Any = 2) -> Any:
+            return a
+
+        options = {"lock_mode": "until_executed", **options}
+        target: Any = app or self.app()
+        return target.task(base=LockedTask, shared=False, name="bad.add", **options)(add)
+
+    def url_for(self, *rules: str) -> str:
+        """A URL logging in as a new ACL user (password ``SECRET``) with ``rules``."""
+        name = f"u{uuid.uuid4().hex[:8]}"
+        admin = self.server.client()
+        admin.execute_command("ACL", "SETUSER", name, "on", f">{SECRET}", *rules)  # type: ignore[no-untyped-call]
+        admin.close()
+        self.users.append(name)
+        return f"redis://{name}:{SECRET}@127.0.0.1:{self.server.port}/0"
+
+    def close(self) -> None:
+        for app in self.apps:
+            app.close()
+        if self.users:
+            admin = self.server.client()
+            admin.acl_deluser(*self.users)
+            admin.close()
+
+
+@pytest.fixture
+def env(redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    monkeypatch.setattr(connection_module, "SOCKET_TIMEOUT", 0.5)  # a TLS handshake with a plain server
+    env = Env(redis_server, prefix)
+    yield env
+    env.close()
+
+
+def deeply_nested(depth: int = 100_000) -> list[Any]:
+    top: list[Any] = []
+    inner = top
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return top
+
+
+def raising_lock_on(a: Any, b: Any = 2) -> Any:
+    raise KeyError("tenant")
+
+
+Action = Callable[[Env], object]
+
+CASES = [
+    # -- options and settings, refused when the task is bound
+    pytest.param(
+        lambda env: env.task(lock_ttl=timedelta(days=400)),
+        LockConfigurationError,
+        ["task 'bad.add'", "lock_ttl=datetime.timedelta(days=400)", "<= 31536000"],
+        id="ttl-beyond-a-year",
+    ),
+    pytest.param(
+        lambda env: env.task(lock_wait_timeout=-1),
+        LockConfigurationError,
+        ["lock_wait_timeout=-1", ">= 0"],
+        id="negative-wait-timeout",
+    ),
+    pytest.param(
+        lambda env: env.task(lock_queue_ttl=0),
+        LockConfigurationError,
+        ["lock_queue_ttl=0", ">= 0.001"],
+        id="zero-queue-ttl",
+    ),
+    pytest.param(
+        lambda env: env.task(lock_on=("a", "b ")),
+        LockConfigurationError,
+        ["lock_on=('a', 'b ')", "'b ' is not a parameter of the task (a, b)"],
+        id="lock-on-names-a-missing-parameter",
+    ),
+    pytest.param(
+        lambda env: env.task(lock_on=42),
+        LockConfigurationError,
+        ["lock_on=42", "a tuple of the task's parameter names"],
+        id="lock-on-a-number",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url=f"redis://:{SECRET}@127.0.0.1:notaport/0")),
+        LockConfigurationError,
+        ["redislock_url='redis://:**@127.0.0.1:notaport/0'", "Port could not be cast"],
+        id="url-port-not-a-number",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url="rediss://127.0.0.1:70000/0")),
+        LockConfigurationError,
+        ["redislock_url='rediss://127.0.0.1:70000/0'", "Port out of range"],
+        id="url-port-out-of-range",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url="redis://127.0.0.1:6379/locks")),
+        LockConfigurationError,
+        ["redislock_url='redis://127.0.0.1:6379/locks'", "the database 'locks' is not a number"],
+        id="url-database-not-a-number",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_prefix=5)),
+        LockConfigurationError,
+        ["redislock_prefix=5"],
+        id="prefix-not-a-string",
+    ),
+    # -- arguments that cannot be keyed, refused at apply_async before anything is sent
+    pytest.param(
+        lambda env: env.task().delay(object()),
+        LockKeyError,
+        ["task 'bad.add'", "argument 'a'", "cannot be encoded by Celery's JSON serializer"],
+        id="argument-an-object",
+    ),
+    pytest.param(
+        lambda env: env.task().delay({"tags": {1, 2}}),
+        LockKeyError,
+        ["argument 'a'", "set is not JSON serializable"],
+        id="argument-with-a-set-inside",
+    ),
+    pytest.param(
+        lambda env: env.task().delay(1, deeply_nested()),
+        LockKeyError,
+        ["argument 'b'", "recursion"],
+        id="argument-nested-too-deeply",
+    ),
+    pytest.param(
+        lambda env: env.task().delay(1, 2, 3),
+        LockKeyError,
+        ["argument '*'", "too many positional arguments"],
+        id="too-many-arguments",
+    ),
+    pytest.param(
+        lambda env: env.task().delay(),
+        LockKeyError,
+        ["argument '*'", "missing a required argument: 'a'"],
+        id="missing-argument",
+    ),
+    pytest.param(
+        lambda env: env.task().delay(1, bb=3),
+        LockKeyError,
+        ["argument '*'", "unexpected keyword argument 'bb'"],
+        id="misspelled-keyword",
+    ),
+    pytest.param(
+        lambda env: env.task(lock_on=raising_lock_on).delay(1),
+        LockKeyError,
+        ["argument 'lock_on'", "raised KeyError('tenant')"],
+        id="lock-on-callable-raises",
+    ),
+    pytest.param(
+        lambda env: env.task(lock_on=lambda a, b=2: object()).delay(1),
+        LockKeyError,
+        ["argument 'lock_on'", "cannot be encoded"],
+        id="lock-on-callable-returns-an-object",
+    ),
+    pytest.param(
+        lambda env: env.task(lock_on=lambda a: a).delay(1, b=3),
+        LockKeyError,
+        ["argument 'lock_on'", "unexpected keyword argument 'b'"],
+        id="lock-on-callable-with-another-signature",
+    ),
+    # -- connections and permissions, refused at apply_async (redislock_on_error="fail")
+    pytest.param(
+        lambda env: env.task(
+            env.app(redislock_url=env.url_for("~*", "+@all").replace(SECRET, "wrong"))
+        ).delay(1),
+        RedisLockError,
+        ["task 'bad.add'", ":**@127.0.0.1", "invalid username-password pair"],
+        id="wrong-password",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url=f"redis://nobody:{SECRET}@{env.server.url[8:]}")).delay(1),
+        RedisLockError,
+        ["redis://nobody:**@127.0.0.1", "invalid username-password pair"],
+        id="unknown-user",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url="unix:///nonexistent/redis.sock")).delay(1),
+        RedisLockError,
+        ["unix:///nonexistent/redis.sock", "No such file or directory"],
+        id="unix-socket-missing",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url=env.server.url.replace("redis:", "rediss:"))).delay(1),
+        RedisLockError,
+        ["rediss://127.0.0.1", "Timeout connecting to server"],
+        id="tls-url-for-a-plain-server",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url=env.server.url.replace("/0", "/99"))).delay(1),
+        RedisLockError,
+        ["/99", "DB index is out of range"],
+        id="database-out-of-range",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url=env.url_for("~*", "+@all", "-evalsha"))).delay(1),
+        RedisLockError,
+        [":**@127.0.0.1", "'evalsha' command"],
+        id="acl-without-evalsha",
+    ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_url=env.url_for("~other:*", "+@all"))).delay(1),
+        RedisLockError,
+        [":**@127.0.0.1", "no permissions to access one of the keys"],
+        id="acl-without-the-prefix-keys",
+    ),
+    # -- the primitive's own arguments
+    pytest.param(
+        lambda env: RedisLock(env.server.client(), b"\xffname"),
+        LockConfigurationError,
+        ["name must be UTF-8", "b'\\xffname'"],
+        id="lock-name-not-utf8",
+    ),
+    pytest.param(
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:a}}b"),
+        LockConfigurationError,
+        ["name '{prefix}:a}b'", "has a '}' but no hash tag"],
+        id="lock-name-with-an-unmatched-brace",
+    ),
+    pytest.param(
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k", ttl="30"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["ttl must be a number of seconds or a timedelta, got '30'"],
+        id="lock-ttl-a-string",
+    ),
+    pytest.param(
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k").acquire(blocking=False, timeout=1),
+        LockConfigurationError,
+        ["timeout cannot be given with blocking=False"],
+        id="lock-timeout-without-blocking",
+    ),
+    pytest.param(
+        lambda env: RedisLock(env.server.url, f"{env.prefix}:k"),
+        LockConfigurationError,
+        ["client must be a redis.Redis or redis.cluster.RedisCluster, got str"],
+        id="lock-client-a-url",
+    ),
+]
+
+
+@pytest.mark.parametrize(("action", "error", "culprits"), CASES)
+def test_bad_input_fails_clearly_and_leaves_nothing(
+    env: Env, action: Action, error: type[Exception], culprits: list[str]
+) -> None:
+    with pytest.raises(error) as raised:
+        action(env)
+    message = str(raised.value)
+    for culprit in culprits:
+        assert culprit.replace("{prefix}", env.prefix) in message, f"{culprit!r} not in {message!r}"
+    assert SECRET not in message
+    client = env.server.client()
+    assert invariants.keys_of(client, env.prefix) == []
+    assert client.llen(env.queue) == 0  # nothing was sent
+    client.close()
+
+
+def test_there_are_at_least_20_cases() -> None:
+    assert len(CASES) >= 20
+
+
+def test_a_huge_argument_locks_a_key_of_fixed_size(env: Env) -> None:
+    """Not bad input: a 20 MB argument is keyed by its digest, the key stays short."""
+    task = env.task()
+    huge = "x" * 20_000_000
+    key = task_lock_key(task, (huge,))
+    assert re.fullmatch(rf"{env.prefix}:bad\.add:[0-9a-f]{{64}}", key)
+    result = task.delay(huge)
+    client = env.server.client()
+    value = client.get(key)
+    assert value is not None and len(value) < 200 and client.llen(env.queue) == 1
+    assert task.delay(huge).id == result.id  # a duplicate, found by the same short key
+    client.delete(key, env.queue)
+    client.close()
+
+
+def test_non_utf8_bytes_and_lone_surrogates_are_keyed_consistently(env: Env) -> None:
+    """Not bad input either: Celery's JSON serializer carries them, so they lock a key of their own."""
+    task = env.task()
+    keys = {task_lock_key(task, (value,)) for value in (b"\xff\xfe", "\udcff", b"\xfe\xff", "\udcfe")}
+    assert len(keys) == 4
+    client = env.server.client()
+    result = task.delay(b"\xff\xfe")
+    assert task.delay(b"\xff\xfe").id == result.id
+    client.delete(*keys, env.queue)
+    client.close()
+
+
+def test_redis_errors_name_the_url_but_not_its_password(env: Env) -> None:
+    """``redislock_on_error="run"`` logs the same message and sends the task unlocked."""
+    url = env.url_for("~*", "+@all").replace(SECRET, "wrong")
+    task = env.task(env.app(redislock_url=url, redislock_on_error="run"))
+    task.delay(1)
+    client = env.server.client()
+    assert client.llen(env.queue) == 1
+    assert invariants.keys_of(client, env.prefix) == []
+    client.delete(env.queue)
+    client.close()

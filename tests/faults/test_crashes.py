@@ -1,0 +1,129 @@
+"""Crashes mid-task (issue items 1, 2 and 8): a pool child killed, the whole worker killed,
+``revoke(terminate=True)``, hard and soft time limits.
+
+What frees the lock, and when:
+
+* a pool child dies (SIGKILL, a hard time limit, ``revoke(terminate=True)``): the
+  worker's main process, at once. The tasks here hold a 300 s lease, so only
+  that release explains the duplicate running within seconds;
+* the whole worker dies: nobody; the lease expires within ``lock_ttl`` and a
+  duplicate on another worker runs then;
+* a soft time limit: the task's own release, on the way out of the body.
+
+``tests/test_task.py::test_sigkill_of_the_pool_child_frees_the_lock_at_once``
+covers a child kill with ``lock_busy="skip"``; these add a duplicate that is
+already waiting (woken by the release), the enqueue modes, and timings.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from billiard.exceptions import WorkerLostError
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from celery_redislock import task_lock_key
+from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
+from tests.workers import wait_for
+
+#: The lease of the tasks whose lock only the main process can free in time.
+LONG_TTL = 300
+#: How soon after a child's death its duplicate must run: a small fraction of LONG_TTL. The main
+#: process learns of the death at its next pool maintenance (Celery runs it every 5 s).
+PROMPT = 10.0
+
+
+def test_sigkill_of_a_pool_child_wakes_the_waiting_duplicate_at_once(stage: Stage) -> None:
+    stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
+    x, task = fresh(), stage.task("hold_wait")
+    key = task_lock_key(task, (x,), {"gate": True})
+    first = task.delay(x, gate=True)
+    child = int(stage.wait_events("start", x)[0][4])
+    second = task.delay(x, gate=True)
+    stage.wait_events("busy", x)  # the duplicate waits in the other child
+    assert stage.client.pttl(key) > (LONG_TTL - 10) * 1000
+    killed_at = time.monotonic()
+    os.kill(child, signal.SIGKILL)
+    starts = stage.wait_events("start", x, 2)
+    assert starts[1][3] == second.id
+    assert float(starts[1][7]) - killed_at < PROMPT
+    assert int(starts[1][5]) > int(starts[0][5])  # the new holder's fence is greater
+    with pytest.raises(WorkerLostError):
+        first.get(timeout=RESULT_TIMEOUT)
+    stage.recorder.open_gate(x)
+    assert second.get(timeout=RESULT_TIMEOUT) == x
+    assert "released its lock" in stage.workers[0].output()
+    assert not stage.client.exists(key)
+
+
+def test_sigkill_of_a_pool_child_frees_an_adopted_enqueue_lock(stage: Stage) -> None:
+    """``until_executed``: the running task holds the enqueue lock it adopted; once its child
+    is killed, the next ``delay()`` is accepted and runs."""
+    stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
+    x, task = fresh(), stage.task("until_executed")
+    key = task_lock_key(task, (x,))
+    first = task.delay(x, gate=True)
+    child = int(stage.wait_events("start", x)[0][4])
+    assert task.delay(x, gate=True).id == first.id  # running: a duplicate is refused
+    killed_at = time.monotonic()
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: not stage.client.exists(key), what="the main process to free the lock")
+    assert time.monotonic() - killed_at < PROMPT
+    again = task.delay(x, gate=False)
+    assert again.id != first.id
+    assert again.get(timeout=RESULT_TIMEOUT) == x
+    with pytest.raises(WorkerLostError):
+        first.get(timeout=RESULT_TIMEOUT)
+
+
+@pytest.mark.parametrize("pool", ["solo", "prefork"])
+def test_sigkill_of_the_whole_worker_frees_the_lock_within_lock_ttl(stage: Stage, pool: str) -> None:
+    ttl = 2.0
+    doomed = stage.worker("doomed", pool, 2 if pool == "prefork" else 1, queue="doomed", redislock_ttl=ttl)
+    stage.worker("survivor", queue="survivor", redislock_ttl=ttl)
+    x, task = fresh(), stage.task("hold_wait")
+    key = task_lock_key(task, (x,), {"gate": True})
+    task.apply_async((x,), {"gate": True}, queue="doomed")
+    stage.wait_events("start", x)
+    os.killpg(doomed.pid, signal.SIGKILL)  # the main process and its pool children
+    killed_at = time.monotonic()
+    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    left = stage.client.pttl(key) / 1000
+    assert 0 < left <= ttl  # nobody freed it; at most one lease is left, and nothing renews it
+    second = task.apply_async((x,), {"gate": True}, queue="survivor")  # waits for the lease to run out
+    starts = stage.wait_events("start", x, 2)
+    took = float(starts[1][7]) - killed_at
+    assert left - 0.1 <= took <= ttl + 1.0, f"the duplicate ran {took:.2f}s after the kill"
+    assert int(starts[1][5]) > int(starts[0][5])
+    stage.recorder.open_gate(x)
+    assert second.get(timeout=RESULT_TIMEOUT) == x
+
+
+@pytest.mark.parametrize("how", ["revoke_terminate", "hard_time_limit", "soft_time_limit"])
+def test_a_terminated_or_timed_out_task_frees_its_lock_at_once(stage: Stage, how: str) -> None:
+    stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
+    x, task = fresh(), stage.task("hold_wait")
+    limits = {"hard_time_limit": {"time_limit": 1}, "soft_time_limit": {"soft_time_limit": 1}}
+    first = task.apply_async((x,), {"gate": True}, **limits.get(how, {}))
+    started_at = float(stage.wait_events("start", x)[0][7])
+    second = task.delay(x, gate=True)
+    stage.wait_events("busy", x)
+    if how == "revoke_terminate":
+        ended_at = time.monotonic()
+        first.revoke(terminate=True)
+    else:
+        ended_at = started_at + 1
+    starts = stage.wait_events("start", x, 2)
+    assert starts[1][3] == second.id
+    assert float(starts[1][7]) - ended_at < PROMPT
+    if how == "revoke_terminate":
+        wait_for(lambda: first.state == "REVOKED", what="the revoked state")
+    else:
+        expected = TimeLimitExceeded if how == "hard_time_limit" else SoftTimeLimitExceeded
+        with pytest.raises(expected):
+            first.get(timeout=RESULT_TIMEOUT)
+    stage.recorder.open_gate(x)
+    assert second.get(timeout=RESULT_TIMEOUT) == x

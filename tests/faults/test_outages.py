@@ -1,0 +1,188 @@
+"""Redis going away: restarted without persistence mid-task (issue item 4), unreachable at
+enqueue and at execution (item 5), gone when a task releases.
+
+The locks live on a server of their own here (``locks``), so that it can be
+stopped and restarted while the broker, on the stage's server, stays up.
+``tests/test_task_config.py`` checks the ``redislock_on_error`` messages with an
+in-process worker and a direct call; these run real worker subprocesses and
+check what is left in Redis once it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_redislock import RedisLockError, task_lock_key
+from celery_redislock import connection as connection_module
+from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
+from celery_redislock._task_scripts import ADOPT
+from celery_redislock.connection import client_for
+from celery_redislock.testing import RedisServer
+from tests import invariants
+from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
+from tests.faults.proxy import TCPProxy
+from tests.workers import wait_for
+
+TTL = 1.5
+
+
+@pytest.fixture
+def locks(prefix: str) -> Iterator[RedisServer]:
+    """The lock server, checked like the stage's: a TTL on every key at all times, no lock left."""
+    with RedisServer() as server:
+        sampler = invariants.Sampler(server.client(), prefix).start()
+        yield server
+        sampler.stop()
+        if server.process is not None and server.process.poll() is None:
+            invariants.check(server.client(), prefix)
+
+
+def test_a_redis_restart_without_persistence_mid_task(stage: Stage, locks: RedisServer) -> None:
+    worker = stage.worker("restart", "prefork", 2, redislock_url=locks.url, redislock_ttl=TTL)
+    app = stage.app_with(redislock_url=locks.url)
+    x, task = fresh(), app.tasks["taskapp.fenced"]
+    client_for(app)[0].ping()  # the test side's lock connection, stale after the restart
+    first = task.delay(x)
+    first_start = stage.wait_events("start", x)[0]
+    locks.stop()
+    locks.start()  # same port, empty dataset, no scripts loaded
+    restarted_at = time.monotonic()
+    assert locks.client().script_exists(ACQUIRE.sha, RELEASE.sha, RENEW.sha) == [False] * 3
+    lost = stage.wait_events("lost", x)[0]
+    assert lost[3] == first.id and lost[8] in ("not_owned", "expired")  # the lock vanished with the data
+    assert float(lost[7]) - restarted_at <= TTL
+    with pytest.raises(Exception, match="was lost while held"):
+        first.get(timeout=RESULT_TIMEOUT)
+    assert "lost (" in worker.output()
+    # Later tasks lock normally, on reconnected clients and reloaded scripts, with greater fences.
+    second = task.delay(x)
+    second_start = stage.wait_events("start", x, 2)[1]
+    assert int(second_start[5]) > int(first_start[5])
+    assert locks.client().exists(task_lock_key(task, (x,)))
+    stage.recorder.open_gate(x)
+    assert second.get(timeout=RESULT_TIMEOUT) == x
+    y, queued = fresh(), app.tasks["taskapp.until_executed"]
+    result = queued.delay(y, gate=True)  # an enqueue lock from the test side, adopted by the worker
+    assert queued.delay(y, gate=True).id == result.id
+    stage.wait_events("start", y)
+    stage.recorder.open_gate(y)
+    assert result.get(timeout=RESULT_TIMEOUT) == y
+    assert locks.client().script_exists(ACQUIRE.sha, RELEASE.sha, RENEW.sha, ADOPT.sha) == [True] * 4
+
+
+@pytest.fixture
+def unreachable() -> Iterator[RedisServer]:
+    """A lock server stopped after start: its port refuses connections until ``start()`` again."""
+    with RedisServer() as server:
+        server.stop()
+        yield server
+
+
+def masked(server: RedisServer) -> tuple[str, str]:
+    """A URL of ``server`` with a password, and how error messages must show it."""
+    return f"redis://:secret@127.0.0.1:{server.port}/0", f"redis://:**@127.0.0.1:{server.port}/0"
+
+
+@pytest.mark.parametrize("how", ["refused", "stalled"])
+@pytest.mark.parametrize("on_error", ["fail", "run"])
+def test_redis_unreachable_at_enqueue(
+    stage: Stage,
+    unreachable: RedisServer,
+    how: str,
+    on_error: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(connection_module, "SOCKET_TIMEOUT", 0.5)  # the client's, created below
+    with TCPProxy(stage.server.port) as proxy:
+        if how == "refused":
+            url, shown = masked(unreachable)
+        else:
+            proxy.stall()
+            url = shown = proxy.url()
+        app = stage.app_with(redislock_url=url, redislock_on_error=on_error)
+        x, task = fresh(), app.tasks["taskapp.until_executed"]
+        began = time.monotonic()
+        if on_error == "fail":
+            with pytest.raises(RedisLockError) as raised:
+                task.delay(x)
+            message = str(raised.value)
+            assert "task 'taskapp.until_executed'" in message and shown in message
+            assert task_lock_key(task, (x,)) in message and "secret" not in message
+            assert stage.client.llen(stage.queue) == 0  # nothing was sent
+        else:
+            with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+                task.delay(x)
+            assert "sending it unlocked (redislock_on_error='run')" in caplog.text
+            assert shown in caplog.text and "secret" not in caplog.text
+            assert stage.client.llen(stage.queue) == 1
+        assert time.monotonic() - began < 5  # bounded by the client's timeouts, not hanging
+        proxy.heal()
+    unreachable.start()
+    assert invariants.keys_of(unreachable.client(), stage.prefix) == []
+    stage.client.delete(stage.queue)  # the unlocked message nobody consumes
+
+
+@pytest.mark.parametrize("on_error", ["fail", "run"])
+def test_redis_unreachable_at_execution_then_back(
+    stage: Stage, unreachable: RedisServer, on_error: str
+) -> None:
+    url = shown = unreachable.url  # (the password is masked in messages: see the enqueue test)
+    worker = stage.worker("w", redislock_url=url, redislock_on_error=on_error, redislock_ttl=TTL)
+    x, task = fresh(), stage.task("hold_skip")  # no enqueue lock: the test side does not need Redis
+    result = task.delay(x)
+    if on_error == "fail":
+        with pytest.raises(RedisLockError) as raised:
+            result.get(timeout=RESULT_TIMEOUT)
+        assert shown in str(raised.value) and "secret" not in str(raised.value)
+        assert stage.events("start", x) == []
+    else:
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+        assert stage.events("start", x)[0][5] == "None"  # ran unlocked: no fence
+        assert "running unlocked (redislock_on_error='run')" in worker.output()
+    # Redis is back (on the same port, as the worker knows it): the next run locks again.
+    unreachable.start()
+    again = task.delay(x)
+    assert again.get(timeout=RESULT_TIMEOUT) == x
+    assert stage.events("start", x)[-1][5] != "None"
+    assert invariants.keys_of(unreachable.client(), stage.prefix) == []  # nothing stays locked
+
+
+def test_a_release_that_cannot_reach_redis_leaves_a_lock_that_expires_within_lock_ttl(stage: Stage) -> None:
+    with TCPProxy(stage.server.port) as proxy:
+        worker = stage.worker("w", redislock_url=proxy.url(), redislock_ttl=TTL)
+        x, task = fresh(), stage.task("hold_skip")
+        key = task_lock_key(task, (x,), {"gate": True})
+        result = task.delay(x, gate=True)
+        stage.wait_events("start", x)
+        proxy.drop()
+        dropped_at = time.monotonic()
+        stage.recorder.open_gate(x)  # the body ends; its release cannot reach Redis
+        assert result.get(timeout=RESULT_TIMEOUT) == x  # the task's outcome stands
+        assert f"could not release lock {key}" in worker.output()
+        assert stage.client.exists(key)  # still there, but no longer renewed...
+        wait_for(lambda: not stage.client.exists(key), timeout=TTL + 5, what="the lease to run out")
+        assert time.monotonic() - dropped_at <= TTL + 0.5  # ...so gone within one lease
+        proxy.heal()
+        assert stage.events("lost", x) == []  # released (as far as it knew), not lost
+        assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x  # the next run locks normally
+
+
+def test_the_worker_reconnects_through_the_proxy(stage: Stage) -> None:
+    """The proxy itself: a worker's lock client reconnects after its connections were dropped."""
+    with TCPProxy(stage.server.port) as proxy:
+        stage.worker("w", redislock_url=proxy.url(), redislock_ttl=TTL)
+        x, task = fresh(), stage.task("hold_skip")
+        assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
+        proxy.drop()
+        proxy.heal()
+        assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
+        assert proxy.accepted >= 2
+        proxy.drop()
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(proxy.url(), retry=None).ping()

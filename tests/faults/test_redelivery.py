@@ -1,0 +1,91 @@
+"""A real redelivery by kombu's Redis transport while the first delivery still runs (issue item 7).
+
+With ``acks_late``, a message stays in kombu's ``unacked`` hash while its task
+runs; ``restore_visible`` puts it back in the queue once it has been there
+longer than ``visibility_timeout``. Each worker's event loop runs that sweep
+every ``unacked_restore_interval`` seconds, but scans Redis only on every
+``unacked_restore_throttle``-th call: 10 s x 10 by default, which is why a
+redelivery can take 100 s (and, with the default ``visibility_timeout`` of an
+hour, an hour). Here both are 1, with a 1 s ``visibility_timeout``: the
+message is back in the queue about a second after it was delivered, and a
+second worker receives it, same task id, attempt and headers, flagged
+``redelivered``. It must not run while the first delivery runs.
+
+``tests/test_enqueue.py::test_a_message_redelivered_while_its_first_delivery_runs_does_not_run``
+republishes the same message by hand; this lets kombu redeliver it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from celery_redislock import task_lock_key
+from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
+from tests.workers import wait_for
+
+TRANSPORT = {"visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+#: The workers' lock_ttl: a redelivered twin watches a live holder's lease for lock_ttl/3.
+TTL = 1.5
+
+
+@pytest.mark.parametrize(
+    ("name", "conf"),
+    [("acks_late", {}), ("hold_skip", {"task_acks_late": True})],
+    ids=["until_executed", "while_executing"],
+)
+def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run_again(
+    stage: Stage, name: str, conf: dict[str, Any]
+) -> None:
+    first = stage.worker("first", broker_transport_options=TRANSPORT, redislock_ttl=TTL, **conf)
+    x, task = fresh(), stage.task(name)
+    result = task.delay(x, gate=True)
+    start = stage.wait_events("start", x)[0]
+    twin = stage.worker("twin", broker_transport_options=TRANSPORT, redislock_ttl=TTL, **conf)
+    busy = wait_for(
+        lambda: [event for event in stage.events("busy", x) if event[3] == result.id],
+        timeout=20,
+        what="kombu to redeliver the message to the second worker",
+    )
+    assert busy[0][4] == str(twin.pid) != start[4]  # the redelivered copy, in the other worker
+    # The twin watches the lease for one renewal interval: renewed, so its first delivery is alive.
+    wait_for(lambda: "redelivered while its first delivery runs; ignored" in twin.output(), timeout=TTL)
+    stage.recorder.open_gate(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    assert [event[3] for event in stage.events("start", x)] == [result.id]  # one run, no twin
+    wait_for(lambda: stage.client.zcard("unacked_index") == 0, what="nothing left to redeliver")
+    assert "Task taskapp" in first.output()
+
+
+def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out(stage: Stage) -> None:
+    """``acks_late`` promises a run for a message whose worker died mid-task. Its redelivery finds
+    the lock still naming the same task and attempt, as a twin's would, but nobody renews it:
+    once the dead worker's lease has run out, the redelivered message runs."""
+    ttl = 5.0  # long enough for the redelivery to arrive while the dead worker's lease lasts
+    conf: dict[str, Any] = {
+        "broker_transport_options": TRANSPORT,
+        "task_acks_late": True,
+        "redislock_ttl": ttl,
+    }
+    doomed = stage.worker("doomed", **conf)
+    x, task = fresh(), stage.task("hold_skip")
+    key = task_lock_key(task, (x,), {"gate": True})
+    result = task.delay(x, gate=True)
+    start = stage.wait_events("start", x)[0]
+    os.killpg(doomed.pid, signal.SIGKILL)
+    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    runs_out = time.monotonic() + stage.client.pttl(key) / 1000
+    survivor = stage.worker("survivor", **conf)
+    busy = stage.wait_events("busy", x)[0]
+    assert float(busy[7]) < runs_out  # redelivered while the dead worker's lease lasted
+    starts = stage.wait_events("start", x, 2, timeout=30)
+    assert starts[1][3] == result.id and starts[1][4] == str(survivor.pid)
+    assert float(starts[1][7]) >= runs_out - 0.2  # not before the lease ran out
+    assert int(starts[1][5]) > int(start[5])
+    assert "redelivered after its first delivery's worker died" in survivor.output()
+    stage.recorder.open_gate(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
