@@ -29,7 +29,8 @@ from celery_redislock.cli import redislock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from examples._support import QUEUE, ROOT, Worker
-from tests.conftest import calls_since, command_calls, keys_without_ttl
+from tests.conftest import calls_since, command_calls
+from tests.invariants import keys_without_ttl
 from tests.taskapp import Recorder, make_app
 from tests.workers import WorkerProcess, wait_for
 

@@ -11,7 +11,7 @@ import redis
 from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock
 from celery_redislock.redlock import Redlock
 from celery_redislock.testing import RedisServer
-from tests.conftest import keys_without_ttl
+from tests.invariants import keys_without_ttl
 
 
 @pytest.fixture(scope="module")
