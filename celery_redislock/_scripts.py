@@ -172,6 +172,7 @@ local owned = current and string.sub(current, 1, 32) == token
 -- The common cases end here, before the helpers are set up.
 if owned then
   redis.call('DEL', lock)
+  if member and member ~= '' then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unread
   if redis.call('EXISTS', queue) == 0 then return 1 end
 elseif not member or member == '' then
   return 0

@@ -7,6 +7,8 @@
   lock value and no lock companion (waiter queue, deadlines, wake list) under
   its prefix. A test whose design leaves one (a queued message never consumed,
   an ``until_expired`` period) says so with ``@pytest.mark.locks_may_remain(reason)``.
+  Beat slot markers (``{prefix}:slot:...``) are not locks: they outlive their
+  slot on purpose, so that a late duplicate of it is still recognised.
 
 A lock is recognised by its value, not its name: ``<32 hex token>:<fence>:<holder>``.
 """
@@ -43,6 +45,8 @@ def leftover_locks(client: redis.Redis, prefix: str) -> list[str]:
     """Locks and lock companions of the test still in Redis, described (key, TTL, value)."""
     left = []
     for key in keys_of(client, prefix):
+        if key.startswith(f"{prefix}:slot:".encode()):
+            continue
         if any(marker in key for marker in COMPANIONS):
             left.append(f"{key!r} (lock companion, ttl {client.pttl(key)} ms)")
             continue
