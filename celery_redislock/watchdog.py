@@ -181,37 +181,35 @@ class Watchdog:
             return [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
 
     def _renew(self, leases: Iterable[Lease]) -> None:
-        nodes: dict[tuple[int, int], tuple[Any, list[Lease]]] = {}
-        lost: list[tuple[Lease, str]] = []
+        groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
                 self.discard(lease)
                 continue
-            group = lease.group or _group(lease)
+            groups[lease.group or _group(lease)].append(lease)
+        # Per server and lease length: its batches (one hash slot each, at most BATCH leases).
+        nodes: dict[tuple[int, int], tuple[Any, list[list[Lease]]]] = {}
+        lost: list[tuple[Lease, str]] = []
+        for (_, slot, ttl_ms), group in groups.items():
             try:
-                node = _node(lease.client, group[1])
+                node = _node(group[0].client, slot)
             except redis.exceptions.RedisError as exc:  # its slot is not covered (a Cluster changing)
-                lost += _failed([lease], exc)
+                lost += _failed(group, exc)
                 continue
-            nodes.setdefault((id(node), group[2]), (node, []))[1].append(lease)
-        for (_, ttl_ms), (node, batch) in nodes.items():
-            lost += self._renew_node(node, batch, ttl_ms)
+            batches = nodes.setdefault((id(node), ttl_ms), (node, []))[1]
+            batches += [group[start : start + BATCH] for start in range(0, len(group), BATCH)]
+        for (_, ttl_ms), (node, batches) in nodes.items():
+            lost += self._renew_node(node, batches, ttl_ms)
         for lease, reason in lost:
             self._report(lease, reason)
 
-    def _renew_node(self, node: Any, leases: list[Lease], ttl_ms: int) -> list[tuple[Lease, str]]:
-        """Renews ``leases``, all on the server ``node``, in one round trip: one script call per
-        hash slot and ``BATCH`` leases, sent in one write. Returns the leases found lost, with why."""
+    def _renew_node(self, node: Any, batches: list[list[Lease]], ttl_ms: int) -> list[tuple[Lease, str]]:
+        """Renews ``batches``, all on the server ``node``, in one round trip: one script call per
+        batch, sent in one write. Returns the leases found lost, with why."""
         sent_at = mod_time.monotonic()
-        slots: dict[int, list[Lease]] = defaultdict(list)
-        for lease in leases:
-            slots[lease.group[1] if lease.group else 0].append(lease)
-        batches = [
-            chunk[start : start + BATCH] for chunk in slots.values() for start in range(0, len(chunk), BATCH)
-        ]
         replies: list[Any] = []
         try:
-            connection = self._connection(node, leases[0].interval / 2)
+            connection = self._connection(node, batches[0][0].interval / 2)
             encoder = connection.encoder
             commands = []
             for batch in batches:
@@ -235,6 +233,7 @@ class Watchdog:
                     except redis.exceptions.ResponseError as exc:
                         replies[index] = exc
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
+            leases = [lease for batch in batches for lease in batch]
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(leases), exc)
             return _failed(leases, exc)
         found: list[tuple[Lease, str]] = []
