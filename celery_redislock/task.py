@@ -52,6 +52,7 @@ from .exceptions import (
     LockLost,
     LockNotAcquired,
     LockNotOwned,
+    LockNotReplicated,
     RedisLockError,
 )
 from .keys import call_digest, lock_key
@@ -317,7 +318,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **settings.replication)
         try:
             acquired = lock.acquire(blocking=False)
-        except redis.RedisError as exc:
+        except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
             where = (
                 f"task {self.name!r}[{task_id}]: could not take enqueue lock {key!r} in Redis at {url}: {exc}"
             )
@@ -406,7 +407,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 logger.debug("task %s[%s]: its enqueue lock had already gone", self.name, task_id)
             if not taken:
                 return None
-        except redis.RedisError as exc:
+        except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
             where = f"task {self.name!r}[{task_id}]: could not lock {key!r} in Redis at {url}: {exc}"
             if settings.on_error == "fail":
                 raise RedisLockError(where) from exc

@@ -11,9 +11,17 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotReplicated, RedisLock
+from celery_redislock import (
+    LockConfigurationError,
+    LockNotAcquired,
+    LockNotReplicated,
+    RedisLock,
+    RedisLockError,
+)
 from celery_redislock.connection import client_for, lock_url, redis_client
 from celery_redislock.testing import RedisSentinelServers, RedisServer
+from tests.taskapp import make_app
+from tests.workers import threads_worker
 
 
 def test_a_sentinel_broker_url_is_used_with_its_master_name(
@@ -99,3 +107,31 @@ def test_locks_keep_working_after_a_failover(failing_over: RedisSentinelServers,
         RedisLock(client, f"{prefix}:again", ttl=5, replicas=1, replica_timeout=0.1).acquire()
     with group.replica.client() as primary:
         assert primary.exists(f"{prefix}:held", f"{prefix}:after", f"{prefix}:again") == 0
+
+
+@pytest.mark.parametrize("on_error", ["fail", "run"])
+def test_a_task_lock_not_acknowledged_follows_redislock_on_error(
+    redis_server: RedisServer, prefix: str, on_error: str
+) -> None:
+    # No replica acknowledges: like an unreachable Redis, never "busy" (lock_busy="skip" would drop it).
+    app = make_app(
+        redis_server.url,
+        prefix,
+        f"q-{prefix}",
+        redislock_replicas=1,
+        redislock_replica_timeout=0.1,
+        redislock_on_error=on_error,
+    )
+    try:
+        with threads_worker(app, concurrency=1):
+            executed = app.tasks["taskapp.hold_skip"].delay("x")
+            if on_error == "fail":
+                with pytest.raises(RedisLockError, match="replica"):
+                    executed.get(timeout=30)
+                with pytest.raises(RedisLockError, match="enqueue lock"):
+                    app.tasks["taskapp.until_executed"].delay("y")
+            else:
+                assert executed.get(timeout=30) == "x"  # ran unlocked
+                assert app.tasks["taskapp.until_executed"].delay("y").get(timeout=30) == "y"  # sent unlocked
+    finally:
+        app.close()
