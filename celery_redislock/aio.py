@@ -33,13 +33,12 @@ from typing import TypeVar
 
 import redis.asyncio
 
-from . import signals
 from ._durations import Duration, seconds, to_ms
 from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
 from .lock import _check_holder, _lease_seconds, _lock_name, _member, _sleep_seconds, _text, companion_key
-from .watchdog import Lease
+from .watchdog import Lease, announce_loss, failed_renewal
 
 __all__ = ["AsyncRedisLock"]
 
@@ -333,11 +332,8 @@ class _AsyncWatchdog:
             renewal = RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
             not_owned = await asyncio.wait_for(renewal, batch[0].interval / 2)
         except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
-            now = mod_time.monotonic()
             logger.warning("celery-redislock async watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
-            for lease in batch:
-                lease.due = now + min(lease.interval / 3, 1.0)
-            return [(lease, "expired") for lease in batch if now >= lease.expires]
+            return failed_renewal(batch, exc)
         for lease in batch:
             lease.renewed(ttl_ms / 1000, sent_at)
         return [(batch[position - 1], "not owned") for position in not_owned]
@@ -346,11 +342,7 @@ class _AsyncWatchdog:
         if lease.cancelled:  # released meanwhile: nothing was lost
             return
         self.discard(lease)
-        lock = lease.owner()
-        if lock is None or not lock._mark_lost(lease):
-            return
-        logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
-        signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
+        announce_loss(lease, reason)
 
 
 #: The watchdog of each running event loop (by contract, one per loop).

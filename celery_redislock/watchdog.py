@@ -46,7 +46,7 @@ from redis.exceptions import NoScriptError
 from . import signals
 from ._scripts import RENEW, bulk
 
-__all__ = ["BATCH", "Lease", "Watchdog", "get_watchdog"]
+__all__ = ["BATCH", "Lease", "Watchdog", "announce_loss", "failed_renewal", "get_watchdog"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class Watchdog:
             try:
                 node = _node(group[0].client, slot)
             except redis.exceptions.RedisError as exc:  # its slot is not covered (a Cluster changing)
-                lost += _failed(group, exc)
+                lost += failed_renewal(group, exc)
                 continue
             batches = nodes.setdefault((id(node), ttl_ms), (node, []))[1]
             batches += [group[start : start + BATCH] for start in range(0, len(group), BATCH)]
@@ -235,7 +235,7 @@ class Watchdog:
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             leases = [lease for batch in batches for lease in batch]
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(leases), exc)
-            return _failed(leases, exc)
+            return failed_renewal(leases, exc)
         found: list[tuple[Lease, str]] = []
         for batch, reply in zip(batches, replies, strict=True):
             if isinstance(reply, redis.exceptions.ResponseError):  # e.g. MOVED, ASK: a Cluster resharding
@@ -262,7 +262,7 @@ class Watchdog:
             not_owned = RENEW(batch[0].client, keys, [ttl_ms, *tokens])
         except Exception as exc:
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
-            return _failed(batch, exc)
+            return failed_renewal(batch, exc)
         for lease in batch:
             lease.due, lease.expires = sent_at + ttl_ms / 3000, sent_at + ttl_ms / 1000
         return [(batch[position - 1], "not owned") for position in not_owned]
@@ -293,14 +293,20 @@ class Watchdog:
             if lease.cancelled:  # released meanwhile: nothing was lost
                 return
             self.discard(lease)
-        lock = lease.owner()
-        if lock is None or not lock._mark_lost(lease):
-            return
-        logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
-        signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
+        announce_loss(lease, reason)
 
 
-def _failed(leases: list[Lease], error: Exception) -> list[tuple[Lease, str]]:
+def announce_loss(lease: Lease, reason: str) -> None:
+    """Tell ``lease``'s lock it lost its hold (once taken out of its watchdog): if the lock
+    counts it as its loss, an ERROR log and the ``lock_lost`` signal."""
+    lock = lease.owner()
+    if lock is None or not lock._mark_lost(lease):
+        return
+    logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
+    signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
+
+
+def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, str]]:
     """A renewal of ``leases`` failed: retry soon; those past their lease are lost."""
     now = mod_time.monotonic()
     for lease in leases:
