@@ -113,7 +113,12 @@ def lock_key(prefix: str, task_name: str, digest: str) -> str:
 
 def slot_key(prefix: str, entry: str, slot: str) -> str:
     """The marker of one beat schedule slot: ``{prefix}:slot:{entry name}:{slot id}``."""
-    return f"{prefix}:slot:{entry}:{slot}"
+    return f"{slot_markers(prefix)}{entry}:{slot}"
+
+
+def slot_markers(prefix: str) -> str:
+    """What every beat slot marker under ``prefix`` starts with (markers are not locks)."""
+    return f"{prefix}:slot:"
 
 
 def leader_key(prefix: str) -> str:

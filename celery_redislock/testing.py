@@ -49,6 +49,7 @@ from ._durations import Duration
 from .cli import HeldLock, held_locks
 from .config import app_settings
 from .connection import Client, client_for
+from .keys import slot_markers
 from .lock import RedisLock, _text
 from .task import holder_for, task_lock_key
 
@@ -421,7 +422,7 @@ def locks_left(app: Any) -> list[str]:
     lines = [
         f"{lock.key} held by {lock.holder} ({'no TTL' if lock.ttl is None else f'{lock.ttl:.1f}s left'})"
         for lock in found
-        if not lock.key.startswith(f"{prefix}:slot:")
+        if not lock.key.startswith(slot_markers(prefix))
     ]
     patterns = [f"{prefix}:*", f"{{{prefix}:*"]  # locks and markers; the waiters' companion keys
     for key in (_text(key) for pattern in patterns for key in client.scan_iter(match=pattern)):

@@ -22,6 +22,8 @@ from types import TracebackType
 
 import redis
 
+from celery_redislock.keys import slot_markers
+
 __all__ = ["Sampler", "check", "keys_of", "keys_without_ttl", "leftover_locks"]
 
 LOCK_VALUE = re.compile(rb"^[0-9a-f]{32}:\d+:")
@@ -45,7 +47,7 @@ def leftover_locks(client: redis.Redis, prefix: str) -> list[str]:
     """Locks and lock companions of the test still in Redis, described (key, TTL, value)."""
     left = []
     for key in keys_of(client, prefix):
-        if key.startswith(f"{prefix}:slot:".encode()):
+        if key.startswith(slot_markers(prefix).encode()):
             continue
         if any(marker in key for marker in COMPANIONS):
             left.append(f"{key!r} (lock companion, ttl {client.pttl(key)} ms)")
