@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,9 +117,10 @@ class Topology:
         return sum(int(client.exists(key)) for client in self.data_clients())
 
 
-@pytest.fixture(scope="session")
-def redlock_servers() -> Iterator[list[RedisServer]]:
-    servers = [RedisServer() for _ in range(3)]
+@contextmanager
+def independent_servers(count: int) -> Iterator[list[RedisServer]]:
+    """``count`` redis-servers of their own (a Redlock's primaries), each stopped at the end."""
+    servers = [RedisServer() for _ in range(count)]
     try:
         for server in servers:
             server.start()
@@ -126,6 +128,12 @@ def redlock_servers() -> Iterator[list[RedisServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+@pytest.fixture(scope="session")
+def redlock_servers() -> Iterator[list[RedisServer]]:
+    with independent_servers(3) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="session")

@@ -11,20 +11,15 @@ import redis
 from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock
 from celery_redislock.redlock import Redlock
 from celery_redislock.testing import RedisServer
+from tests.conftest import independent_servers
 from tests.invariants import keys_without_ttl
 
 
 @pytest.fixture(scope="module")
 def five() -> Iterator[list[RedisServer]]:
     """Five independent servers for the module; a test that stops some starts them again."""
-    servers = [RedisServer() for _ in range(5)]
-    try:
-        for server in servers:
-            server.start()
+    with independent_servers(5) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.close()
 
 
 @pytest.fixture(params=[3, 5], ids=["3 servers", "5 servers"])
