@@ -32,6 +32,8 @@ import redis
 import redis.cluster
 from redis.exceptions import NoScriptError
 
+from ._redis import node_client
+
 _NAMES = """
 -- The companion keys of the lock KEYS[1], in its cluster hash slot: its own
 -- hash tag if it has one, else the whole name as the tag (lock.companion_key).
@@ -233,9 +235,7 @@ class Script:
         if type(client) is not redis.Redis or client.connection is not None:
             if type(client) is redis.cluster.RedisCluster and keys:
                 try:  # straight to the node that serves the keys' slot, on that node's own fast path
-                    cluster: Any = client
-                    node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(keys[0]))
-                    return self(node.redis_connection, keys, args)
+                    return self(node_client(client, keys[0]), keys, args)
                 except _REDIRECTED:
                     pass  # the slot moved, or the node is gone: the Cluster client follows and learns
             try:
