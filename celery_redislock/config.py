@@ -14,7 +14,7 @@ import difflib
 import inspect
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -71,6 +71,7 @@ APP_SETTINGS: Mapping[str, Any] = {
     "transport_options": None,
     "replicas": 0,
     "replica_timeout": 1.0,
+    "key_secret": None,
 }
 
 
@@ -107,6 +108,8 @@ class AppSettings:
     #: replicas that must acknowledge an acquisition (``WAIT``), and how long to wait for them
     replicas: int = 0
     replica_timeout: float = 1.0
+    #: HMAC-SHA-256 key of the digests in lock keys (None: plain SHA-256); never shown
+    key_secret: bytes | None = field(default=None, repr=False)
 
     @property
     def replication(self) -> dict[str, Any]:
@@ -193,6 +196,18 @@ def _check_url(problem: _Problem, url: object) -> None:
         raise problem("redislock_url", shown, f"{allowed}: the database {database!r} is not a number")
 
 
+def _key_secret(problem: _Problem, value: object) -> bytes | None:
+    """``redislock_key_secret`` as bytes; an error names the setting, never the value."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, bytes)) or not value:
+        kind = "an empty one" if isinstance(value, (str, bytes)) else type(value).__name__
+        raise LockConfigurationError(
+            f"{problem.where}: redislock_key_secret must be a non-empty str or bytes, got {kind}"
+        )
+    return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+
+
 def app_settings(app: Any) -> AppSettings:
     """The app's ``redislock_*`` settings, validated (unknown ``redislock_*`` names included)."""
     problem = _Problem(f"app {app.main or app!r}")
@@ -236,6 +251,7 @@ def app_settings(app: Any) -> AppSettings:
         transport_options=transport_options,
         replicas=replicas,
         replica_timeout=replica_timeout,
+        key_secret=_key_secret(problem, app.conf.get("redislock_key_secret")),
     )
 
 

@@ -1,12 +1,15 @@
 """Task signature -> lock key.
 
 A call's key is ``{prefix}:{task name}:{digest}``, the digest being the
-SHA-256 of the canonical JSON of its arguments: bound to the signature of the
-task's ``run`` (defaults applied, a bound ``self`` dropped), encoded as
-Celery's JSON serializer encodes them (datetime, UUID, Decimal, bytes...),
-with dict keys sorted. So ``f(1, b=2)``, ``f(1, 2)``, ``f(a=1, b=2)`` and
-``f(1)`` (``b=2`` being the default) share one key, the key is the same
-before and after the message's trip through the broker, and no argument value
+SHA-256 (or, with ``redislock_key_secret``, the HMAC-SHA-256) of the canonical
+JSON of its arguments: bound to the signature of the task's ``run`` (defaults
+applied, a bound ``self`` dropped), as a worker receives them through
+Celery's JSON serializer (datetime, UUID, Decimal, bytes... keep their type; a
+tuple arrives as a list, a dict key as a string), with dict keys sorted. So
+``f(1, b=2)``, ``f(1, 2)``, ``f(a=1, b=2)`` and ``f(1)`` (``b=2`` being the
+default) share one key, the key is the same before and after the message's
+trip through the broker, two calls share a key only if the worker receives
+equal arguments (``1``, ``1.0`` and ``True`` differ), and no argument value
 appears in a key name.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -47,10 +51,31 @@ def _function_signature(function: Callable[..., Any], bound: bool) -> inspect.Si
     return signature
 
 
+#: The keys of kombu's JSON envelope for a non-JSON type: ``{"__type__": "datetime", "__value__": ...}``.
+_ENVELOPE = frozenset({"__type__", "__value__"})
+
+
 def _canonical(value: Any) -> str:
-    return json.dumps(
-        value, cls=JSONEncoder, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True
-    )
+    """The canonical JSON of ``value`` as a worker receives it: encoded by Celery's JSON
+    encoder, decoded (a tuple is a list, a dict key a string; envelopes left encoded, as
+    kombu's decoder and encoder invert each other) and encoded again with sorted keys."""
+    delivered = json.loads(json.dumps(value, cls=JSONEncoder, ensure_ascii=False, allow_nan=True))
+    return json.dumps(delivered, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+
+
+def _envelope_lookalike(value: Any) -> bool:
+    """Whether ``value`` is or holds a plain dict shaped like kombu's envelope, which a worker
+    receives decoded as another type (or cannot decode): keyed as sent, it would not key alike."""
+    pending = [value]  # a loop, not recursion: any depth the encoder accepted
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if item.keys() == _ENVELOPE:
+                return True
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return False
 
 
 def _keyed_value(
@@ -81,22 +106,36 @@ def call_digest(
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     lock_on: LockOn = None,
+    secret: bytes | None = None,
 ) -> str:
-    """SHA-256 hex digest of a call's canonical arguments; ``LockKeyError`` names what cannot be keyed."""
+    """Hex digest of a call's canonical arguments: SHA-256, or HMAC-SHA-256 under ``secret``.
+
+    ``LockKeyError`` names what cannot be keyed.
+    """
     value = _keyed_value(task_name, run, args, kwargs or {}, lock_on)
+    parts: Mapping[str, Any] = {"lock_on": value} if callable(lock_on) else value  # name -> its value
     try:
         text = _canonical(value)
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
-        culprit = "lock_on"
-        if isinstance(value, dict) and not callable(lock_on):
-            culprit = next((name for name, item in value.items() if not _encodable(item)), "*")
+        culprit = next((name for name, part in parts.items() if not _encodable(part)), "*")
         raise LockKeyError(
             task_name,
             culprit,
             f"cannot be encoded by Celery's JSON serializer ({exc}); "
             "pass JSON-able values or choose the key with lock_on",
         ) from None
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    lookalike = next((name for name, part in parts.items() if _envelope_lookalike(part)), None)
+    if lookalike is not None:
+        raise LockKeyError(
+            task_name,
+            lookalike,
+            "is or holds a dict shaped like kombu's JSON envelope ({'__type__': ..., '__value__': ...}), "
+            "which Celery's JSON delivers as another type; rename its keys or choose the key with lock_on",
+        )
+    data = text.encode("utf-8", "surrogatepass")
+    if secret is None:
+        return hashlib.sha256(data).hexdigest()
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()
 
 
 def _encodable(value: Any) -> bool:

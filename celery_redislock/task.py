@@ -31,13 +31,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, ClassVar, cast
 
 import redis
 from celery import Task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Retry
+from celery.utils.time import maybe_make_aware
 from kombu.utils.uuid import uuid
 
 from . import signals
@@ -173,7 +174,7 @@ def task_lock_key(
     Raises ``LockKeyError`` naming an argument that cannot be keyed.
     """
     options, settings = _bound_options(task)
-    digest = call_digest(task.name, task.run, args or (), kwargs or {}, options.on)
+    digest = call_digest(task.name, task.run, args or (), kwargs or {}, options.on, settings.key_secret)
     return lock_key(settings.prefix, task.name, digest)
 
 
@@ -673,11 +674,15 @@ def _delay(options: Mapping[str, Any]) -> float:
 
 
 def _seconds_until(when: Any) -> float:
-    """``when`` (seconds from now, a datetime or an ISO 8601 string) as seconds from now."""
+    """``when`` (seconds from now, a datetime or an ISO 8601 string) as seconds from now.
+
+    Read as Celery's worker reads a message's ``eta``/``expires``: a naive time is UTC,
+    whatever the process's local time zone or the app's ``timezone``.
+    """
     if isinstance(when, (int, float)):
         return float(when)
-    moment = datetime.fromisoformat(when) if isinstance(when, str) else when
-    return (moment - datetime.now(moment.tzinfo)).total_seconds()
+    moment: datetime = maybe_make_aware(datetime.fromisoformat(when) if isinstance(when, str) else when)
+    return (moment - datetime.now(timezone.utc)).total_seconds()
 
 
 def _retry_delay(retry: Retry) -> float:

@@ -8,11 +8,14 @@ with a message naming the URL. None of them leaves a key behind.
 
 from __future__ import annotations
 
+import decimal
 import logging
 import os
 import re
+import time
+import uuid
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -29,6 +32,7 @@ from celery_redislock import (
     install,
     task_lock_key,
 )
+from celery_redislock.config import app_settings
 from celery_redislock.connection import lock_url
 from celery_redislock.testing import RedisServer
 from tests.workers import threads_worker
@@ -159,6 +163,29 @@ def test_bad_app_settings_fail_at_bind(
         define(new_app(redis_server.url, prefix, **{setting: value}))
 
 
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [("", "an empty one"), (b"", "an empty one"), (12345, "int"), (["k3y-in-a-list"], "list")],
+)
+def test_a_bad_key_secret_fails_at_bind_without_showing_it(
+    redis_server: RedisServer, prefix: str, value: object, got: str
+) -> None:
+    """An empty or mistyped ``redislock_key_secret`` is refused at bind, naming the setting
+    and the type, never the value."""
+    with pytest.raises(LockConfigurationError) as raised:
+        define(new_app(redis_server.url, prefix, redislock_key_secret=value))
+    message = str(raised.value)
+    assert f"redislock_key_secret must be a non-empty str or bytes, got {got}" in message
+    assert "12345" not in message and "k3y" not in message
+
+
+def test_the_key_secret_is_not_in_the_settings_repr(redis_server: RedisServer, prefix: str) -> None:
+    secret = f"k3y-{uuid.uuid4().hex}"
+    settings = app_settings(new_app(redis_server.url, prefix, redislock_key_secret=secret))
+    assert settings.key_secret == secret.encode()
+    assert secret not in repr(settings)
+
+
 def test_install_is_idempotent_and_automatic(app: Celery) -> None:
     from celery.signals import task_postrun
 
@@ -200,6 +227,35 @@ def test_unkeyable_arguments_fail_at_apply_async_before_sending(
         task.apply_async((1,), {"c": 3})  # not a parameter of the task
     assert client.llen(f"q-{prefix}") == 0
     assert nothing_under(client, prefix)
+
+
+def test_the_worker_locks_the_key_apply_async_computed(app: Celery, client: redis.Redis) -> None:
+    """The enqueue lock's key and the key the worker locks are one, for every type Celery's
+    JSON carries: a tuple arrives as a list and a dict's int keys as strings; today
+    {10: ..., 9: ...} was keyed with its keys sorted as ints at apply_async and as strings at
+    the worker (another key), and a dict with int and str keys could not be sent at all."""
+
+    def lock_key_seen(self: Any, value: Any) -> str:
+        return self.request.lock_key  # type: ignore[no-any-return]
+
+    task = app.task(base=LockedTask, bind=True, shared=False, name="cfg.keyed", lock_mode="until_executed")(
+        lock_key_seen
+    )
+    values = [
+        {10: "a", 9: "b"},
+        {1: "a", "b": (2, 3)},
+        (1, [2, (3, None)], 1.0, True),
+        datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        date(2026, 1, 2),
+        decimal.Decimal("1.10"),
+        uuid.UUID(int=7),
+        b"\xff\x00",
+        {"nested": [{"at": datetime(2026, 1, 2)}, b"bytes"]},
+    ]
+    with threads_worker(app, concurrency=2):
+        for value in values:
+            assert task.delay(value).get(timeout=30) == task_lock_key(task, (value,)), value
+    assert all(client.exists(task_lock_key(task, (value,))) == 0 for value in values)  # adopted, released
 
 
 def test_a_lock_on_callable_that_raises_is_named(app: Celery) -> None:
@@ -320,3 +376,39 @@ def test_one_client_per_app_per_process_and_a_fresh_one_after_fork(app: Celery) 
     assert os.read(read, 16) == b"fresh"
     os.waitpid(pid, 0)
     os.close(read)
+
+
+# -- enqueue lock lifetimes: a naive eta or expires is UTC -------------------------------------
+
+
+@pytest.fixture
+def local_time_14_hours_ahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The process's local time zone set to UTC+14 (a POSIX TZ, no tz database needed)."""
+    monkeypatch.setenv("TZ", "AHEAD-14")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_a_naive_eta_or_expires_is_utc_as_celery_reads_it(
+    app: Celery, client: redis.Redis, prefix: str, local_time_14_hours_ahead: None
+) -> None:
+    """Celery's worker reads a naive ``eta``/``expires`` as UTC (``maybe_make_aware``), whatever
+    the local time zone; so does the enqueue lock. In a process 14 h ahead of UTC, a naive eta
+    600 s ahead gives the lock the life ``countdown=600`` gives it, and a naive ``expires`` 300 s
+    ahead bounds it to 300 s; today both were read as local times 14 h in the past (no delay;
+    a lock of 1 ms)."""
+    assert datetime.now().hour != datetime.now(timezone.utc).hour
+    task = define(app, lock_mode="until_executed", lock_queue_ttl=3600)
+    utc_now = datetime.now(timezone.utc).replace(tzinfo=None)
+    task.apply_async((1,), countdown=600)
+    task.apply_async((2,), eta=utc_now + timedelta(seconds=600))
+    task.apply_async((3,), eta=(utc_now + timedelta(seconds=600)).isoformat())
+    task.apply_async((4,), expires=utc_now + timedelta(seconds=300))
+    keys = [task_lock_key(task, (a,)) for a in (1, 2, 3, 4)]
+    countdown, eta, eta_text, expires = (client.pttl(key) for key in keys)
+    assert 4_140_000 < countdown <= 4_200_000
+    assert abs(eta - countdown) < 30_000 and abs(eta_text - countdown) < 30_000
+    assert 240_000 < expires <= 300_000
+    client.delete(*keys, f"q-{prefix}")

@@ -167,6 +167,12 @@ CASES = [
         ["redislock_prefix=5"],
         id="prefix-not-a-string",
     ),
+    pytest.param(
+        lambda env: env.task(env.app(redislock_key_secret=SECRET.encode()[:0])),
+        LockConfigurationError,
+        ["app 'bad'", "redislock_key_secret must be a non-empty str or bytes, got an empty one"],
+        id="key-secret-empty",
+    ),
     # -- arguments that cannot be keyed, refused at apply_async before anything is sent
     pytest.param(
         lambda env: env.task().delay(object()),
@@ -185,6 +191,12 @@ CASES = [
         LockKeyError,
         ["argument 'b'", "recursion"],
         id="argument-nested-too-deeply",
+    ),
+    pytest.param(
+        lambda env: env.task().delay(1, [{"__type__": "datetime", "__value__": "2026-01-02T03:04:05"}]),
+        LockKeyError,
+        ["argument 'b'", "shaped like kombu's JSON envelope", "delivers as another type"],
+        id="argument-shaped-like-a-kombu-envelope",
     ),
     pytest.param(
         lambda env: env.task().delay(1, 2, 3),

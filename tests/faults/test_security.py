@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import base64
 import gc
+import logging
 import re
 import ssl
 import threading
@@ -22,6 +23,7 @@ from celery import Celery
 import celery_redislock
 from celery_redislock import LockedTask, LockNotOwned, RedisLock, RedisLockError, task_lock_key
 from celery_redislock.connection import lock_url
+from celery_redislock.keys import call_digest, lock_key
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from tests import invariants
@@ -103,6 +105,40 @@ def test_argument_values_never_appear_in_lock_keys_or_values(stage: Stage) -> No
         ]
         lock_client.delete(*lock_client.keys(f"{stage.prefix}:*"))  # the until_expired and the queued lock
         stage.client.delete("nobody")
+
+
+def test_a_key_secret_keys_the_locks_and_shows_nowhere(
+    redis_server: RedisServer, client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under ``redislock_key_secret``, a running task's lock is ``task_lock_key``'s, an
+    HMAC-SHA-256, not the plain SHA-256 of its canonical arguments that anyone can compute from
+    a guessed user id; the secret is in no Redis key or value (locks, broker, results) and in
+    no log record of the enqueue, the run and the release."""
+    secret = f"k3y-{uuid.uuid4().hex}"
+    forms = [secret.encode(), secret.encode().hex().encode(), base64.b64encode(secret.encode())]
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_key_secret=secret)
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="secret.charge", lock_mode="until_executed")
+    def charge(self: Any, user_id: int) -> str:
+        started.set()
+        finish.wait(RESULT_TIMEOUT)
+        return self.request.lock_key  # type: ignore[no-any-return]
+
+    key = task_lock_key(charge, (42,))
+    plain = lock_key(prefix, charge.name, call_digest(charge.name, charge.run, (42,)))
+    assert key != plain and key.startswith(f"{prefix}:secret.charge:")
+    with caplog.at_level(logging.DEBUG), threads_worker(app, concurrency=2):
+        result = charge.delay(42)
+        assert started.wait(RESULT_TIMEOUT)
+        scanned = everything_in(client)
+        assert client.exists(key) == 1 and client.exists(plain) == 0
+        finish.set()
+        assert result.get(timeout=RESULT_TIMEOUT) == key
+    scanned += everything_in(client)
+    assert [(name, value) for name, value in scanned for form in forms if form in name or form in value] == []
+    assert [record for record in caplog.records if secret in record.getMessage()] == []
+    app.close()
 
 
 def test_no_pickle_anywhere_in_the_package() -> None:

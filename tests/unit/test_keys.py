@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import hashlib
+import hmac
+import json
 import re
 import uuid
 from typing import Any
@@ -72,6 +75,81 @@ extra_names = st.text().map(lambda name: f"x_{name}")  # never one of f's own pa
 def test_the_key_survives_the_broker_round_trip(a: Any, extra: dict[str, Any]) -> None:
     args, kwargs = loads(dumps([a, 1, 2])), loads(dumps(extra))  # tuple -> list, types kept
     assert call_digest("t", f, (a, 1, 2), extra) == call_digest("t", f, args, kwargs)
+
+
+any_dict_keys = st.text() | st.integers() | st.floats(allow_nan=False) | st.booleans() | st.none()
+delivered_differently = st.recursive(
+    celery_values,
+    lambda inner: st.lists(inner, max_size=3).map(tuple) | st.dictionaries(any_dict_keys, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(delivered_differently)
+def test_a_value_keys_as_the_worker_receives_it(a: Any) -> None:
+    """Celery's JSON delivers a tuple as a list and a dict key as a string ({10: x, 9: y} as
+    {"10": x, "9": y}), so a call keys alike before and after the broker; today int keys
+    sorted as ints gave the enqueue another key than the worker, and mixed keys were refused."""
+    [delivered] = loads(dumps([a]))
+    assert call_digest("t", f, (a,)) == call_digest("t", f, (delivered,))
+
+
+def test_dict_keys_are_keyed_as_delivered() -> None:
+    """Not injective where Celery is not: the worker receives {"1": x} for {1: x}."""
+    assert call_digest("t", f, ({10: "a", 9: "b"},)) == call_digest("t", f, ({"9": "b", "10": "a"},))
+    assert call_digest("t", f, ({1: "a", "b": 2},)) == call_digest("t", f, ({"1": "a", "b": 2},))
+    assert call_digest("t", f, ((1, (2,)),)) == call_digest("t", f, ([1, [2]],))
+
+
+def test_one_one_point_zero_and_true_are_different_keys() -> None:
+    """As they stay different through the broker (and as dict keys: "1", "1.0", "true")."""
+    values = [1, 1.0, True, "1", decimal.Decimal("1"), [1], {1: 0}, {1.0: 0}, {True: 0}]
+    assert len({call_digest("t", f, (value,)) for value in values}) == len(values)
+    assert len({call_digest("t", f, loads(dumps([value]))) for value in values}) == len(values)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"__type__": "datetime", "__value__": "2026-01-02T03:04:05"},
+        {"__type__": "base64", "__value__": "YWI="},
+        {"__type__": "nope", "__value__": 1},
+        [1, {"x": {"__value__": 1, "__type__": "bytes"}}],
+    ],
+)
+def test_a_dict_shaped_like_a_kombu_envelope_is_refused(value: Any) -> None:
+    """A plain {"__type__": ..., "__value__": ...} reaches the worker as a datetime, bytes, or
+    a message that cannot be decoded: it was keyed like the real datetime (or unlike its own
+    delivery); now it is refused, naming the argument."""
+    with pytest.raises(LockKeyError, match="shaped like kombu's JSON envelope") as info:
+        call_digest("tasks.t", f, (1,), {"c": value})
+    assert info.value.argument == "c"
+    with pytest.raises(LockKeyError, match="shaped like kombu's JSON envelope") as info:
+        call_digest("tasks.t", f, (1,), lock_on=lambda *args, **kwargs: value)
+    assert info.value.argument == "lock_on"
+
+
+def test_an_envelope_with_more_keys_and_parameters_so_named_are_keyed() -> None:
+    def g(__type__: Any, __value__: Any) -> None:
+        """Parameters are not a dict that travels."""
+
+    assert call_digest("t", f, ({"__type__": 1, "__value__": 2, "x": 3},))
+    assert call_digest("t", g, (1, 2)) != call_digest("t", g, (1, 3))
+
+
+def g(a: Any, b: Any = 2) -> None:
+    """A task body keyed by ``{"a": a, "b": b}``."""
+
+
+def test_the_digest_is_the_sha256_or_hmac_of_the_canonical_json() -> None:
+    """The key format: a call keeps its key across releases (and a secret changes every key)."""
+    text = json.dumps({"a": [1, "é"], "b": 2}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert call_digest("t", g, ((1, "é"),)) == hashlib.sha256(text.encode()).hexdigest()
+    secret = b"k" * 32
+    keyed = hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+    assert call_digest("t", g, ((1, "é"),), secret=secret) == keyed
+    assert call_digest("t", g, (), {"a": [1, "é"]}, secret=secret) == keyed
+    assert call_digest("t", g, ((1, "é"),), secret=b"other") != keyed
 
 
 @given(st.text(min_size=4))
