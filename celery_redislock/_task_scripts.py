@@ -49,8 +49,10 @@ _PARK = """
 -- Hands a running hold to the retry on its way: re-tokened to ARGV[3] (its fence kept),
 -- so that only that retry can adopt it and the parking attempt can neither release nor
 -- renew it. A retry already waiting for it (queued under ARGV[3]) is woken with the fence.
--- Returns 1 if parked, 0 if the token or holder no longer matches (left untouched).
+-- Returns 1 if parked (also when this call, sent again after a lost reply, finds it parked
+-- already), 0 if the token or holder no longer matches (left untouched).
 local value = redis.call('GET', lock)
+if owns(value, ARGV[3]) and holder_of(value) == ARGV[4] then return 1 end
 if not owns(value, ARGV[1]) or holder_of(value) ~= ARGV[2] then return 0 end
 local fence = fence_of(value)
 redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
