@@ -68,7 +68,17 @@ def closed_port() -> int:
 # -- item 3: a retry is never swallowed --------------------------------------------------------------
 
 
-PATHS = ["delay", "send_task", "beat_fallback", "on_error_run", "group", "chord", "autoretry", "in_canvas"]
+PATHS = [
+    "delay",
+    "send_task",
+    "beat_fallback",
+    "on_error_run",
+    "group",
+    "chord",
+    "autoretry",
+    "in_canvas",
+    "apply",
+]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -77,7 +87,8 @@ def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: 
     its first: ``delay`` (the message carries the enqueue lock), ``send_task`` and beat's
     ``send_task`` fallback (no lock in the message), a message sent unlocked because Redis was
     unreachable (``redislock_on_error="run"``), a group or chord member (not locked at enqueue),
-    ``autoretry_for``, and a canvas member opted in (``lock_in_canvas``). Before, a retry of a
+    ``autoretry_for``, a canvas member opted in (``lock_in_canvas``), and ``apply()`` (eager:
+    Celery runs the retry at once, in the same thread). Before, a retry of a
     message without the lock header was refused as a duplicate of its own attempt (nothing sent,
     the lock parked for an hour), and a canvas member's retry waited ``lock_wait_timeout`` for a
     hold it could not adopt, then failed the chord."""
@@ -86,6 +97,8 @@ def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: 
     with threads_worker(app):
         if path in ("delay", "autoretry"):
             result = task.delay(x)
+        elif path == "apply":
+            result = task.apply((x,))
         elif path == "send_task":
             result = app.send_task(task.name, (x,))
         elif path == "beat_fallback":
@@ -109,9 +122,7 @@ def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: 
         else:
             result = group([task.s(x).set(lock_in_canvas=True)]).apply_async()
         outcome = result.get(timeout=RESULT_TIMEOUT)
-    assert outcome == (
-        x if path in ("delay", "send_task", "beat_fallback", "on_error_run", "autoretry") else [x]
-    )
+    assert outcome == ([x] if path in ("group", "chord", "in_canvas") else x)
     assert attempts(app, x) == ["attempt@0", "attempt@1"]
     assert not recorder(app).client.exists(task_lock_key(task, (x,)))
 
