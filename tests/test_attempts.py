@@ -178,7 +178,8 @@ def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(app: Ce
             what=lambda: f"attempt 1 to find attempt 0 running; events {events(app, x)}",
         )
         recorder(app).open_gate(x)
-        wait_for(lambda: len(attempts(app, x)) == 2, what="attempt 1 to start")
+        # Within 10 s, a third of the 30 s lease: woken by the park, not by a wait running out.
+        wait_for(lambda: len(attempts(app, x)) == 2, timeout=10, what="attempt 1 to start")
         value = client.get(key)
         assert value is not None and value[:32] != first_token
         assert parse_holder(value.decode().split(":", 2)[2])["try"] == "1"
