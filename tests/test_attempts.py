@@ -26,6 +26,7 @@ from celery_redislock import RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
 from celery_redislock._task_scripts import ADOPT
 from celery_redislock.cli import read_lock
+from celery_redislock.lock import companion_key
 from celery_redislock.task import BEAT_HEADER, HEADER, holder_for, parse_holder
 from celery_redislock.testing import RedisServer
 from tests.taskapp import Recorder, make_app
@@ -158,16 +159,25 @@ def test_a_stale_attempt_cannot_adopt_the_hold_parked_for_the_next(
     client.delete(key)  # attempt 1 waits out its countdown; let it go
 
 
-@pytest.mark.parametrize("how", ["no_throw", "catch"])
-def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(app: Celery, how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "where"), [("no_throw", "single"), ("catch", "single"), ("no_throw", "cluster")]
+)
+def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(
+    request: pytest.FixtureRequest, app: Celery, prefix: str, how: str, where: str
+) -> None:
     """``self.retry(throw=False)``, or a body that catches the ``Retry``, publishes attempt 1
     while attempt 0 still runs. Attempt 1 must wait for attempt 0 to let go (woken by its
     park), then hold the lock with a token of its own and a greater fence, and attempt 0's
     token can neither release nor renew attempt 1's hold. Before, attempt 1 adopted the running
-    hold at once (both ran, one fence), and attempt 0's release deleted attempt 1's lock."""
+    hold at once (both ran, one fence), and attempt 0's release deleted attempt 1's lock.
+    The same on a Redis Cluster (the waiter's queue and wake list in the lock's slot)."""
+    client: Any = recorder(app).client
+    if where == "cluster":
+        cluster = request.getfixturevalue("cluster")
+        app = make_app(app.conf.broker_url, prefix, app.conf.task_default_queue, redislock_url=cluster.url)
+        client = cluster.client()
     x, task = fresh(), app.tasks["taskapp.retry_once"]
     key = task_lock_key(task, (x,), {"how": how, "gate1": True})
-    client = recorder(app).client
     with threads_worker(app):
         task.delay(x, how=how, gate1=True)  # both attempts store a result: events tell them apart
         wait_for(lambda: attempts(app, x), what="attempt 0 to start")
@@ -194,7 +204,10 @@ def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(app: Ce
     assert kinds == [("attempt@0", "0"), ("end", "0"), ("attempt@1", "1"), ("end", "1")]
     fences = {event[6]: int(event[5]) for event in events(app, x) if event[0].startswith("attempt@")}
     assert fences["1"] > fences["0"]
-    assert not client.exists(key)
+    assert not client.exists(key, companion_key(key, "queue"), companion_key(key, "waiters"))
+    if where == "cluster":
+        client.close()
+        app.close()
 
 
 # -- item 8: a resent script, odd task ids, replicas ---------------------------------------------------
