@@ -24,7 +24,7 @@ its use. Times come from the Redis server clock (``TIME``), never a client's.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,8 +219,19 @@ class Script:
     def __post_init__(self) -> None:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+    def __call__(
+        self,
+        client: Any,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        resending: Callable[[], None] | None = None,
+    ) -> Any:
         """Run on ``client``, honouring its retry policy.
+
+        ``resending`` is called when the retry policy is about to send the script
+        again after an error that may have come after the script ran (a reply
+        lost with its connection), on the paths that send it here (not through
+        ``execute_command``), so that a caller can read the second reply knowing that.
 
         A plain ``redis.Redis`` gets the command on a connection of its pool,
         packed here and sent in one write: redis-py's per-command layers
@@ -235,7 +246,7 @@ class Script:
         if type(client) is not redis.Redis or client.connection is not None:
             if type(client) is redis.cluster.RedisCluster and keys:
                 try:  # straight to the node that serves the keys' slot, on that node's own fast path
-                    return self(node_client(client, keys[0]), keys, args)
+                    return self(node_client(client, keys[0]), keys, args, resending)
                 except _REDIRECTED:
                     pass  # the slot moved, or the node is gone: the Cluster client follows and learns
             try:
@@ -249,8 +260,14 @@ class Script:
             encode = connection.encoder.encode
             packed_keys = [bulk(encode(key)) for key in keys]
             packed_args = [bulk(encode(arg)) for arg in args]
+
+            def failed(_: Exception) -> None:
+                connection.disconnect()
+                if resending is not None:
+                    resending()
+
             return connection.retry.call_with_retry(
-                lambda: self.run_on(connection, packed_keys, packed_args), lambda _: connection.disconnect()
+                lambda: self.run_on(connection, packed_keys, packed_args), failed
             )
         finally:
             pool.release(connection)

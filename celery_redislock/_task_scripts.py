@@ -4,14 +4,18 @@ A beat slot's marker is claimed (``CLAIM``) by the beat that sends the slot
 or by the worker that runs it, for the token the message carries.
 
 An enqueue lock is taken by ``apply_async`` (``ACQUIRE``) with a holder
-``task=<id> try=<n> state=queued ...``; the worker that runs the message
-adopts it (same token, from the message header) and marks it
-``state=running``. Lock values are as in ``_scripts``: ``"<token>:<fence>:<holder>"``.
+``task=<id> try=<n> state=queued ...`` and the token that the message carries
+(header ``redislock``). The worker that runs the message adopts it (``ADOPT``),
+giving it a token of its own and a greater fence. An attempt that retries parks
+its hold (``PARK``) for the token its retry's message carries; the retry adopts
+that. A message's token therefore owns a hold only while it is queued: a copy of
+the message (a redelivery, a stale attempt) can neither adopt a running hold nor
+release it. Lock values are as in ``_scripts``: ``"<token>:<fence>:<holder>"``.
 """
 
 from __future__ import annotations
 
-from ._scripts import Script
+from ._scripts import _HELPERS, _NAMES, Script
 
 _HOLDER = """
 local function holder_of(value) return value and string.match(value, '^%x+:%d+:(.*)$') end
@@ -20,35 +24,49 @@ local function owns(value, token) return value and string.sub(value, 1, 32) == t
 """
 
 _ADOPT = """
--- KEYS[1] lock; ARGV[1] token (from the message), ARGV[2] ttl in ms, ARGV[3] the new
--- holder (state=running), ARGV[4] the adopting attempt's retry count.
--- Adopts the lock when the token owns it and it is queued, or running under an
--- earlier attempt of the task (a retry whose previous attempt is finishing or
--- died); a running hold of the same attempt is a redelivered message's twin.
+-- KEYS[1] lock; ARGV[1] the token the message carries, ARGV[2] the run's own new token,
+-- ARGV[3] ttl in ms, ARGV[4] the run's holder (state=running).
+-- Adopts the hold queued for the message (its enqueue lock, or the hold its previous
+-- attempt parked for it): re-tokened to ARGV[2], with a fence above its own. A hold
+-- ARGV[2] already owns is this call's own, sent again by a client that lost the reply:
+-- its fence is returned again.
 -- Returns the fence when adopted, else {PTTL, holder or false} (PTTL -2: gone).
-local value = redis.call('GET', KEYS[1])
-local holder = holder_of(value)
+local value = redis.call('GET', lock)
+if owns(value, ARGV[2]) then return fence_of(value) end
 if owns(value, ARGV[1]) then
-  local try = tonumber(string.match(holder, ' try=(%d+)') or '0')
-  if string.find(holder, ' state=queued', 1, true) or try < tonumber(ARGV[4]) then
-    local fence = fence_of(value)
-    local adopted = ARGV[1] .. ':' .. string.format('%.0f', fence) .. ':' .. ARGV[3]
-    redis.call('SET', KEYS[1], adopted, 'PX', ARGV[2])
-    return fence
-  end
+  local _, now_us = clock(redis.call('TIME'))
+  local fence = math.max(now_us, fence_of(value) + 1)
+  redis.call('SET', lock, hold(ARGV[2], fence, ARGV[4]), 'PX', ARGV[3])
+  return fence
 end
-return {redis.call('PTTL', KEYS[1]), holder or false}
+return {redis.call('PTTL', lock), holder_of(value) or false}
 """
 
 _PARK = """
--- KEYS[1] lock; ARGV[1] token, ARGV[2] the holder it must still have, ARGV[3] the new
--- holder (state=queued), ARGV[4] ttl in ms.
--- Hands a running hold back to the queue (a retry is on its way). Returns 1 if
--- parked, 0 if the token or holder no longer matches (left untouched).
-local value = redis.call('GET', KEYS[1])
+-- KEYS[1] lock; ARGV[1] the running hold's token, ARGV[2] the holder it must still have,
+-- ARGV[3] the token the retry's message carries, ARGV[4] the retry's holder (state=queued),
+-- ARGV[5] ttl in ms.
+-- Hands a running hold to the retry on its way: re-tokened to ARGV[3] (its fence kept),
+-- so that only that retry can adopt it and the parking attempt can neither release nor
+-- renew it. A retry already waiting for it (queued under ARGV[3]) is woken with the fence.
+-- Returns 1 if parked (also when this call, sent again after a lost reply, finds it parked
+-- already), 0 if the token or holder no longer matches (left untouched).
+local value = redis.call('GET', lock)
+if owns(value, ARGV[3]) and holder_of(value) == ARGV[4] then return 1 end
 if not owns(value, ARGV[1]) or holder_of(value) ~= ARGV[2] then return 0 end
-local fence = string.format('%.0f', fence_of(value))
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. fence .. ':' .. ARGV[3], 'PX', ARGV[4])
+local fence = fence_of(value)
+redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
+for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+  local ttl_ms, token = string.match(member, '^(%d+):(%x+):')
+  if token == ARGV[3] then
+    redis.call('ZREM', queue, member)
+    redis.call('ZREM', deadlines, member)
+    local wake = wake_prefix .. token
+    redis.call('DEL', wake)
+    redis.call('RPUSH', wake, string.format('%.0f', fence))
+    redis.call('PEXPIRE', wake, ttl_ms)
+  end
+end
 return 1
 """
 
@@ -86,7 +104,7 @@ end
 return holder_of(value) or ''
 """
 
-ADOPT = Script(_HOLDER + _ADOPT)
+ADOPT = Script(_NAMES + _HELPERS + _ADOPT)
 CLAIM = Script(_HOLDER + _CLAIM)
-PARK = Script(_HOLDER + _PARK)
+PARK = Script(_NAMES + _HELPERS + _PARK)
 SETTLE = Script(_HOLDER + _SETTLE)

@@ -362,8 +362,15 @@ class RedisLock:
             raise LockNotOwned(self.name)
 
     def _free(self, token: str) -> bool:
-        """Release ``token``'s hold in Redis, owner-checked; whether ``token`` held the lock."""
-        return bool(int(RELEASE(self.client, self._keys, [token])))
+        """Release ``token``'s hold in Redis, owner-checked; whether ``token`` held the lock.
+
+        A release the client's retry policy sent again (redis-py 6+ retries by default)
+        may find the key already freed by its first send, whose reply was lost: then
+        ``token`` counts as having held it.
+        """
+        resent: list[bool] = []
+        released = int(RELEASE(self.client, self._keys, [token], lambda: resent.append(True)))
+        return bool(released or resent)
 
     def extend(self, ttl: Duration | None = None) -> None:
         """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it, never adding.

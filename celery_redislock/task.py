@@ -26,6 +26,7 @@ import ctypes
 import logging
 import os
 import random
+import secrets
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from typing import Any, ClassVar, cast
+from urllib.parse import quote, unquote
 
 import redis
 from celery import Task
@@ -57,7 +59,7 @@ from .exceptions import (
     RedisLockError,
 )
 from .keys import call_digest, lock_key
-from .lock import RedisLock, _text
+from .lock import RedisLock, _member, _text
 from .watchdog import Lease
 
 __all__ = [
@@ -93,6 +95,10 @@ HEADER = "redislock"
 BEAT_HEADER = "redislock_beat"
 #: Modes whose lock is taken by apply_async.
 ENQUEUE_MODES = frozenset({"until_executing", "until_executed", "until_and_while_executing", "until_expired"})
+#: Modes that keep the lock between a task's attempts: an attempt parks its hold for its retry.
+PARKING_MODES = frozenset({"until_executed", "until_expired"})
+#: Characters a holder field keeps as they are; others (space, ``=``, ``%``, non-ASCII) are %-encoded.
+_FIELD_SAFE = "!\"#$&'()*+,-./:;<>?@[\\]^_`{|}~"
 #: thread id -> (task id, its lock) while a worker's body runs in that thread, for the
 #: task_postrun receiver, which runs in the same thread (two attempts of one task, a
 #: retry starting while its previous attempt finishes, run in different threads).
@@ -101,15 +107,21 @@ _running: dict[int, tuple[str, RedisLock]] = {}
 
 def holder_for(task_id: str | None, retries: int, node: str, pid: int, state: str = "running") -> str:
     """How a task's lock names its holder: task id, attempt (retries so far), ``queued`` or
-    ``running``, and the node and process that queued or run it."""
-    return f"task={task_id or '-'} try={retries} state={state} node={node} pid={pid}"
+    ``running``, and the node and process that queued or run it.
+
+    Fields are separated by spaces; the task id and node are %-encoded where they hold a
+    space, ``=``, ``%`` or a non-ASCII character, so that any task id reads back whole.
+    """
+    task, where = quote(task_id or "-", safe=_FIELD_SAFE), quote(node, safe=_FIELD_SAFE)
+    return f"task={task} try={retries} state={state} node={where} pid={pid}"
 
 
 def parse_holder(holder: str | None) -> dict[str, str]:
-    """The fields of a holder written by ``holder_for`` (empty for another kind of holder)."""
+    """The fields of a holder written by ``holder_for``, decoded (empty for another kind of holder)."""
     if holder is None or not holder.startswith("task="):
         return {}
-    return dict(field.partition("=")[::2] for field in holder.split(" "))
+    fields = (field.partition("=") for field in holder.split(" "))
+    return {name: unquote(value) for name, _, value in fields}
 
 
 def release_held_by(client: Client, key: str, holder: str) -> bool:
@@ -294,15 +306,28 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
         A duplicate returns the ``AsyncResult`` of the task already queued or
         running (``lock_duplicate="return"``) or raises ``DuplicateTask``. A
-        retry or republish of a message that carries its lock, and a member of
-        a group or chord (unless sent with ``lock_in_canvas=True``), pass.
+        republish of a message that carries its lock, and a member of a group
+        or chord (unless sent with ``lock_in_canvas=True``), pass. So does a
+        retry of the attempt running here (``self.retry``, autoretry), however
+        its first attempt was sent: in the modes that keep the lock between
+        attempts, its message carries a token of its own, for which the attempt
+        parks its hold when it lets go.
         """
         key = task_lock_key(self, args or (), kwargs or {})  # unkeyable arguments fail before sending
         lock_options, settings = _bound_options(self)
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         in_canvas = (options.get("group_id") or options.get("chord")) and not in_canvas_opt_in
         headers = dict(options.pop("headers", None) or {})
-        if lock_options.mode not in ENQUEUE_MODES or HEADER in headers or in_canvas:
+        running = self._retried_attempt(key, task_id, options)
+        if running is not None and lock_options.mode in PARKING_MODES and running.lock_fence is not None:
+            token = secrets.token_hex(16)
+            headers[HEADER] = {"key": key, "token": token}
+            result = super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
+            )
+            running.lock_retry = (key, token, _delay(options))  # once sent: _let_go parks the hold for it
+            return result
+        if running is not None or lock_options.mode not in ENQUEUE_MODES or HEADER in headers or in_canvas:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
             )
@@ -315,7 +340,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if lock_options.mode == "until_expired":
             ttl = max(ttl, lock_options.period or 0)
         client, url = client_for(self.app)
-        holder = holder_for(task_id, 0, socket.gethostname(), os.getpid(), "queued")
+        holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
         lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **settings.replication)
         try:
             acquired = lock.acquire(blocking=False)
@@ -339,6 +364,19 @@ class LockedTask(Task):  # type: ignore[type-arg]
         except BaseException:
             _release(self, lock, task_id)  # nothing was sent: nothing must stay locked
             raise
+
+    def _retried_attempt(self, key: str, task_id: str | None, options: Mapping[str, Any]) -> Any:
+        """The request of the attempt running here that a message for ``task_id`` with
+        ``options`` retries (same task id and key, the next retry count), if any."""
+        running = self.request
+        if (
+            task_id is None
+            or running.id != task_id
+            or getattr(running, "lock_key", None) != key
+            or (options.get("retries") or 0) != (running.retries or 0) + 1
+        ):
+            return None
+        return running
 
     def _duplicate(self, key: str, holder: str | None, ttl: float | None) -> Any:
         """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``."""
@@ -423,7 +461,6 @@ class LockedTask(Task):  # type: ignore[type-arg]
         held_token = _held_keys.set(held | {key})
         if lock is not None and task_id is not None:
             _running[threading.get_ident()] = (task_id, lock)
-        outcome: BaseException | None = None
         try:
             with nullcontext() if lock is None else lock.body():
                 if request is not None:
@@ -438,13 +475,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
             if type(exc) is not LockLost:  # raised in this thread by the watchdog: make it a plain one
                 raise LockLost(key) from None
             raise
-        except BaseException as exc:
-            outcome = exc
-            raise
         finally:
             _held_keys.reset(held_token)
             if lock is not None:
-                self._let_go(lock, options, task_id, retries, outcome)
+                self._let_go(lock, options, task_id, retries)
                 if task_id is not None:  # only once let go: an interrupted release is task_postrun's
                     _running.pop(threading.get_ident(), None)
 
@@ -497,22 +531,12 @@ class LockedTask(Task):  # type: ignore[type-arg]
         ``request`` is the worker's (or apply()'s) request, ``None`` for a direct call.
         """
         task_id = None if request is None else request.id
-        if (
-            options.mode in ("until_executed", "until_expired")
-            and ticket is not None
-            and ticket[0] == lock.name
-        ):
-            sent_at = time.monotonic()
-            retries = request.retries or 0
-            reply = ADOPT(lock.client, [lock.name], [ticket[1], lock._ttl_ms, lock.holder or "", retries])
-            if isinstance(reply, int):
-                lock._hold(ticket[1], reply, sent_at)
+        if options.mode in PARKING_MODES and ticket is not None and ticket[0] == lock.name:
+            busy = _adopt(lock, ticket[1])
+            if busy is None:
                 return self._acquired(lock, task_id)
-            if int(reply[0]) != -2:  # held, not by this message: busy (gone: take it afresh below)
-                holder = None if reply[1] is None else _text(reply[1])
-                return self._when_busy(
-                    lock, options, request, args, kwargs, holder, max(int(reply[0]), 0) / 1000
-                )
+            if busy[1] != -2:  # held, not for this message: busy (gone: take it afresh below)
+                return self._when_busy(lock, options, request, args, kwargs, busy[0], max(busy[1], 0) / 1000)
         if lock.acquire(blocking=False):
             return self._acquired(lock, task_id)
         return self._when_busy(lock, options, request, args, kwargs, *lock._busy)
@@ -551,8 +575,21 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 return self._acquired(lock, task_id)
             logger.info("task %s[%s]: redelivered while its first delivery runs; ignored", self.name, task_id)
             raise Ignore()
+        if same_task and int(held_by["try"]) > (request.retries or 0):
+            # A copy of an earlier attempt (a redelivery): a later attempt is queued or running.
+            logger.info(
+                "task %s[%s]: a later attempt holds %s; this stale copy is ignored",
+                self.name,
+                task_id,
+                lock.name,
+            )
+            raise Ignore()
         if same_task and int(held_by["try"]) < (request.retries or 0):
-            busy = "wait"  # this task's previous attempt published this retry and is letting go now
+            # This task's previous attempt published this retry and is letting go now.
+            ticket = request_ticket(request)
+            if options.mode in PARKING_MODES and ticket is not None and ticket[0] == lock.name:
+                return self._adopt_when_parked(lock, options, ticket[1], task_id)
+            busy = "wait"
         elif request is not None and (request.group or request.chord):
             busy = "wait"  # a group or chord member is never skipped: its chord would never complete
         elif busy == "retry" and (request is None or request.is_eager):
@@ -593,6 +630,22 @@ class LockedTask(Task):  # type: ignore[type-arg]
             holder, ttl = lock._busy
         raise LockNotAcquired(lock.name, holder, ttl)
 
+    def _adopt_when_parked(
+        self, lock: _ExecutionLock, options: LockOptions, token: str, task_id: str | None
+    ) -> bool:
+        """A retry carrying ``token`` found its previous attempt still holding ``lock``: wait (at
+        most ``lock_wait_timeout``) until that attempt parks the hold for ``token`` (its park wakes
+        this waiter) or frees it, then adopt it; else ``LockNotAcquired``."""
+        member = _member(lock._ttl_ms, token, lock.fair, lock.holder)
+        _, fence = lock._wait_for(token, member, True, time.monotonic() + options.wait_timeout)
+        holder, ttl = lock._busy
+        if fence is not None:  # ``token`` owns the hold now: parked for it, or taken free
+            busy = _adopt(lock, token)
+            if busy is None:
+                return self._acquired(lock, task_id)
+            holder, ttl = busy[0], max(busy[1], 0) / 1000
+        raise LockNotAcquired(lock.name, holder, ttl)
+
     def _first_delivery_died(
         self, lock: _ExecutionLock, options: LockOptions, holder: str | None, left: float
     ) -> bool:
@@ -621,20 +674,26 @@ class LockedTask(Task):  # type: ignore[type-arg]
             _release(self, lock, None)  # released late: it was alive after all
         return False
 
-    def _let_go(
-        self, lock: _ExecutionLock, options: LockOptions, task_id: str | None, retries: int, outcome: Any
-    ) -> None:
-        """After the body: release, or keep the lock as the mode says (a retry on its way; a period)."""
+    def _let_go(self, lock: _ExecutionLock, options: LockOptions, task_id: str | None, retries: int) -> None:
+        """After the body: release, or keep the lock as the mode says (a retry on its way; a period).
+
+        An attempt that sent its retry (``apply_async``) parks its hold for the token
+        the retry's message carries, whether the body then raised the ``Retry`` or not.
+        """
+        retry = getattr(lock.request, "lock_retry", None)
         if (
-            options.mode in ("until_executed", "until_expired")
-            and isinstance(outcome, Retry)
+            options.mode in PARKING_MODES
+            and retry is not None
+            and retry[0] == lock.name
             and lock._held_here()
         ):
-            ttl = options.queue_ttl + _retry_delay(outcome)
+            ttl = options.queue_ttl + retry[2]
             queued = holder_for(task_id, retries + 1, socket.gethostname(), os.getpid(), "queued")
             current = lock.holder or ""
             try:
-                parked = PARK(lock.client, [lock.name], [lock._let_go(), current, queued, to_ms(ttl)])
+                parked = PARK(
+                    lock.client, [lock.name], [lock._let_go(), current, retry[1], queued, to_ms(ttl)]
+                )
             except redis.RedisError as exc:
                 logger.warning(
                     "task %s[%s]: could not keep lock %s for its retry: %s",
@@ -685,11 +744,22 @@ def _seconds_until(when: Any) -> float:
     return (moment - datetime.now(timezone.utc)).total_seconds()
 
 
-def _retry_delay(retry: Retry) -> float:
-    when = retry.when
-    if when is None:
-        return 0.0
-    return max(_seconds_until(when), 0.0)
+def _adopt(lock: _ExecutionLock, token: str) -> tuple[str | None, int] | None:
+    """Adopt for ``lock`` the hold queued for the message carrying ``token`` (``ADOPT``), under a
+    token of the run's own; ``None`` once held (acknowledged by ``replicas`` replicas where set,
+    as every acquisition), else (the holder, its PTTL in ms; -2: gone).
+
+    Raises ``LockNotReplicated`` (the hold released) when too few replicas acknowledge it.
+    """
+    own = secrets.token_hex(16)
+    sent_at = time.monotonic()
+    reply = ADOPT(lock.client, [lock.name], [token, own, lock._ttl_ms, lock.holder or ""])
+    if not isinstance(reply, int):
+        return (None if reply[1] is None else _text(reply[1])), int(reply[0])
+    if lock.replicas:
+        lock._confirm(own, _member(lock._ttl_ms, own, lock.fair, lock.holder))
+    lock._hold(own, reply, sent_at)
+    return None
 
 
 def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, Retry
 from celery.schedules import schedule
 from celery.signals import worker_ready
 
@@ -163,6 +163,46 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         if self.request.retries < 2:
             recorder.wait_gate(x)
             raise self.retry(countdown=0)
+        return x
+
+    @locked_task(name="taskapp.retry_once", lock_mode="until_executed", lock_wait_timeout=5, lock_beat=True)
+    def retry_once(
+        self: Task[Any, Any], x: object, how: str = "raise", countdown: float = 0, gate1: bool = False
+    ) -> object:
+        """Attempt 0 retries: ``raise`` raises the Retry, ``no_throw`` (``throw=False``) and
+        ``catch`` (the body catches the Retry) go on until the gate of ``x`` opens; attempt 1
+        returns ``x``, with ``gate1`` once the gate ``<x>-1`` opens."""
+        recorder.record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            if how == "raise":
+                raise self.retry(countdown=countdown)
+            if how == "no_throw":
+                self.retry(countdown=countdown, throw=False)
+            else:
+                try:
+                    raise self.retry(countdown=countdown)
+                except Retry:
+                    pass
+            recorder.wait_gate(x)
+            recorder.record("end", self, x)
+            return None
+        if gate1:
+            recorder.wait_gate(f"{x}-1")
+        recorder.record("end", self, x)
+        return x
+
+    @locked_task(
+        name="taskapp.autoretry_once",
+        lock_mode="until_executed",
+        lock_wait_timeout=5,
+        autoretry_for=(LookupError,),
+        default_retry_delay=0,
+        max_retries=1,
+    )
+    def autoretry_once(self: Task[Any, Any], x: object) -> object:
+        recorder.record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            raise LookupError("the first attempt fails")
         return x
 
     @locked_task(name="taskapp.keyed_by_x", lock_mode="until_executed", lock_on=("x",))

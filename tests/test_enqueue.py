@@ -246,10 +246,10 @@ def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run(app: C
     task id, same retry count, same lock header. Publish exactly that while the first runs."""
     x, task = fresh(), app.tasks["taskapp.acks_late"]
     key = task_lock_key(task, (x,), {"gate": True})
+    first = task.delay(x, gate=True)
+    token = recorder(app).client.get(key)[:32].decode()  # the message's: the run adopts under its own
     with worker(app):
-        first = task.delay(x, gate=True)
         wait_for(lambda: starts(app, x))
-        token = recorder(app).client.get(key)[:32].decode()
         task.apply_async(
             (x,), {"gate": True}, task_id=first.id, headers={HEADER: {"key": key, "token": token}}
         )

@@ -1,0 +1,337 @@
+"""A task's attempts and their locks (issue 13, items 3, 4 and 8): every retry runs, each attempt
+owns its own hold, a resent script is recognised as its own, holders survive odd task ids, and
+the adoption of an enqueue lock waits for replicas.
+
+Real redis-servers, a real worker (threads pool, in-process); the suite's invariant checker
+then finds no lock left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chord, group
+from redis.connection import AbstractConnection
+
+from celery_redislock import RedisLock, task_lock_key
+from celery_redislock._scripts import RELEASE, RENEW, Script
+from celery_redislock._task_scripts import ADOPT
+from celery_redislock.cli import read_lock
+from celery_redislock.lock import companion_key
+from celery_redislock.task import BEAT_HEADER, HEADER, holder_for, parse_holder
+from celery_redislock.testing import RedisServer
+from tests.taskapp import Recorder, make_app
+from tests.workers import threads_worker, wait_for
+
+RESULT_TIMEOUT = 30
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    yield app
+    app.close()
+
+
+def recorder(app: Celery) -> Recorder:
+    return app.recorder  # type: ignore[attr-defined, no-any-return]
+
+
+def events(app: Celery, x: object) -> list[list[str]]:
+    return [event for event in recorder(app).events() if event[2] == str(x)]
+
+
+def attempts(app: Celery, x: object) -> list[str]:
+    return [event[0] for event in events(app, x) if event[0].startswith("attempt@")]
+
+
+def fresh() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+# -- item 3: a retry is never swallowed --------------------------------------------------------------
+
+
+PATHS = [
+    "delay",
+    "send_task",
+    "beat_fallback",
+    "on_error_run",
+    "group",
+    "chord",
+    "autoretry",
+    "in_canvas",
+    "apply",
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: str) -> None:
+    """An ``until_executed`` task that retries once runs its second attempt, whatever path sent
+    its first: ``delay`` (the message carries the enqueue lock), ``send_task`` and beat's
+    ``send_task`` fallback (no lock in the message), a message sent unlocked because Redis was
+    unreachable (``redislock_on_error="run"``), a group or chord member (not locked at enqueue),
+    ``autoretry_for``, a canvas member opted in (``lock_in_canvas``), and ``apply()`` (eager:
+    Celery runs the retry at once, in the same thread). Before, a retry of a
+    message without the lock header was refused as a duplicate of its own attempt (nothing sent,
+    the lock parked for an hour), and a canvas member's retry waited ``lock_wait_timeout`` for a
+    hold it could not adopt, then failed the chord."""
+    x = fresh()
+    task = app.tasks["taskapp.autoretry_once" if path == "autoretry" else "taskapp.retry_once"]
+    with threads_worker(app):
+        if path in ("delay", "autoretry"):
+            result = task.delay(x)
+        elif path == "apply":
+            result = task.apply((x,))
+        elif path == "send_task":
+            result = app.send_task(task.name, (x,))
+        elif path == "beat_fallback":
+            slot = {"entry": "e", "slot": "1", "key": f"{prefix}:slot:e:1", "token": uuid.uuid4().hex}
+            header = {**slot, "ttl": 60_000, "beat": "beat=test", "claimed": False}
+            result = app.send_task(task.name, (x,), headers={BEAT_HEADER: header})
+        elif path == "on_error_run":
+            unreachable = f"redis://127.0.0.1:{closed_port()}/0"
+            sender = make_app(
+                app.conf.broker_url,
+                prefix,
+                app.conf.task_default_queue,
+                redislock_url=unreachable,
+                redislock_on_error="run",
+            )
+            result = sender.tasks[task.name].delay(x)
+        elif path == "group":
+            result = group([task.s(x)]).apply_async()
+        elif path == "chord":
+            result = chord([task.s(x)])(app.tasks["taskapp.collect"].s())
+        else:
+            result = group([task.s(x).set(lock_in_canvas=True)]).apply_async()
+        outcome = result.get(timeout=RESULT_TIMEOUT)
+    assert outcome == ([x] if path in ("group", "chord", "in_canvas") else x)
+    assert attempts(app, x) == ["attempt@0", "attempt@1"]
+    assert not recorder(app).client.exists(task_lock_key(task, (x,)))
+
+
+# -- item 4: each attempt owns its own hold -----------------------------------------------------------
+
+
+def test_a_stale_attempt_cannot_adopt_the_hold_parked_for_the_next(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attempt 0 retries (countdown 60 s) and parks its hold for attempt 1. A copy of attempt 0's
+    message arrives meanwhile (a redelivery: same id, attempt and lock header). It must not adopt
+    the hold parked for attempt 1, nor run: before, every attempt shared the enqueue token and
+    ADOPT took any queued hold, so the stale copy ran attempt 0 again."""
+    caplog.set_level(logging.INFO, logger="celery_redislock")
+    x, task = fresh(), app.tasks["taskapp.retry_once"]
+    key = task_lock_key(task, (x,), {"countdown": 60})
+    client = recorder(app).client
+    first = task.delay(x, countdown=60)
+    enqueue_token = client.get(key)[:32].decode()
+    with threads_worker(app):
+        wait_for(lambda: parse_holder(client.get(key).decode().split(":", 2)[2]).get("try") == "1")
+        task.apply_async(
+            (x,), {"countdown": 60}, task_id=first.id, headers={HEADER: {"key": key, "token": enqueue_token}}
+        )
+        wait_for(
+            lambda: "this stale copy is ignored" in caplog.text,
+            what=lambda: f"the stale copy to be ignored; events {events(app, x)}",
+        )
+    assert attempts(app, x) == ["attempt@0"]
+    value = client.get(key).decode()
+    assert value[:32] != enqueue_token  # parked for attempt 1, under its own token
+    client.delete(key)  # attempt 1 waits out its countdown; let it go
+
+
+@pytest.mark.parametrize(
+    ("how", "where"), [("no_throw", "single"), ("catch", "single"), ("no_throw", "cluster")]
+)
+def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(
+    request: pytest.FixtureRequest, app: Celery, prefix: str, how: str, where: str
+) -> None:
+    """``self.retry(throw=False)``, or a body that catches the ``Retry``, publishes attempt 1
+    while attempt 0 still runs. Attempt 1 must wait for attempt 0 to let go (woken by its
+    park), then hold the lock with a token of its own and a greater fence, and attempt 0's
+    token can neither release nor renew attempt 1's hold. Before, attempt 1 adopted the running
+    hold at once (both ran, one fence), and attempt 0's release deleted attempt 1's lock.
+    The same on a Redis Cluster (the waiter's queue and wake list in the lock's slot)."""
+    client: Any = recorder(app).client
+    if where == "cluster":
+        cluster = request.getfixturevalue("cluster")
+        app = make_app(app.conf.broker_url, prefix, app.conf.task_default_queue, redislock_url=cluster.url)
+        client = cluster.client()
+    x, task = fresh(), app.tasks["taskapp.retry_once"]
+    key = task_lock_key(task, (x,), {"how": how, "gate1": True})
+    with threads_worker(app):
+        task.delay(x, how=how, gate1=True)  # both attempts store a result: events tell them apart
+        wait_for(lambda: attempts(app, x), what="attempt 0 to start")
+        first_token = client.get(key)[:32]
+        wait_for(
+            lambda: [e for e in events(app, x) if e[0] == "busy" and e[6] == "1"],
+            timeout=10,
+            what=lambda: f"attempt 1 to find attempt 0 running; events {events(app, x)}",
+        )
+        recorder(app).open_gate(x)
+        # Within 10 s, a third of the 30 s lease: woken by the park, not by a wait running out.
+        wait_for(lambda: len(attempts(app, x)) == 2, timeout=10, what="attempt 1 to start")
+        value = client.get(key)
+        assert value is not None and value[:32] != first_token
+        assert parse_holder(value.decode().split(":", 2)[2])["try"] == "1"
+        assert RENEW(client, [key], [600_000, first_token.decode()]) == [1]  # not owned
+        assert RELEASE(client, [key], [first_token.decode()]) == 0
+        assert client.get(key) == value
+        recorder(app).open_gate(f"{x}-1")
+        wait_for(lambda: not client.exists(key), what="attempt 1 to end and release")
+    kinds = [
+        (event[0], event[6]) for event in events(app, x) if event[0] in ("attempt@0", "attempt@1", "end")
+    ]
+    assert kinds == [("attempt@0", "0"), ("end", "0"), ("attempt@1", "1"), ("end", "1")]
+    fences = {event[6]: int(event[5]) for event in events(app, x) if event[0].startswith("attempt@")}
+    assert fences["1"] > fences["0"]
+    assert not client.exists(key, companion_key(key, "queue"), companion_key(key, "waiters"))
+    if where == "cluster":
+        client.close()
+        app.close()
+
+
+# -- item 8: a resent script, odd task ids, replicas ---------------------------------------------------
+
+
+@contextmanager
+def first_reply_lost(script: Script) -> Iterator[list[Any]]:
+    """The first reply to ``script`` is lost after the script ran: the connection reads it,
+    then fails as a dropped connection does, so that the client's retry policy (redis-py 6+
+    retries by default) sends the script again. Yields the lost replies."""
+    send, read = AbstractConnection.send_packed_command, AbstractConnection.read_response
+    guard, pending, lost = threading.Lock(), set(), []  # pending: connections awaiting the doomed reply
+
+    def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
+        packed = b"".join(command) if isinstance(command, list) else command
+        with guard:
+            if not lost and not pending and script.sha.encode() in packed:
+                pending.add(self)
+        send(self, command, check_health)
+
+    def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = read(self, *args, **kwargs)
+        with guard:
+            if self not in pending:
+                return reply
+            pending.discard(self)
+            lost.append(reply)
+        raise redis.ConnectionError("the reply was lost (test seam)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AbstractConnection, "send_packed_command", send_packed_command)
+        patch.setattr(AbstractConnection, "read_response", read_response)
+        yield lost
+
+
+def test_a_resent_adopt_is_recognised_as_its_own(redis_server: RedisServer, prefix: str) -> None:
+    """The worker's ADOPT runs, its reply is lost, and the client sends it again. The second
+    run must see the hold as this run's own, not as a redelivered twin's: before, it found the
+    hold running under the same attempt, took the message for its own twin, and watched the
+    lease run out before running (logged as "its first delivery's worker died")."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=3)
+    # The lock client retries as redis-py 6+ clients built with redis.Redis(...) do by default
+    # (a client from a URL does not): this in-process worker uses it.
+    retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    assert retrying.get_retry() is not None and retrying.get_retry().get_retries() > 0
+    app._redislock_client = (os.getpid(), retrying, redis_server.url)  # type: ignore[attr-defined]
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    result = task.delay(x)
+    with first_reply_lost(ADOPT) as lost, threads_worker(app):
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+    assert len(lost) == 1
+    assert [event[0] for event in events(app, x)] == ["start", "end", "released"]  # no "busy"
+    app.close()
+    retrying.close()
+
+
+def test_a_resent_release_does_not_raise_lock_not_owned(client: redis.Redis, prefix: str) -> None:
+    """RELEASE runs, its reply is lost, and the client sends it again: the second run finds the
+    key gone. The release succeeded, so ``release()`` must not raise ``LockNotOwned``."""
+    lock = RedisLock(client, f"{prefix}:resent-release", ttl=5)
+    assert lock.acquire()
+    with first_reply_lost(RELEASE) as lost:
+        lock.release()
+    assert lost == [1]
+    assert not client.exists(f"{prefix}:resent-release")
+
+
+ODD_ID = "a b state=queued try=9 node=x pid=1 %20"
+
+
+def test_a_task_id_with_spaces_and_field_names_is_read_whole(app: Celery) -> None:
+    """A custom task id may hold spaces, ``state=`` and ``try=``: the holder written for it must
+    read back whole (duplicate detection, the CLI), and its retry must still run. Before, the
+    holder was split at every space and ``=``: the duplicate named task ``a``."""
+    x, task = fresh(), app.tasks["taskapp.retry_once"]
+    holder = holder_for(ODD_ID, 3, "node one=two", 42, "queued")
+    assert parse_holder(holder) == {
+        "task": ODD_ID,
+        "try": "3",
+        "state": "queued",
+        "node": "node one=two",
+        "pid": "42",
+    }
+    first = task.apply_async((x,), task_id=ODD_ID)
+    assert task.delay(x).id == ODD_ID  # a duplicate names the queued task
+    held = read_lock(recorder(app).client, task_lock_key(task, (x,)), app.conf.redislock_prefix)
+    assert held is not None and held.task_id == ODD_ID and held.attempt == 0 and held.state == "queued"
+    with threads_worker(app):
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+    assert attempts(app, x) == ["attempt@0", "attempt@1"]
+
+
+def test_adopt_waits_for_replicas(prefix: str) -> None:
+    """With ``redislock_replicas=1``, the worker's adoption of the enqueue lock waits (``WAIT``)
+    for a replica, as every acquisition does: here the replica is gone by the time the task
+    starts, so the adoption is not acknowledged, is rolled back, and the task fails with
+    ``RedisLockError`` (``redislock_on_error="fail"``). Before, ADOPT did not wait: the task ran
+    on a hold no replica had."""
+    with RedisServer() as primary, RedisServer() as replica:
+        replica_client, primary_client = replica.client(), primary.client()
+        replica_client.replicaof("127.0.0.1", primary.port)
+        wait_for(
+            lambda: replica_client.info("replication").get("master_link_status") == "up", what="the replica"
+        )
+        app = make_app(
+            primary.url, prefix, f"q-{prefix}", redislock_replicas=1, redislock_replica_timeout=0.5
+        )
+        x, task = fresh(), app.tasks["taskapp.until_executed"]
+        key = task_lock_key(task, (x,))
+        result = task.delay(x)  # enqueued while the replica acknowledges
+        assert primary_client.exists(key)
+        replica_client.replicaof("NO", "ONE")
+        wait_for(
+            lambda: primary_client.info("replication")["connected_slaves"] == 0, what="the replica to go"
+        )
+        with threads_worker(app), pytest.raises(Exception, match="replica") as raised:
+            result.get(timeout=RESULT_TIMEOUT)
+        assert type(raised.value).__name__ == "RedisLockError"
+        assert starts_of(app, x) == []
+        assert not primary_client.exists(key)  # rolled back
+        app.close()
+        replica_client.close()
+        primary_client.close()
+
+
+def starts_of(app: Celery, x: object) -> list[list[str]]:
+    return [event for event in events(app, x) if event[0] == "start"]
