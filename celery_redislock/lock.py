@@ -29,11 +29,10 @@ from typing import Any
 
 import redis
 import redis.cluster
-from redis.exceptions import NoScriptError
 
 from ._durations import Duration, seconds, to_ms
-from ._redis import call_with_timeout, node_client
-from ._scripts import ACQUIRE, RELEASE, RENEW
+from ._redis import call_with_timeout, node_client, pooled_connection
+from ._scripts import ACQUIRE, RELEASE, RENEW, bulk
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned, LockNotReplicated
 from .watchdog import Lease, get_watchdog
 
@@ -243,17 +242,12 @@ class RedisLock:
         then sends ``WAIT``, so the wait covers it however it was granted (also handed over).
         """
         try:
-            for _ in range(2):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.execute_command("EVALSHA", RENEW.sha, 1, self.name, self._ttl_ms, token)
-                pipe.execute_command("WAIT", self.replicas, to_ms(self.replica_timeout))
-                not_owned, acknowledged = pipe.execute(raise_on_error=False)
-                if not isinstance(not_owned, NoScriptError):
-                    break
-                self.client.script_load(RENEW.source)
-            for reply in (not_owned, acknowledged):
-                if isinstance(reply, Exception):
-                    raise reply
+            with pooled_connection(self.client) as connection:
+                encode = connection.encoder.encode
+                key, ttl_ms = bulk(encode(self.name)), bulk(b"%d" % self._ttl_ms)
+                not_owned = RENEW.run_on(connection, [key], [ttl_ms, bulk(token.encode())])
+                connection.send_command("WAIT", self.replicas, to_ms(self.replica_timeout))
+                acknowledged = connection.read_response()
         except BaseException:
             self._abandon(token, member)
             raise

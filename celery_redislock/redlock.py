@@ -130,15 +130,19 @@ class Redlock(RedisLock):
         try:
             for client in self.clients:
                 pool: Any = client.connection_pool
-                connection: Any = None
                 try:
                     connection = pool.get_connection()
+                except Exception as exc:
+                    sent.append((pool, None, exc))
+                    continue
+                sent.append((pool, connection, b""))  # released by the finally, whatever happens next
+                try:
                     encode = connection.encoder.encode
                     packed = script.pack([bulk(encode(self.name))], [bulk(encode(arg)) for arg in args])
                     connection.send_packed_command([packed])
-                    sent.append((pool, connection, packed))
+                    sent[-1] = (pool, connection, packed)
                 except Exception as exc:
-                    sent.append((pool, connection, exc))
+                    sent[-1] = (pool, connection, exc)
             for _, connection, command in sent:
                 if isinstance(command, BaseException):
                     results.append(command)

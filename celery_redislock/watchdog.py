@@ -207,31 +207,13 @@ class Watchdog:
         """Renews ``batches``, all on the server ``node``, in one round trip: one script call per
         batch, sent in one write. Returns the leases found lost, with why."""
         sent_at = mod_time.monotonic()
-        replies: list[Any] = []
         try:
             connection = self._connection(node, batches[0][0].interval / 2)
-            encoder = connection.encoder
-            commands = []
-            for batch in batches:
-                packed = [lease.packed or lease.pack(encoder) for lease in batch]
-                keys, tokens = [key for key, _ in packed], [token for _, token in packed]
-                commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
-            connection.send_packed_command(commands)
-            for _ in commands:
-                try:
-                    replies.append(connection.read_response())
-                except redis.exceptions.ResponseError as exc:  # that call's own error; the others stand
-                    replies.append(exc)
-            again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-            if again:  # a new or restarted server: load the script, send those calls again in one write
-                connection.send_command("SCRIPT", "LOAD", RENEW.source)
-                connection.read_response()
-                connection.send_packed_command([commands[index] for index in again])
-                for index in again:
-                    try:
-                        replies[index] = connection.read_response()
-                    except redis.exceptions.ResponseError as exc:
-                        replies[index] = exc
+            try:
+                replies = _exchange(connection, batches, ttl_ms)
+            except BaseException:
+                connection.disconnect()  # a reply may still be on its way: the next tick must not read it
+                raise
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             leases = [lease for batch in batches for lease in batch]
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(leases), exc)
@@ -312,6 +294,35 @@ def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, s
     for lease in leases:
         lease.due = now + min(lease.interval / 3, 1.0)
     return [(lease, "expired") for lease in leases if now >= lease.expires]
+
+
+def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[Any]:
+    """Sends one RENEW call per batch on ``connection`` in one write; returns each call's reply,
+    or its own error (e.g. MOVED); after NOSCRIPT, loads the script and sends those calls again."""
+    replies: list[Any] = []
+    encoder = connection.encoder
+    commands = []
+    for batch in batches:
+        packed = [lease.packed or lease.pack(encoder) for lease in batch]
+        keys, tokens = [key for key, _ in packed], [token for _, token in packed]
+        commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
+    connection.send_packed_command(commands)
+    for _ in commands:
+        try:
+            replies.append(connection.read_response())
+        except redis.exceptions.ResponseError as exc:  # that call's own error; the others stand
+            replies.append(exc)
+    again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if again:  # a new or restarted server: load the script, send those calls again in one write
+        connection.send_command("SCRIPT", "LOAD", RENEW.source)
+        connection.read_response()
+        connection.send_packed_command([commands[index] for index in again])
+        for index in again:
+            try:
+                replies[index] = connection.read_response()
+            except redis.exceptions.ResponseError as exc:
+                replies[index] = exc
+    return replies
 
 
 def _node(client: Any, slot: int) -> Any:
