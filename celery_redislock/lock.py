@@ -266,13 +266,19 @@ class RedisLock:
                 get_watchdog().add(self._lease, sent_at)
 
     def _let_go(self) -> str:
-        """Stop renewing the hold (before the caller frees or parks the key) and return its token."""
+        """Stop renewing the hold (before the caller frees or parks the key) and return its token;
+        no renewal of it is in flight any more (see ``watchdog``)."""
         with self._state:
             if not self._held_here():
                 raise LockNotOwned(self.name)
-            if self._lease is not None:
-                get_watchdog().discard(self._lease)
-            return self.token or ""
+            token, leases = self.token or "", self._held_leases()
+        for lease in leases:
+            get_watchdog().discard(lease)
+        return token
+
+    def _held_leases(self) -> list[Lease]:
+        """The watchdog's leases of the current hold (under ``_state``)."""
+        return [] if self._lease is None else [self._lease]
 
     def _forget(self) -> None:
         """Forget the hold, once the caller has freed or parked the key."""
@@ -364,19 +370,25 @@ class RedisLock:
 
         Owner-checked in one round trip; raises ``LockNotOwned`` (and sets
         ``lost``) when this object does not hold the lock. With the watchdog,
-        the hold is renewed to ``ttl`` from then on (every ``ttl/3``).
+        the hold is renewed to ``ttl`` from then on (every ``ttl/3``); a
+        renewal already under way lands first, so it cannot undo the extension.
         """
         new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
         with self._state:
             if not self._held_here():
                 raise LockNotOwned(self.name)
-            token, lease = self.token or "", self._lease
-        sent_at = mod_time.monotonic()
-        if RENEW(self.client, [self.name], [to_ms(new_ttl), token]):  # the key was not owned
-            self.lost.set()
-            raise LockNotOwned(self.name)
-        if lease is not None:
-            get_watchdog().reschedule(lease, new_ttl, sent_at)
+            token, leases = self.token or "", self._held_leases()
+        with get_watchdog().changing(leases):  # no renewal in flight can undo it
+            sent_at = mod_time.monotonic()
+            if not self._extend(token, new_ttl):
+                self.lost.set()
+                raise LockNotOwned(self.name)
+            for lease in leases:
+                get_watchdog().reschedule(lease, new_ttl, sent_at)
+
+    def _extend(self, token: str, ttl: float) -> bool:
+        """Set ``token``'s hold to ``ttl`` in Redis, owner-checked; whether ``token`` held the lock."""
+        return not RENEW(self.client, [self.name], [to_ms(ttl), token])
 
     def locked(self) -> bool:
         """Whether anyone holds the lock (one round trip)."""
