@@ -39,7 +39,7 @@ from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
 from .lock import _check_holder, _lease_seconds, _lock_name, _member, _sleep_seconds, _text, companion_key
-from .watchdog import Lease, announce_loss, failed_renewal, landing_late, next_due, pick
+from .watchdog import Lease, announce_loss, failed_renewal, landing_late, mark_lost, next_due, pick
 
 __all__ = ["AsyncRedisLock"]
 
@@ -384,7 +384,9 @@ class _AsyncWatchdog:
         if lease.cancelled:  # released meanwhile: nothing was lost
             return
         self._drop(lease)
-        announce_loss(lease, reason)
+        lock = mark_lost(lease)
+        if lock is not None:
+            announce_loss(lock, lease, reason)
 
 
 #: The watchdog of each running event loop (by contract, one per loop).

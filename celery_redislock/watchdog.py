@@ -30,11 +30,13 @@ Contract:
   result is ignored.
 * A lease whose renewal answers "not owned" is lost at once; one whose
   renewals fail (Redis unreachable) until ``last success + ttl`` is lost then.
-  A lost lease is reported by an ERROR log naming the key, the owner's
-  ``lost`` event and the ``lock_lost`` signal, and is renewed no more.
-  Reports are made after the tick's renewals have landed (no owner waits for
-  them); ``lock_lost`` receivers run on this thread and must return quickly.
-* The thread never raises; it exits when nothing is left to renew and starts
+  A lost lease is renewed no more; its owner's ``lost`` event is set by the
+  renewing thread, after the tick's renewals have landed (no owner waits for
+  them). Then the ERROR log naming the key and the ``lock_lost`` signal are
+  sent, in order, by a thread of their own (started with the first report,
+  gone when none is left), so that a slow receiver or log handler never holds
+  up the renewal of other locks, nor the ``lost`` event of later losses.
+* The threads never raise; the renewing thread exits when nothing is left to renew and starts
   again with the next lease. After ``fork()`` the child starts with no leases
   and its own thread: a lease is renewed only by the process that took it.
 * A lease whose lock object was garbage-collected is dropped (left to expire),
@@ -50,7 +52,7 @@ import os
 import threading
 import time as mod_time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -68,6 +70,7 @@ __all__ = [
     "failed_renewal",
     "get_watchdog",
     "landing_late",
+    "mark_lost",
     "next_due",
     "pick",
 ]
@@ -144,6 +147,9 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         #: when the sleeping thread will wake by itself (-inf while it is busy)
         self._wake_at = -math.inf
+        #: losses to log and signal (lock, lease, reason), and the thread doing it
+        self._reports: deque[tuple[Any, Lease, str]] = deque()
+        self._reporter: threading.Thread | None = None
         #: the thread's own connections: (id of client or Cluster node, timeout)
         #: -> (that client, connection, monotonic time of last use)
         self._connections: dict[tuple[int, float], tuple[Any, Any, float]] = {}
@@ -248,9 +254,7 @@ class Watchdog:
         groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
-                with self._cond:
-                    lease.cancelled = True
-                    self._leases.discard(lease)
+                self._drop(lease)
                 continue
             groups[lease.group or _group(lease)].append(lease)
         # Per server and lease length: its batches (one hash slot each, at most BATCH leases).
@@ -338,12 +342,40 @@ class Watchdog:
         self._connections[slot] = (client, connection, now)
         return connection
 
+    def _drop(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (the watchdog's own ``discard()``, with no wait)."""
+        with self._cond:
+            lease.cancelled = True
+            self._leases.discard(lease)
+
     def _report(self, lease: Lease, reason: str) -> None:
         with self._cond:
             if lease.cancelled:  # released meanwhile: nothing was lost
                 return
-            self.discard(lease)
-        announce_loss(lease, reason)
+            self._drop(lease)
+        lock = mark_lost(lease)
+        if lock is None:
+            return
+        with self._cond:
+            self._reports.append((lock, lease, reason))
+            if self._reporter is None:
+                self._reporter = threading.Thread(
+                    target=self._announce, name="celery-redislock-loss-reports", daemon=True
+                )
+                self._reporter.start()
+
+    def _announce(self) -> None:
+        """The reporting thread: logs and signals the losses in order, until none is left."""
+        while True:
+            with self._cond:
+                if not self._reports:
+                    self._reporter = None
+                    return
+                lock, lease, reason = self._reports.popleft()
+            try:
+                announce_loss(lock, lease, reason)
+            except Exception:  # the thread must survive anything
+                logger.exception("celery-redislock watchdog: reporting a lost lock failed; carrying on")
 
 
 def next_due(leases: Iterable[Lease]) -> float:
@@ -369,12 +401,15 @@ def landing_late(lease: Lease) -> None:
     )
 
 
-def announce_loss(lease: Lease, reason: str) -> None:
-    """Tell ``lease``'s lock it lost its hold (once taken out of its watchdog): if the lock
-    counts it as its loss, an ERROR log and the ``lock_lost`` signal."""
+def mark_lost(lease: Lease) -> Any:
+    """Tell ``lease``'s lock it lost its hold (once taken out of its watchdog); the lock if it
+    counts it as its loss (its ``lost`` is set), else None."""
     lock = lease.owner()
-    if lock is None or not lock._mark_lost(lease):
-        return
+    return lock if lock is not None and lock._mark_lost(lease) else None
+
+
+def announce_loss(lock: Any, lease: Lease, reason: str) -> None:
+    """The ERROR log and the ``lock_lost`` signal of ``lock``'s loss of ``lease``."""
     logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
     signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
 

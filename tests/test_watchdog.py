@@ -54,6 +54,7 @@ def test_a_deleted_key_is_reported_lost_within_one_interval(
     assert lock.lost.wait(5)
     # The very next renewal (they run every ttl/3) found the key gone: one script call.
     assert calls_since(client, before).get("evalsha") == 1
+    wait_for(lambda: lost_reports, 10, "the report")  # made by the reporting thread, after `lost`
     assert [(r["sender"], r["key"], r["reason"]) for r in lost_reports] == [
         (lock, f"{prefix}:k", "not owned")
     ]
@@ -322,3 +323,43 @@ def test_a_lock_parked_for_a_retry_is_not_undone_by_a_renewal_in_flight(
 
 def client_pttl(app: Any, key: str) -> int:
     return int(app.recorder.client.pttl(key))
+
+
+def test_a_slow_loss_report_does_not_hold_up_the_renewal_of_other_locks(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``lock_lost`` receiver blocks (an alert sent over a slow network, a stuck log handler)
+    while reporting one lock's loss: the process's other locks are still renewed meanwhile, and
+    their owners still learn of their own losses."""
+    client = redis_server.client()
+    reporting, done = threading.Event(), threading.Event()
+
+    def receiver(sender: RedisLock, **kwargs: Any) -> None:
+        if kwargs["key"] == f"{prefix}:gone":
+            reporting.set()
+            done.wait(60)
+
+    lock_lost.connect(receiver, weak=False)
+    renewals: list[str] = []
+    renew_node = get_watchdog()._renew_node
+
+    def counted(node: Any, batches: list[list[Lease]], ttl_ms: int) -> Any:
+        renewals.extend(lease.key for batch in batches for lease in batch)
+        return renew_node(node, batches, ttl_ms)
+
+    monkeypatch.setattr(get_watchdog(), "_renew_node", counted)
+    gone, kept, later = (RedisLock(client, f"{prefix}:{name}", ttl=1.5) for name in ("gone", "kept", "later"))
+    try:
+        for lock in (gone, kept, later):
+            assert lock.acquire()
+        client.delete(f"{prefix}:gone")
+        assert reporting.wait(30)
+        seen = renewals.count(f"{prefix}:kept")
+        wait_for(lambda: renewals.count(f"{prefix}:kept") >= seen + 3, 30, "renewals while the report blocks")
+        client.delete(f"{prefix}:later")
+        assert later.lost.wait(30)
+        assert not kept.lost.is_set() and kept.owned()
+    finally:
+        done.set()
+        lock_lost.disconnect(receiver)
+    kept.release()
