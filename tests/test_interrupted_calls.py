@@ -88,11 +88,10 @@ def test_an_interrupted_script_call_leaves_the_client_giving_right_answers(
     assert theirs.acquire(blocking=False)
     if step != "acquire":
         assert mine.acquire(blocking=False)
+    calls = {"release": mine.release, "acquire": lambda: mine.acquire(blocking=False), "extend": mine.extend}
     fired = interrupt_read(on_this_thread())
     with pytest.raises(Interrupt):
-        {"release": mine.release, "acquire": lambda: mine.acquire(blocking=False), "extend": mine.extend}[
-            step
-        ]()
+        calls[step]()
     assert fired
     probe = RedisLock(client, f"{prefix}:b", ttl=5)
     assert not probe.acquire(blocking=False)  # held by `theirs`: a stale "granted" reply would say True
@@ -110,6 +109,7 @@ def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
     redis_server: RedisServer,
     prefix: str,
     interrupt_read: Arm,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An acquire with ``replicas`` is interrupted after sending WAIT, before its reply: the hold is
     undone and the client's next calls read their own replies."""
@@ -138,7 +138,7 @@ def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
         finally:
             waiting.clear()
 
-    mine._confirm = confirm  # type: ignore[method-assign]
+    monkeypatch.setattr(mine, "_confirm", confirm)
     with pytest.raises(Interrupt):
         mine.acquire(blocking=False)
     assert fired
