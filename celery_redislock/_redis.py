@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -18,29 +20,40 @@ def node_client(client: redis.Redis | redis.cluster.RedisCluster, key: str) -> r
     return client
 
 
+@contextlib.contextmanager
+def pooled_connection(client: Any) -> Iterator[Any]:
+    """A connection of the pool of ``client`` (a plain ``redis.Redis``) for one exchange, then put back.
+
+    It is dropped unless the exchange ended cleanly (a reply, or a complete
+    error reply): an exception between a send and its read (a timeout, a
+    ``KeyboardInterrupt``, a Celery time limit) would otherwise leave a late
+    reply for the connection's next user to read as its own.
+    """
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        yield connection
+    except redis.exceptions.ResponseError:
+        raise  # a complete error reply: the connection is clean
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+
+
 def call_with_timeout(client: redis.Redis, timeout: float, *command: str | int) -> Any:
     """Send ``command`` and wait at most ``timeout`` seconds for the reply to start.
 
     The wait is a ``select`` on the socket, so it neither polls nor depends on
     ``socket_timeout`` (which may be None: wait forever). No reply in time
-    raises ``redis.TimeoutError``; the connection is then dropped, as is any
-    connection whose exchange was interrupted, since a late reply would
-    otherwise be read by its next user.
+    raises ``redis.TimeoutError`` (the connection is dropped, see ``pooled_connection``).
     """
-    pool = client.connection_pool
-    connection = pool.get_connection()
-    try:
-        connection.send_command(*command)  # type: ignore[no-untyped-call]
+    with pooled_connection(client) as connection:
+        connection.send_command(*command)
         if not connection.can_read(timeout):
             raise redis.exceptions.TimeoutError(f"no reply to {command[0]} within {timeout:.3f}s")
         return connection.read_response()
-    except redis.exceptions.ResponseError:
-        raise  # a complete error reply: the connection is clean
-    except BaseException:
-        connection.disconnect()  # type: ignore[no-untyped-call]
-        raise
-    finally:
-        pool.release(connection)
 
 
 async def call_with_timeout_async(client: Any, timeout: float, *command: str | int) -> Any:

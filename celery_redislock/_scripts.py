@@ -242,6 +242,10 @@ class Script:
         MOVED/ASK and learns the new layout) when that node redirects it or is
         gone. Any other client (single-connection, a subclass) goes through
         ``execute_command``.
+
+        An exception that ends the exchange early (``KeyboardInterrupt``, a
+        Celery time limit, even between the send and the read) drops the
+        connection, so that its reply is never read by the next user.
         """
         if type(client) is not redis.Redis or client.connection is not None:
             if type(client) is redis.cluster.RedisCluster and keys:
@@ -256,7 +260,7 @@ class Script:
                 return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         pool = client.connection_pool
         connection: Any = pool.get_connection()
-        try:
+        try:  # as _redis.pooled_connection, written out: this is the hot path
             encode = connection.encoder.encode
             packed_keys = [bulk(encode(key)) for key in keys]
             packed_args = [bulk(encode(arg)) for arg in args]
@@ -269,6 +273,11 @@ class Script:
             return connection.retry.call_with_retry(
                 lambda: self.run_on(connection, packed_keys, packed_args), failed
             )
+        except redis.exceptions.ResponseError:
+            raise  # a complete error reply: the connection is clean
+        except BaseException:
+            connection.disconnect()  # interrupted between send and read: a late reply must reach no one
+            raise
         finally:
             pool.release(connection)
 

@@ -27,7 +27,8 @@ import secrets
 import time as mod_time
 import weakref
 from collections import defaultdict
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from math import inf
 from types import TracebackType
 from typing import TypeVar
 
@@ -38,7 +39,7 @@ from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
 from .lock import _check_holder, _lease_seconds, _lock_name, _member, _sleep_seconds, _text, companion_key
-from .watchdog import Lease, announce_loss, failed_renewal
+from .watchdog import Lease, announce_loss, failed_renewal, landing_late, mark_lost, next_due, pick
 
 __all__ = ["AsyncRedisLock"]
 
@@ -192,12 +193,12 @@ class AsyncRedisLock:
         if self._count > 1:
             self._count -= 1
             return
-        if self._lease is not None:
-            _watchdog().discard(self._lease)
-        if not await _to_the_end(self._free(self.token or "")):
+        if not await _to_the_end(self._free(self.token or "", self._lease)):
             raise LockNotOwned(self.name)
 
-    async def _free(self, token: str) -> bool:
+    async def _free(self, token: str, lease: Lease | None) -> bool:
+        if lease is not None:  # no renewal in flight once discarded
+            await _watchdog().discard(lease)
         released = await RELEASE.call_async(self.client, self._keys, [token])
         self.token, self.fence, self._count, self._lease = None, None, 0, None
         return bool(int(released))
@@ -207,13 +208,14 @@ class AsyncRedisLock:
         new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
         if not self._held_here():
             raise LockNotOwned(self.name)
-        lease = self._lease
-        sent_at = mod_time.monotonic()
-        if await RENEW.call_async(self.client, [self.name], [to_ms(new_ttl), self.token or ""]):
-            self.lost.set()
-            raise LockNotOwned(self.name)
-        if lease is not None and lease is self._lease:
-            _watchdog().reschedule(lease, new_ttl, sent_at)
+        token, lease = self.token or "", self._lease
+        async with _watchdog().changing([] if lease is None else [lease]):  # no renewal in flight undoes it
+            sent_at = mod_time.monotonic()
+            if await RENEW.call_async(self.client, [self.name], [to_ms(new_ttl), token]):
+                self.lost.set()
+                raise LockNotOwned(self.name)
+            if lease is not None and lease is self._lease:
+                _watchdog().reschedule(lease, new_ttl, sent_at)
 
     async def locked(self) -> bool:
         """Whether anyone holds the lock (one round trip)."""
@@ -267,7 +269,9 @@ class _AsyncWatchdog:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         #: when the sleeping task will wake by itself
-        self._wake_at = float("-inf")
+        self._wake_at = -inf
+        #: notified when renewals land
+        self._landed = asyncio.Condition()
 
     def add(self, lease: Lease, sent_at: float) -> None:
         lease.renewed(lease.ttl, sent_at)
@@ -277,9 +281,35 @@ class _AsyncWatchdog:
         elif lease.due < self._wake_at:
             self._wake.set()
 
-    def discard(self, lease: Lease) -> None:
+    async def discard(self, lease: Lease) -> None:
+        self._drop(lease)
+        await self._await_landing(lease)
+
+    def _drop(self, lease: Lease) -> None:
         lease.cancelled = True
         self._leases.discard(lease)
+
+    @contextlib.asynccontextmanager
+    async def changing(self, leases: list[Lease]) -> AsyncIterator[None]:
+        for lease in leases:
+            lease.changing = True
+        try:
+            for lease in leases:
+                await self._await_landing(lease)
+            yield
+        finally:
+            for lease in leases:
+                lease.changing = False
+            self._wake.set()  # one may be due: the task did not count it
+
+    async def _await_landing(self, lease: Lease) -> None:
+        if not lease.in_flight:
+            return
+        async with self._landed:
+            try:
+                await asyncio.wait_for(self._landed.wait_for(lambda: not lease.in_flight), lease.interval)
+            except asyncio.TimeoutError:
+                landing_late(lease)
 
     def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
         if lease in self._leases:
@@ -295,16 +325,21 @@ class _AsyncWatchdog:
             while self._leases:
                 try:
                     now = mod_time.monotonic()
-                    earliest = min(lease.due for lease in self._leases)
+                    earliest = next_due(self._leases)
                     if earliest > now:
                         self._wake.clear()
                         self._wake_at = earliest
                         with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(self._wake.wait(), earliest - now)
+                            await asyncio.wait_for(
+                                self._wake.wait(), None if earliest == inf else earliest - now
+                            )
                         continue
-                    self._wake_at = float("inf")
-                    due = [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
-                    await self._renew(due)
+                    self._wake_at = inf
+                    due = pick(self._leases, now)
+                    try:
+                        await self._renew(due)
+                    finally:
+                        await self._land(due)  # also when renewing failed unexpectedly
                 except Exception:  # the task must survive anything
                     logger.exception("celery-redislock async watchdog: unexpected error; carrying on")
                     await asyncio.sleep(0.1)
@@ -315,12 +350,13 @@ class _AsyncWatchdog:
         groups: dict[tuple[int, int], list[Lease]] = defaultdict(list)
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
-                self.discard(lease)
+                self._drop(lease)
                 continue
             groups[id(lease.client), round(lease.ttl * 1000)].append(lease)
         results = await asyncio.gather(
             *(self._renew_batch(group, ttl_ms) for (_, ttl_ms), group in groups.items())
         )
+        await self._land(leases)  # all answered: the losses are reported with no renewal in flight
         for lost in results:
             for lease, reason in lost:
                 self._report(lease, reason)
@@ -338,11 +374,19 @@ class _AsyncWatchdog:
             lease.renewed(ttl_ms / 1000, sent_at)
         return [(batch[position - 1], "not owned") for position in not_owned]
 
+    async def _land(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            lease.in_flight = False
+        async with self._landed:
+            self._landed.notify_all()
+
     def _report(self, lease: Lease, reason: str) -> None:
         if lease.cancelled:  # released meanwhile: nothing was lost
             return
-        self.discard(lease)
-        announce_loss(lease, reason)
+        self._drop(lease)
+        lock = mark_lost(lease)
+        if lock is not None:
+            announce_loss(lock, lease, reason)
 
 
 #: The watchdog of each running event loop (by contract, one per loop).

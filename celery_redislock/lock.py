@@ -29,11 +29,10 @@ from typing import Any
 
 import redis
 import redis.cluster
-from redis.exceptions import NoScriptError
 
 from ._durations import Duration, seconds, to_ms
-from ._redis import call_with_timeout, node_client
-from ._scripts import ACQUIRE, RELEASE, RENEW
+from ._redis import call_with_timeout, node_client, pooled_connection
+from ._scripts import ACQUIRE, RELEASE, RENEW, bulk
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned, LockNotReplicated
 from .watchdog import Lease, get_watchdog
 
@@ -243,17 +242,12 @@ class RedisLock:
         then sends ``WAIT``, so the wait covers it however it was granted (also handed over).
         """
         try:
-            for _ in range(2):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.execute_command("EVALSHA", RENEW.sha, 1, self.name, self._ttl_ms, token)
-                pipe.execute_command("WAIT", self.replicas, to_ms(self.replica_timeout))
-                not_owned, acknowledged = pipe.execute(raise_on_error=False)
-                if not isinstance(not_owned, NoScriptError):
-                    break
-                self.client.script_load(RENEW.source)
-            for reply in (not_owned, acknowledged):
-                if isinstance(reply, Exception):
-                    raise reply
+            with pooled_connection(self.client) as connection:
+                encode = connection.encoder.encode
+                key, ttl_ms = bulk(encode(self.name)), bulk(b"%d" % self._ttl_ms)
+                not_owned = RENEW.run_on(connection, [key], [ttl_ms, bulk(token.encode())])
+                connection.send_command("WAIT", self.replicas, to_ms(self.replica_timeout))
+                acknowledged = connection.read_response()
         except BaseException:
             self._abandon(token, member)
             raise
@@ -272,13 +266,19 @@ class RedisLock:
                 get_watchdog().add(self._lease, sent_at)
 
     def _let_go(self) -> str:
-        """Stop renewing the hold (before the caller frees or parks the key) and return its token."""
+        """Stop renewing the hold (before the caller frees or parks the key) and return its token;
+        no renewal of it is in flight any more (see ``watchdog``)."""
         with self._state:
             if not self._held_here():
                 raise LockNotOwned(self.name)
-            if self._lease is not None:
-                get_watchdog().discard(self._lease)
-            return self.token or ""
+            token, leases = self.token or "", self._held_leases()
+        for lease in leases:
+            get_watchdog().discard(lease)
+        return token
+
+    def _held_leases(self) -> list[Lease]:
+        """The watchdog's leases of the current hold (under ``_state``)."""
+        return [] if self._lease is None else [self._lease]
 
     def _forget(self) -> None:
         """Forget the hold, once the caller has freed or parked the key."""
@@ -377,19 +377,25 @@ class RedisLock:
 
         Owner-checked in one round trip; raises ``LockNotOwned`` (and sets
         ``lost``) when this object does not hold the lock. With the watchdog,
-        the hold is renewed to ``ttl`` from then on (every ``ttl/3``).
+        the hold is renewed to ``ttl`` from then on (every ``ttl/3``); a
+        renewal already under way lands first, so it cannot undo the extension.
         """
         new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
         with self._state:
             if not self._held_here():
                 raise LockNotOwned(self.name)
-            token, lease = self.token or "", self._lease
-        sent_at = mod_time.monotonic()
-        if RENEW(self.client, [self.name], [to_ms(new_ttl), token]):  # the key was not owned
-            self.lost.set()
-            raise LockNotOwned(self.name)
-        if lease is not None:
-            get_watchdog().reschedule(lease, new_ttl, sent_at)
+            token, leases = self.token or "", self._held_leases()
+        with get_watchdog().changing(leases):  # no renewal in flight can undo it
+            sent_at = mod_time.monotonic()
+            if not self._extend(token, new_ttl):
+                self.lost.set()
+                raise LockNotOwned(self.name)
+            for lease in leases:
+                get_watchdog().reschedule(lease, new_ttl, sent_at)
+
+    def _extend(self, token: str, ttl: float) -> bool:
+        """Set ``token``'s hold to ``ttl`` in Redis, owner-checked; whether ``token`` held the lock."""
+        return not RENEW(self.client, [self.name], [to_ms(ttl), token])
 
     def locked(self) -> bool:
         """Whether anyone holds the lock (one round trip)."""

@@ -42,7 +42,7 @@ import redis
 
 from ._durations import Duration, to_ms
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulk
-from .exceptions import LockConfigurationError, LockNotOwned
+from .exceptions import LockConfigurationError
 from .lock import RedisLock, _lease_seconds, _text
 from .watchdog import Lease, get_watchdog
 
@@ -130,15 +130,19 @@ class Redlock(RedisLock):
         try:
             for client in self.clients:
                 pool: Any = client.connection_pool
-                connection: Any = None
                 try:
                     connection = pool.get_connection()
+                except Exception as exc:
+                    sent.append((pool, None, exc))
+                    continue
+                sent.append((pool, connection, b""))  # released by the finally, whatever happens next
+                try:
                     encode = connection.encoder.encode
                     packed = script.pack([bulk(encode(self.name))], [bulk(encode(arg)) for arg in args])
                     connection.send_packed_command([packed])
-                    sent.append((pool, connection, packed))
+                    sent[-1] = (pool, connection, packed)
                 except Exception as exc:
-                    sent.append((pool, connection, exc))
+                    sent[-1] = (pool, connection, exc)
             for _, connection, command in sent:
                 if isinstance(command, BaseException):
                     results.append(command)
@@ -218,21 +222,10 @@ class Redlock(RedisLock):
             raise errors[0]
         return False
 
-    def extend(self, ttl: Duration | None = None) -> None:
-        """Set the remaining TTL on every server to ``ttl`` (default: the lock's); ``LockNotOwned``
-        (and ``lost`` set) unless a quorum of servers still held the lock."""
-        new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
-        with self._state:
-            if not self._held_here():
-                raise LockNotOwned(self.name)
-            token, leases = self.token or "", list(self._leases)
-        sent_at = mod_time.monotonic()
-        replies = self._on_all(RENEW, [to_ms(new_ttl), token])
-        if sum(reply == [] for reply in replies) < self.quorum:
-            self.lost.set()
-            raise LockNotOwned(self.name)
-        for lease in leases:
-            get_watchdog().reschedule(lease, new_ttl, sent_at)
+    def _extend(self, token: str, ttl: float) -> bool:
+        """Set the hold to ``ttl`` on every server; whether a quorum of them still held it."""
+        replies = self._on_all(RENEW, [to_ms(ttl), token])
+        return sum(isinstance(reply, list) and not reply for reply in replies) >= self.quorum
 
     def locked(self) -> bool:
         """Whether a quorum of servers hold the lock (anyone's)."""
@@ -269,13 +262,8 @@ class Redlock(RedisLock):
                 for lease in self._leases:
                     get_watchdog().add(lease, sent_at)
 
-    def _let_go(self) -> str:
-        with self._state:
-            if not self._held_here():
-                raise LockNotOwned(self.name)
-            for lease in self._leases:
-                get_watchdog().discard(lease)
-            return self.token or ""
+    def _held_leases(self) -> list[Lease]:
+        return list(self._leases)
 
     def _forget(self) -> None:
         with self._state:

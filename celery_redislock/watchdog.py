@@ -12,16 +12,31 @@ Contract:
   connect and read timeouts are half an interval, so a stalled server or
   network can neither stop the thread from reporting a loss nor starve the
   leases held on other servers: they are still renewed well within their TTL.
-* ``discard()`` stops renewing a lease before its owner sends the release; a
-  renewal already in flight is owner-checked in Redis, so it can neither
-  resurrect nor extend a released lock, and its result is ignored.
+  An exchange that ends early, however, drops its connection, so that a late
+  reply is never read as the answer to the next tick's renewals.
+* A renewal checks only the token, so it must never reach Redis after its
+  owner changed the hold. It is *in flight* from the moment the watchdog picks
+  its lease until its reply is read or the exchange failed. An owner changing
+  the hold first waits until no renewal of it is in flight, and keeps it from
+  being picked meanwhile: ``discard()`` before a release or a hand-over (a task
+  parking its lock for a retry, keeping it for its period), ``changing()``
+  around ``extend()``. So a renewal lands before the change, never after it,
+  and cannot reset a parked, settled or extended hold to the lease. The wait
+  is short (a renewal on the watchdog's connections ends within half an
+  interval) and bounded: after one interval the owner logs a WARNING and goes
+  on, the one case (a server stalled that long) where a late renewal may still
+  be applied after the change. A renewal of a discarded lease is owner-checked
+  in Redis, so it can neither resurrect nor extend a released lock, and its
+  result is ignored.
 * A lease whose renewal answers "not owned" is lost at once; one whose
   renewals fail (Redis unreachable) until ``last success + ttl`` is lost then.
-  A lost lease is reported by an ERROR log naming the key, the owner's
-  ``lost`` event and the ``lock_lost`` signal, and is renewed no more.
-  Reports are made after the tick's renewals are sent; ``lock_lost``
-  receivers run on this thread and must return quickly.
-* The thread never raises; it exits when nothing is left to renew and starts
+  A lost lease is renewed no more; its owner's ``lost`` event is set by the
+  renewing thread, after the tick's renewals have landed (no owner waits for
+  them). Then the ERROR log naming the key and the ``lock_lost`` signal are
+  sent, in order, by a thread of their own (started with the first report,
+  gone when none is left), so that a slow receiver or log handler never holds
+  up the renewal of other locks, nor the ``lost`` event of later losses.
+* The threads never raise; the renewing thread exits when nothing is left to renew and starts
   again with the next lease. After ``fork()`` the child starts with no leases
   and its own thread: a lease is renewed only by the process that took it.
 * A lease whose lock object was garbage-collected is dropped (left to expire),
@@ -30,14 +45,15 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 import time as mod_time
 import weakref
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis.cluster
@@ -46,7 +62,18 @@ from redis.exceptions import NoScriptError
 from . import signals
 from ._scripts import RENEW, bulk
 
-__all__ = ["BATCH", "Lease", "Watchdog", "announce_loss", "failed_renewal", "get_watchdog"]
+__all__ = [
+    "BATCH",
+    "Lease",
+    "Watchdog",
+    "announce_loss",
+    "failed_renewal",
+    "get_watchdog",
+    "landing_late",
+    "mark_lost",
+    "next_due",
+    "pick",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +92,12 @@ class Lease:
 
     __slots__ = (
         "cancelled",
+        "changing",
         "client",
         "due",
         "expires",
         "group",
+        "in_flight",
         "interval",
         "key",
         "owner",
@@ -87,6 +116,10 @@ class Lease:
         self.expires = 0.0
         #: set by ``discard()``; results of a renewal in flight are then ignored
         self.cancelled = False
+        #: picked for a renewal whose reply is not read yet (set and cleared by the watchdog)
+        self.in_flight = False
+        #: its owner is changing the hold (``extend()``): not picked for renewal meanwhile
+        self.changing = False
         #: key and token as RESP bulk strings, packed by the first renewal
         self.packed: tuple[bytes, bytes] | None = None
         #: (id of client, Cluster hash slot or 0, ttl in ms): the leases renewed
@@ -114,6 +147,9 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         #: when the sleeping thread will wake by itself (-inf while it is busy)
         self._wake_at = -math.inf
+        #: losses to log and signal (lock, lease, reason), and the thread doing it
+        self._reports: deque[tuple[Any, Lease, str]] = deque()
+        self._reporter: threading.Thread | None = None
         #: the thread's own connections: (id of client or Cluster node, timeout)
         #: -> (that client, connection, monotonic time of last use)
         self._connections: dict[tuple[int, float], tuple[Any, Any, float]] = {}
@@ -129,13 +165,32 @@ class Watchdog:
                 )
                 self._thread.start()
             elif lease.due < self._wake_at:  # wake the thread only when it would be late
-                self._cond.notify()
+                self._cond.notify_all()
 
     def discard(self, lease: Lease) -> None:
-        """Stop renewing ``lease`` (before its release is sent)."""
+        """Stop renewing ``lease``, before its owner releases or hands over the hold: returns once
+        no renewal of it is in flight."""
         with self._cond:
             lease.cancelled = True
             self._leases.discard(lease)
+            self._await_landing(lease)
+
+    @contextlib.contextmanager
+    def changing(self, leases: Iterable[Lease]) -> Iterator[None]:
+        """While the owner changes the hold of ``leases`` (``extend()``): no renewal of them is in
+        flight, and none is picked."""
+        leases = list(leases)
+        with self._cond:
+            for lease in leases:
+                lease.changing = True
+                self._await_landing(lease)
+        try:
+            yield
+        finally:
+            with self._cond:
+                for lease in leases:
+                    lease.changing = False
+                self._cond.notify_all()  # one may be due: the thread did not count it
 
     def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
         """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now on."""
@@ -143,10 +198,15 @@ class Watchdog:
             if lease in self._leases:
                 lease.renewed(ttl, sent_at)
                 if lease.due < self._wake_at:
-                    self._cond.notify()
+                    self._cond.notify_all()
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    def _await_landing(self, lease: Lease) -> None:
+        """Holding ``_cond``: wait until no renewal of ``lease`` is in flight (see the module docstring)."""
+        if lease.in_flight and not self._cond.wait_for(lambda: not lease.in_flight, lease.interval):
+            landing_late(lease)
 
     def _run(self) -> None:
         while True:
@@ -154,7 +214,10 @@ class Watchdog:
                 batch = self._next_batch()
                 if batch is None:
                     return
-                self._renew(batch)
+                try:
+                    self._renew(batch)
+                finally:
+                    self._land(batch)  # also when renewing failed unexpectedly
             except Exception:  # the thread must survive anything
                 logger.exception("celery-redislock watchdog: unexpected error; carrying on")
                 with self._cond:
@@ -168,23 +231,30 @@ class Watchdog:
                 if not self._leases:
                     self._thread = None
                     return None
-                earliest = min(lease.due for lease in self._leases)
+                earliest = next_due(self._leases)
                 if earliest <= now:
                     break
                 self._wake_at = earliest
-                notified = self._cond.wait(earliest - now)
+                notified = self._cond.wait(None if earliest == math.inf else earliest - now)
                 now = mod_time.monotonic()
                 if not notified:  # the earliest lease is due, even if the clock reads a hair early
                     now = max(now, earliest)
                     break
             self._wake_at = -math.inf
-            return [lease for lease in self._leases if lease.due - lease.interval / 2 <= now]
+            return pick(self._leases, now)
 
-    def _renew(self, leases: Iterable[Lease]) -> None:
+    def _land(self, leases: Iterable[Lease]) -> None:
+        """The renewals of ``leases`` are answered (or given up): their owners may go on."""
+        with self._cond:
+            for lease in leases:
+                lease.in_flight = False
+            self._cond.notify_all()
+
+    def _renew(self, leases: list[Lease]) -> None:
         groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
         for lease in leases:
             if lease.owner() is None:  # the lock object is gone: let the key expire
-                self.discard(lease)
+                self._drop(lease)
                 continue
             groups[lease.group or _group(lease)].append(lease)
         # Per server and lease length: its batches (one hash slot each, at most BATCH leases).
@@ -200,6 +270,8 @@ class Watchdog:
             batches += [group[start : start + BATCH] for start in range(0, len(group), BATCH)]
         for (_, ttl_ms), (node, batches) in nodes.items():
             lost += self._renew_node(node, batches, ttl_ms)
+            self._land(lease for batch in batches for lease in batch)
+        self._land(leases)  # all answered: the losses are reported with no renewal in flight
         for lease, reason in lost:
             self._report(lease, reason)
 
@@ -207,31 +279,13 @@ class Watchdog:
         """Renews ``batches``, all on the server ``node``, in one round trip: one script call per
         batch, sent in one write. Returns the leases found lost, with why."""
         sent_at = mod_time.monotonic()
-        replies: list[Any] = []
         try:
             connection = self._connection(node, batches[0][0].interval / 2)
-            encoder = connection.encoder
-            commands = []
-            for batch in batches:
-                packed = [lease.packed or lease.pack(encoder) for lease in batch]
-                keys, tokens = [key for key, _ in packed], [token for _, token in packed]
-                commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
-            connection.send_packed_command(commands)
-            for _ in commands:
-                try:
-                    replies.append(connection.read_response())
-                except redis.exceptions.ResponseError as exc:  # that call's own error; the others stand
-                    replies.append(exc)
-            again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-            if again:  # a new or restarted server: load the script, send those calls again in one write
-                connection.send_command("SCRIPT", "LOAD", RENEW.source)
-                connection.read_response()
-                connection.send_packed_command([commands[index] for index in again])
-                for index in again:
-                    try:
-                        replies[index] = connection.read_response()
-                    except redis.exceptions.ResponseError as exc:
-                        replies[index] = exc
+            try:
+                replies = _exchange(connection, batches, ttl_ms)
+            except BaseException:
+                connection.disconnect()  # a reply may still be on its way: the next tick must not read it
+                raise
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             leases = [lease for batch in batches for lease in batch]
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(leases), exc)
@@ -288,20 +342,74 @@ class Watchdog:
         self._connections[slot] = (client, connection, now)
         return connection
 
+    def _drop(self, lease: Lease) -> None:
+        """Stop renewing ``lease`` (the watchdog's own ``discard()``, with no wait)."""
+        with self._cond:
+            lease.cancelled = True
+            self._leases.discard(lease)
+
     def _report(self, lease: Lease, reason: str) -> None:
         with self._cond:
             if lease.cancelled:  # released meanwhile: nothing was lost
                 return
-            self.discard(lease)
-        announce_loss(lease, reason)
+            self._drop(lease)
+        lock = mark_lost(lease)
+        if lock is None:
+            return
+        with self._cond:
+            self._reports.append((lock, lease, reason))
+            if self._reporter is None:
+                self._reporter = threading.Thread(
+                    target=self._announce, name="celery-redislock-loss-reports", daemon=True
+                )
+                self._reporter.start()
+
+    def _announce(self) -> None:
+        """The reporting thread: logs and signals the losses in order, until none is left."""
+        while True:
+            with self._cond:
+                if not self._reports:
+                    self._reporter = None
+                    return
+                lock, lease, reason = self._reports.popleft()
+            try:
+                announce_loss(lock, lease, reason)
+            except Exception:  # the thread must survive anything
+                logger.exception("celery-redislock watchdog: reporting a lost lock failed; carrying on")
 
 
-def announce_loss(lease: Lease, reason: str) -> None:
-    """Tell ``lease``'s lock it lost its hold (once taken out of its watchdog): if the lock
-    counts it as its loss, an ERROR log and the ``lock_lost`` signal."""
+def next_due(leases: Iterable[Lease]) -> float:
+    """When the first of ``leases`` that may be picked falls due (monotonic; inf: none may)."""
+    return min((lease.due for lease in leases if not lease.changing), default=math.inf)
+
+
+def pick(leases: Iterable[Lease], now: float) -> list[Lease]:
+    """The leases to renew at ``now``: due within half their interval, not being changed by their
+    owner. They are marked in flight until the watchdog lands them."""
+    batch = [lease for lease in leases if not lease.changing and lease.due - lease.interval / 2 <= now]
+    for lease in batch:
+        lease.in_flight = True
+    return batch
+
+
+def landing_late(lease: Lease) -> None:
+    """An owner waited a whole interval for a renewal of ``lease`` to land, and goes on."""
+    logger.warning(
+        "lock %r: a renewal is still unanswered after %.1fs; changing the hold anyway",
+        lease.key,
+        lease.interval,
+    )
+
+
+def mark_lost(lease: Lease) -> Any:
+    """Tell ``lease``'s lock it lost its hold (once taken out of its watchdog); the lock if it
+    counts it as its loss (its ``lost`` is set), else None."""
     lock = lease.owner()
-    if lock is None or not lock._mark_lost(lease):
-        return
+    return lock if lock is not None and lock._mark_lost(lease) else None
+
+
+def announce_loss(lock: Any, lease: Lease, reason: str) -> None:
+    """The ERROR log and the ``lock_lost`` signal of ``lock``'s loss of ``lease``."""
     logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
     signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
 
@@ -312,6 +420,35 @@ def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, s
     for lease in leases:
         lease.due = now + min(lease.interval / 3, 1.0)
     return [(lease, "expired") for lease in leases if now >= lease.expires]
+
+
+def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[Any]:
+    """Sends one RENEW call per batch on ``connection`` in one write; returns each call's reply,
+    or its own error (e.g. MOVED); after NOSCRIPT, loads the script and sends those calls again."""
+    replies: list[Any] = []
+    encoder = connection.encoder
+    commands = []
+    for batch in batches:
+        packed = [lease.packed or lease.pack(encoder) for lease in batch]
+        keys, tokens = [key for key, _ in packed], [token for _, token in packed]
+        commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
+    connection.send_packed_command(commands)
+    for _ in commands:
+        try:
+            replies.append(connection.read_response())
+        except redis.exceptions.ResponseError as exc:  # that call's own error; the others stand
+            replies.append(exc)
+    again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if again:  # a new or restarted server: load the script, send those calls again in one write
+        connection.send_command("SCRIPT", "LOAD", RENEW.source)
+        connection.read_response()
+        connection.send_packed_command([commands[index] for index in again])
+        for index in again:
+            try:
+                replies[index] = connection.read_response()
+            except redis.exceptions.ResponseError as exc:
+                replies[index] = exc
+    return replies
 
 
 def _node(client: Any, slot: int) -> Any:

@@ -23,6 +23,7 @@ from celery_redislock import (
 from celery_redislock._scripts import ACQUIRE, RELEASE
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
+from celery_redislock.watchdog import Lease
 
 
 def run(redis_server: RedisServer, body: Callable[[redis.asyncio.Redis], Awaitable[None]]) -> None:
@@ -151,6 +152,54 @@ def test_the_watchdog_task_renews_and_reports_a_loss(redis_server: RedisServer, 
 
 async def _watchdog_gone() -> bool:
     return all(task.get_name() != "celery-redislock-watchdog" for task in asyncio.all_tasks())
+
+
+def test_an_extend_is_not_undone_by_a_renewal_in_flight(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog task has picked a lease for renewal (6 s) and not sent it yet when its owner
+    extends the lock to 60 s: the renewal, sent afterwards, must not bring the TTL back to 6 s.
+    (extend() waits for the renewal in flight to land, and keeps the lease from being picked.)"""
+    key = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        picked, go, landed, owner_waits = (asyncio.Event() for _ in range(4))
+        watchdog = aio_module._watchdog()
+        renew_batch, await_landing = watchdog._renew_batch, getattr(watchdog, "_await_landing", None)
+
+        async def held_renew_batch(batch: list[Lease], ttl_ms: int) -> Any:
+            if picked.is_set() or all(lease.key != key for lease in batch):
+                return await renew_batch(batch, ttl_ms)
+            picked.set()
+            await go.wait()
+            try:
+                return await renew_batch(batch, ttl_ms)
+            finally:
+                landed.set()
+
+        async def waits(*args: Any) -> Any:
+            owner_waits.set()
+            assert await_landing is not None
+            return await await_landing(*args)
+
+        monkeypatch.setattr(watchdog, "_renew_batch", held_renew_batch)
+        monkeypatch.setattr(watchdog, "_await_landing", waits, raising=False)
+        lock = AsyncRedisLock(client, key, ttl=6)
+        assert await lock.acquire()
+        await asyncio.wait_for(picked.wait(), 30)
+        extend = asyncio.ensure_future(lock.extend(60))
+        await until(lambda: _either(owner_waits.is_set(), extend.done()), "the extend")
+        go.set()
+        await asyncio.wait_for(extend, 30)
+        await asyncio.wait_for(landed.wait(), 30)
+        assert await client.pttl(key) > 50_000
+        await lock.release()
+
+    run(redis_server, body)
+
+
+async def _either(*conditions: bool) -> bool:
+    return any(conditions)
 
 
 def test_without_watchdog_the_lease_expires(redis_server: RedisServer, prefix: str) -> None:

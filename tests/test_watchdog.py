@@ -8,19 +8,21 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from celery_redislock import LockNotOwned, RedisLock
+from celery_redislock import LockedTask, LockNotOwned, RedisLock, task_lock_key
 from celery_redislock._scripts import RENEW
 from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisServer
-from celery_redislock.watchdog import get_watchdog
+from celery_redislock.watchdog import Lease, get_watchdog
 from tests.conftest import Topology, calls_since, command_calls
+from tests.taskapp import make_app
+from tests.workers import threads_worker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +54,7 @@ def test_a_deleted_key_is_reported_lost_within_one_interval(
     assert lock.lost.wait(5)
     # The very next renewal (they run every ttl/3) found the key gone: one script call.
     assert calls_since(client, before).get("evalsha") == 1
+    wait_for(lambda: lost_reports, 10, "the report")  # made by the reporting thread, after `lost`
     assert [(r["sender"], r["key"], r["reason"]) for r in lost_reports] == [
         (lock, f"{prefix}:k", "not owned")
     ]
@@ -190,3 +193,173 @@ def test_fork_child_renews_its_own_locks_and_not_the_parents(redis_server: Redis
     assert parent_lock.owned()
     parent_lock.release()
     assert client.exists(f"{prefix}:child") == 0
+
+
+class HeldRenewal:
+    """A seam in the process's watchdog: the first renewal that carries a lease of one key is held
+    between its pick and its send until ``go`` is set.
+
+    ``picked`` is set once it is held, ``landed`` once it was sent and answered, and
+    ``owner_waits`` when an owner waits for a renewal in flight to land.
+    """
+
+    def __init__(self) -> None:
+        self.picked, self.go, self.landed, self.owner_waits = (threading.Event() for _ in range(4))
+
+
+@pytest.fixture
+def held_renewal(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], HeldRenewal]:
+    def hold(key: str) -> HeldRenewal:
+        held, watchdog = HeldRenewal(), get_watchdog()
+        renew_node, await_landing = watchdog._renew_node, getattr(watchdog, "_await_landing", None)
+
+        def held_renew_node(node: Any, batches: list[list[Lease]], ttl_ms: int) -> Any:
+            keys = {lease.key for batch in batches for lease in batch}
+            if held.picked.is_set() or key not in keys:
+                return renew_node(node, batches, ttl_ms)
+            held.picked.set()
+            held.go.wait(60)
+            try:
+                return renew_node(node, batches, ttl_ms)
+            finally:
+                held.landed.set()
+
+        def waits(*args: Any) -> Any:
+            held.owner_waits.set()
+            assert await_landing is not None
+            return await_landing(*args)
+
+        monkeypatch.setattr(watchdog, "_renew_node", held_renew_node)
+        monkeypatch.setattr(watchdog, "_await_landing", waits, raising=False)
+        return held
+
+    return hold
+
+
+def test_an_extend_is_not_undone_by_a_renewal_in_flight(
+    redis_server: RedisServer, prefix: str, held_renewal: Callable[[str], HeldRenewal]
+) -> None:
+    """The watchdog has picked a lease for renewal (6 s) and not sent it yet when its owner
+    extends the lock to 60 s: the renewal, sent afterwards, must not bring the TTL back to 6 s.
+    (extend() waits for the renewal in flight to land, and keeps the lease from being picked.)"""
+    client, key = redis_server.client(), f"{prefix}:k"
+    held = held_renewal(key)
+    lock = RedisLock(client, key, ttl=6)
+    assert lock.acquire()
+    assert held.picked.wait(30)
+    extend = threading.Thread(target=lock.extend, args=(60,))
+    extend.start()
+    wait_for(lambda: held.owner_waits.is_set() or not extend.is_alive(), what="the extend")
+    held.go.set()
+    extend.join(30)
+    assert held.landed.wait(30)
+    assert client.pttl(key) > 50_000
+    lock.release()
+
+
+def test_a_period_kept_after_the_run_is_not_undone_by_a_renewal_in_flight(
+    redis_server: RedisServer, prefix: str, held_renewal: Callable[[str], HeldRenewal]
+) -> None:
+    """An ``until_expired`` task (lock_ttl 6 s, lock_period 60 s) ends while the watchdog holds a
+    renewal of its lock between pick and send: the lock must stay for the period's rest, not be
+    renewed back to lock_ttl by that renewal (SETTLE waits for it to land)."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    body_ends = threading.Event()
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_mode="until_expired", lock_ttl=6, lock_period=60)
+    def periodic(self: Any, x: str) -> str:
+        body_ends.wait(60)
+        return x
+
+    key = task_lock_key(periodic, ("x",))
+    held = held_renewal(key)
+    try:
+        with threads_worker(app, concurrency=1):
+            result = periodic.delay("x")
+            assert held.picked.wait(30)
+            body_ends.set()
+            wait_for(lambda: held.owner_waits.is_set() or client_pttl(app, key) > 6_000, what="the run's end")
+            held.go.set()
+            assert result.get(timeout=30) == "x"
+            assert held.landed.wait(30)
+        assert client_pttl(app, key) > 40_000
+    finally:
+        app.recorder.client.delete(key)  # type: ignore[attr-defined]
+        app.close()
+
+
+def test_a_lock_parked_for_a_retry_is_not_undone_by_a_renewal_in_flight(
+    redis_server: RedisServer, prefix: str, held_renewal: Callable[[str], HeldRenewal]
+) -> None:
+    """An ``until_executed`` task (lock_ttl 6 s) retries in 30 s while the watchdog holds a renewal
+    of its lock between pick and send: the lock parked for the retry must keep lock_queue_ttl (60 s)
+    plus the countdown, not be renewed back to lock_ttl by that renewal (PARK waits for it)."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    body_ends = threading.Event()
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, lock_mode="until_executed", lock_ttl=6, lock_queue_ttl=60
+    )
+    def retrying(self: Any, x: str) -> str:
+        body_ends.wait(60)
+        raise self.retry(countdown=30)
+
+    key = task_lock_key(retrying, ("x",))
+    held = held_renewal(key)
+    try:
+        with threads_worker(app, concurrency=1):
+            retrying.delay("x")
+            assert held.picked.wait(30)
+            body_ends.set()
+            wait_for(lambda: held.owner_waits.is_set() or client_pttl(app, key) > 6_000, what="the retry")
+            held.go.set()
+            assert held.landed.wait(30)
+            wait_for(lambda: b"state=queued" in (app.recorder.client.get(key) or b""), what="the parking")  # type: ignore[attr-defined]
+            assert client_pttl(app, key) > 60_000
+    finally:
+        app.recorder.client.delete(key)  # type: ignore[attr-defined]
+        app.close()
+
+
+def client_pttl(app: Any, key: str) -> int:
+    return int(app.recorder.client.pttl(key))
+
+
+def test_a_slow_loss_report_does_not_hold_up_the_renewal_of_other_locks(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``lock_lost`` receiver blocks (an alert sent over a slow network, a stuck log handler)
+    while reporting one lock's loss: the process's other locks are still renewed meanwhile, and
+    their owners still learn of their own losses."""
+    client = redis_server.client()
+    reporting, done = threading.Event(), threading.Event()
+
+    def receiver(sender: RedisLock, **kwargs: Any) -> None:
+        if kwargs["key"] == f"{prefix}:gone":
+            reporting.set()
+            done.wait(60)
+
+    lock_lost.connect(receiver, weak=False)
+    renewals: list[str] = []
+    renew_node = get_watchdog()._renew_node
+
+    def counted(node: Any, batches: list[list[Lease]], ttl_ms: int) -> Any:
+        renewals.extend(lease.key for batch in batches for lease in batch)
+        return renew_node(node, batches, ttl_ms)
+
+    monkeypatch.setattr(get_watchdog(), "_renew_node", counted)
+    gone, kept, later = (RedisLock(client, f"{prefix}:{name}", ttl=1.5) for name in ("gone", "kept", "later"))
+    try:
+        for lock in (gone, kept, later):
+            assert lock.acquire()
+        client.delete(f"{prefix}:gone")
+        assert reporting.wait(30)
+        seen = renewals.count(f"{prefix}:kept")
+        wait_for(lambda: renewals.count(f"{prefix}:kept") >= seen + 3, 30, "renewals while the report blocks")
+        client.delete(f"{prefix}:later")
+        assert later.lost.wait(30)
+        assert not kept.lost.is_set() and kept.owned()
+    finally:
+        done.set()
+        lock_lost.disconnect(receiver)
+    kept.release()

@@ -1,0 +1,282 @@
+"""An exchange with Redis cut between its send and its read never desynchronises a connection.
+
+An exception that lands after a command was sent and before its reply was
+read (Celery's soft time limit, ``KeyboardInterrupt``, an injected
+``LockLost``, an asyncio cancellation) must not put the connection back in
+use with that reply still on its way: its next user would read it as the
+answer to its own command (a busy lock's acquire answering "granted, fence 1").
+Each test interrupts one kind of exchange at that point (a seam in
+``read_response``: the send is done, the read not begun), then checks that
+the same client, or the same watchdog, goes on with the right answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+import redis.asyncio.connection
+import redis.connection
+
+from celery_redislock import AsyncRedisLock, LockNotOwned, RedisLock
+from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
+from celery_redislock.testing import RedisServer
+from celery_redislock.watchdog import get_watchdog
+from tests.workers import wait_for
+
+
+class Interrupt(BaseException):
+    """Stands for an exception landing from outside (a time limit, a signal): not an ``Exception``."""
+
+
+Arm = Callable[..., list[int]]
+
+
+@pytest.fixture
+def interrupt_read(monkeypatch: pytest.MonkeyPatch) -> Arm:
+    """``interrupt_read(when, error=Interrupt, then=None)``: from now on, the first
+    ``read_response`` for which ``when()`` is true calls ``then()`` and raises ``error`` before
+    reading anything. Returns a list that gets a 1 when it did."""
+
+    def arm(
+        when: Callable[[], bool],
+        error: type[BaseException] = Interrupt,
+        then: Callable[[], None] | None = None,
+    ) -> list[int]:
+        original = redis.connection.AbstractConnection.read_response
+        fired: list[int] = []
+
+        def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not fired and when():
+                fired.append(1)
+                if then is not None:
+                    then()
+                raise error
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", read_response)
+        return fired
+
+    return arm
+
+
+def on_this_thread() -> Callable[[], bool]:
+    thread = threading.current_thread()
+    return lambda: threading.current_thread() is thread
+
+
+@pytest.mark.parametrize("step", ["release", "acquire", "extend"])
+def test_an_interrupted_script_call_leaves_the_client_giving_right_answers(
+    redis_server: RedisServer,
+    prefix: str,
+    step: str,
+    interrupt_read: Arm,
+) -> None:
+    """A call on the script fast path is interrupted after its send: the client's next calls, for
+    another lock held by someone else, still read their own replies (no second holder)."""
+    client, other = redis_server.client(), redis_server.client()
+    for script in (ACQUIRE, RELEASE, RENEW):  # loaded: the interrupted read is the call's own reply
+        client.script_load(script.source)
+    mine, theirs = RedisLock(client, f"{prefix}:a", ttl=5), RedisLock(other, f"{prefix}:b", ttl=5)
+    assert theirs.acquire(blocking=False)
+    if step != "acquire":
+        assert mine.acquire(blocking=False)
+    calls = {"release": mine.release, "acquire": lambda: mine.acquire(blocking=False), "extend": mine.extend}
+    fired = interrupt_read(on_this_thread())
+    with pytest.raises(Interrupt):
+        calls[step]()
+    assert fired
+    probe = RedisLock(client, f"{prefix}:b", ttl=5)
+    assert not probe.acquire(blocking=False)  # held by `theirs`: a stale "granted" reply would say True
+    assert probe.fence is None
+    assert other.get(f"{prefix}:b").decode().startswith(theirs.token or "-")
+    fresh = RedisLock(client, f"{prefix}:c", ttl=5)
+    assert fresh.acquire(blocking=False)
+    fresh.release()
+    assert not client.exists(f"{prefix}:c")
+    theirs.release()
+    client.delete(f"{prefix}:a")  # whatever the interrupted call left (it may have acquired)
+
+
+def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
+    redis_server: RedisServer,
+    prefix: str,
+    interrupt_read: Arm,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An acquire with ``replicas`` is interrupted after sending WAIT, before its reply: the hold is
+    undone and the client's next calls read their own replies."""
+    client, other = redis_server.client(), redis_server.client()
+    theirs = RedisLock(other, f"{prefix}:b", ttl=5)
+    assert theirs.acquire(blocking=False)
+    waits = 0
+
+    def at_the_wait() -> bool:  # the second read of the confirmation (its WAIT), on this thread
+        nonlocal waits
+        if threading.current_thread() is not thread or not waiting.is_set():
+            return False
+        waits += 1
+        return waits == 2
+
+    thread, waiting = threading.current_thread(), threading.Event()
+    client.script_load(RENEW.source)  # the confirmation's reads: its renewal, then its WAIT
+    fired = interrupt_read(at_the_wait)
+    mine = RedisLock(client, f"{prefix}:a", ttl=5, replicas=1, replica_timeout=0.5)
+    original_confirm = mine._confirm
+
+    def confirm(token: str, member: str) -> None:
+        waiting.set()
+        try:
+            original_confirm(token, member)
+        finally:
+            waiting.clear()
+
+    monkeypatch.setattr(mine, "_confirm", confirm)
+    with pytest.raises(Interrupt):
+        mine.acquire(blocking=False)
+    assert fired
+    assert not client.exists(f"{prefix}:a")  # the interrupted acquire gave its hold back
+    probe = RedisLock(client, f"{prefix}:b", ttl=5)
+    assert not probe.acquire(blocking=False)
+    fresh = RedisLock(client, f"{prefix}:c", ttl=5)
+    assert fresh.acquire(blocking=False)
+    fresh.release()
+    theirs.release()
+
+
+@pytest.mark.parametrize("where", ["after a send", "before a read"])
+def test_an_interrupted_redlock_call_leaves_its_servers_giving_right_answers(
+    redlock_servers: list[RedisServer],
+    prefix: str,
+    where: str,
+    interrupt_read: Arm,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Redlock release is interrupted right after its first send, or before its first read:
+    no connection is left taken, and every server still answers the next acquire of a lock held
+    by someone else rightly."""
+    clients = [server.client() for server in redlock_servers]
+    others = [server.client() for server in redlock_servers]
+    theirs = RedisLock(others, f"{prefix}:b", ttl=5)
+    assert theirs.acquire(blocking=False)
+    mine = RedisLock(clients, f"{prefix}:a", ttl=5)
+    assert mine.acquire(blocking=False)
+    if where == "before a read":
+        fired = interrupt_read(on_this_thread())
+    else:
+        fired = []
+        original = redis.connection.AbstractConnection.send_packed_command
+
+        def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            if not fired:
+                fired.append(1)
+                raise Interrupt
+
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send_packed_command)
+    with pytest.raises(Interrupt):
+        mine.release()
+    assert fired
+    monkeypatch.undo()
+    assert not any(client.connection_pool._in_use_connections for client in clients)
+    probe = RedisLock(clients, f"{prefix}:b", ttl=5)
+    assert not probe.acquire(blocking=False)
+    fresh = RedisLock(clients, f"{prefix}:c", ttl=5)
+    assert fresh.acquire(blocking=False)
+    fresh.release()
+    theirs.release()
+    for client in clients:
+        client.delete(f"{prefix}:a")
+
+
+def test_an_interrupted_renewal_leaves_the_watchdog_reading_its_own_replies(
+    redis_server: RedisServer,
+    prefix: str,
+    interrupt_read: Arm,
+) -> None:
+    """A watchdog renewal is interrupted after its send: the renewal after it reads its own reply,
+    so a lock deleted in between is reported lost by that very next renewal, not one later."""
+    client = redis_server.client()
+    lock = RedisLock(client, f"{prefix}:a", ttl=1.5)
+    ticks: list[int] = []
+    original = get_watchdog()._renew_node
+
+    def renew_node(*args: Any, **kwargs: Any) -> Any:
+        ticks.append(1)
+        return original(*args, **kwargs)
+
+    interrupted_at: list[int] = []
+
+    def delete_the_key() -> None:  # gone before the next renewal is sent
+        interrupted_at.append(len(ticks))
+        client.delete(f"{prefix}:a")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(get_watchdog(), "_renew_node", renew_node)
+        fired = interrupt_read(
+            lambda: threading.current_thread().name == "celery-redislock-watchdog",
+            RuntimeError,  # anything unexpected: the thread carries on
+            delete_the_key,
+        )
+        assert lock.acquire(blocking=False)
+        wait_for(lambda: fired, 10, "an interrupted renewal")
+        assert lock.lost.wait(10)
+        assert len(ticks) == interrupted_at[0] + 1  # the next renewal's own reply ("not owned") told it
+    with pytest.raises(LockNotOwned):
+        lock.release()
+
+
+def test_a_cancelled_async_call_while_the_server_is_slow_leaves_the_client_giving_right_answers(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``AsyncRedisLock.extend()`` is cancelled while the server is stopped (SIGSTOP), its
+    command sent and its reply not read: the client's next calls read their own replies."""
+    sent = threading.Event()
+    original = redis.asyncio.connection.AbstractConnection.send_packed_command
+
+    async def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
+        await original(self, *args, **kwargs)
+        sent.set()
+
+    monkeypatch.setattr(
+        redis.asyncio.connection.AbstractConnection, "send_packed_command", send_packed_command
+    )
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=fresh_server.port)
+        other = fresh_server.client()
+        theirs = RedisLock(other, f"{prefix}:b", ttl=30)
+        assert theirs.acquire(blocking=False)
+        mine = AsyncRedisLock(client, f"{prefix}:a", ttl=30)
+        assert await mine.acquire(blocking=False)
+        sent.clear()
+        os.kill(fresh_server.pid, signal.SIGSTOP)
+        try:
+            extend = asyncio.ensure_future(mine.extend())
+            for _ in range(2000):  # poll until the command is on its way (10 s at most)
+                if sent.is_set():
+                    break
+                await asyncio.sleep(0.005)
+            assert sent.is_set()
+            extend.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await extend
+        finally:
+            os.kill(fresh_server.pid, signal.SIGCONT)
+        probe = AsyncRedisLock(client, f"{prefix}:b", ttl=30)
+        assert not await probe.acquire(blocking=False)
+        fresh = AsyncRedisLock(client, f"{prefix}:c", ttl=30)
+        assert await fresh.acquire(blocking=False)
+        await fresh.release()
+        await mine.release()
+        theirs.release()
+        await client.aclose()
+
+    asyncio.run(main())
