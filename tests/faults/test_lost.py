@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import pytest
 import redis
 from billiard.exceptions import WorkerLostError
 
+import celery_redislock.task
 from celery_redislock import LockLost, RedisLock, task_lock_key
+from celery_redislock.config import app_settings
+from celery_redislock.task import _ExecutionLock
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
@@ -161,6 +167,36 @@ def test_terminate_in_a_threads_worker_raises_instead_and_warns_once(
                 assert [e for e in recorder.events() if e[0] == "end" and e[2] == x] == []
         warnings = [r for r in caplog.records if "lock_on_lost='terminate'" in r.getMessage()]
         assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, warnings
+    finally:
+        client.close()
+        app.close()
+
+
+def test_terminate_stops_only_a_child_whose_body_still_runs(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss found once the body has ended (the run is releasing, or the child has moved on)
+    stops nothing; a loss while the body runs stops the child (``os.kill``, recorded here)."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    kills: list[tuple[int, int]] = []
+    monkeypatch.setattr(celery_redislock.task.os, "kill", lambda pid, signum: kills.append((pid, signum)))
+    client = redis_server.client()
+    try:
+        for in_body in (False, True):
+            lock = _ExecutionLock(
+                client,
+                f"{prefix}:run:{in_body}",
+                0.6,
+                "task=- try=0 state=running node=test pid=0",
+                app_settings(app),
+                raise_on_lost=True,
+                stop_child=True,
+            )
+            assert lock.acquire(blocking=False)
+            with lock.body() if in_body else nullcontext():
+                client.delete(lock.name)
+                assert lock.lost.wait(5), "the watchdog did not find the loss"
+            assert kills == ([(os.getpid(), signal.SIGKILL)] if in_body else [])
     finally:
         client.close()
         app.close()
