@@ -439,9 +439,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 stop_child=self._stops_child(options),
             )
             lock.request = request
-            if (
-                task_id is not None
-            ):  # from here on, what an asynchronous exception leaves held is task_postrun's
+            # From here on, what an asynchronous exception leaves held is task_postrun's to release.
+            if task_id is not None:
                 _running[threading.get_ident()] = (task_id, lock)
         # In these modes the message's enqueue lock goes once the message is dealt with here:
         # run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
