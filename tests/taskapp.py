@@ -241,6 +241,16 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
                 recorder.client.get(f"{recorder.prefix}:stress:{x}")
         return "not stopped"
 
+    @locked_task(name="taskapp.calls_after_loss", lock_ttl=0.6, lock_on_lost="raise")
+    def calls_after_loss(self: Task[Any, Any], x: object) -> object:
+        """Loses its lock, waits until the watchdog has marked the loss, then calls a locked task."""
+        recorder.client.delete(self.request.lock_key)
+        for _ in range(GATE_TIMEOUT * 20):
+            if self.request.lock_lost:
+                break
+            recorder.client.blpop([recorder.gate_key(f"never-{x}")], timeout=0.05)
+        return nested(x, 0)
+
     @locked_task(name="taskapp.terminated", lock_on_lost="terminate")
     def terminated(self: Task[Any, Any], x: object, gate: bool = True) -> object:
         """Waits for its gate in one blocking call; a lost lock stops its pool child."""

@@ -115,6 +115,22 @@ def test_losses_while_logging_or_in_redis_calls_reach_the_task_and_never_stop_th
         app.close()
 
 
+def test_a_locked_call_inside_a_run_whose_lock_was_lost_raises_lock_lost(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """``"raise"``: a run whose lock was lost calls another ``LockedTask``; that call is one of
+    the points where the loss is raised, before it takes a lock or runs anything."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    recorder: Recorder = app.recorder  # type: ignore[attr-defined]
+    x = fresh()
+    try:
+        with pytest.raises(LockLost):
+            app.tasks["taskapp.calls_after_loss"](x)
+        assert [event for event in recorder.events() if event[0] == "depth0"] == []
+    finally:
+        app.close()
+
+
 def test_terminate_stops_the_prefork_child_whose_lock_was_lost(stage: Stage) -> None:
     """``lock_on_lost="terminate"``: the lock of a run blocked in one long call is taken over
     by a new holder; the old run's pool child is stopped, its task fails, the main process's
