@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime
 from types import MappingProxyType
 from typing import Any, ClassVar, cast
@@ -454,7 +454,10 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 taken = lock is None or self._take(lock, options, request, args, kwargs, ticket)
             except LockNotAcquired:
                 if ticket_to_free is not None:
-                    free_ticket(client, ticket_to_free)
+                    # Refused is the outcome: an error freeing the enqueue lock must not turn it into
+                    # an unlocked run beside the holder (redislock_on_error="run").
+                    with suppress(redis.RedisError):
+                        self._free_message_lock(client, ticket_to_free, None, task_id)
                 raise
             if ticket_to_free is not None:
                 self._free_message_lock(client, ticket_to_free, lock, task_id)

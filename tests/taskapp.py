@@ -154,6 +154,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
 
     for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
         locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
+    locked_task(name="taskapp.uawe_raise", lock_mode="until_and_while_executing", lock_busy="raise")(gated)
     locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
     locked_task(
         name="taskapp.requeued_slowly",

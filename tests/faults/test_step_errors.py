@@ -18,7 +18,7 @@ import redis
 
 import celery_redislock.lock
 import celery_redislock.task
-from celery_redislock import RedisLockError, task_lock_key
+from celery_redislock import LockNotAcquired, RedisLock, RedisLockError, task_lock_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
 from tests import invariants
@@ -100,5 +100,35 @@ def test_a_redis_error_at_any_step_leaves_no_lock_held(
                 what=lambda: f"no lock left: {invariants.leftover_locks(client, prefix)}",
             )
     finally:
+        client.close()
+        app.close()
+
+
+def test_a_redis_error_freeing_the_enqueue_lock_of_a_refused_run_never_runs_it_unlocked(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``until_and_while_executing`` with ``lock_busy="raise"`` and ``redislock_on_error="run"``:
+    another run holds the execution lock, so this one gives up (``LockNotAcquired``), and freeing
+    its enqueue lock fails once. That error does not make it an unlocked run beside the holder:
+    it fails with ``LockNotAcquired``, and its enqueue lock is freed all the same."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL, redislock_on_error="run")
+    task = app.tasks["taskapp.uawe_raise"]
+    x = fresh()
+    client = redis_server.client()
+    holder = RedisLock(client, task_lock_key(task, (x,)), TTL)
+    assert holder.acquire(blocking=False)
+    failed = fail_once(monkeypatch, "free_queued")
+    try:
+        with threads_worker(app):
+            result = task.delay(x)
+            with pytest.raises(LockNotAcquired):
+                result.get(timeout=RESULT_TIMEOUT)
+        assert len(failed) == 1
+        assert [event for event in app.recorder.events() if event[0] == "start"] == []  # type: ignore[attr-defined]
+        holder.release()
+        assert invariants.leftover_locks(client, prefix) == []
+    finally:
+        if holder.owned():  # the test failed before releasing it
+            holder.release()
         client.close()
         app.close()
