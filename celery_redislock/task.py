@@ -36,6 +36,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime
@@ -267,9 +268,11 @@ def _raise_if_lost(locks: Iterable[_ExecutionLock | None]) -> None:
             raise LockLost(lock.name)
 
 
-def _mark_pool_child(app: Any, **_: Any) -> None:
+def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:
     """``worker_process_init`` (sent in a prefork pool child only): this process is one."""
-    app._redislock_pool_child = os.getpid()
+    app = app_ref()
+    if app is not None:
+        app._redislock_pool_child = os.getpid()
 
 
 class LockedTask(Task):  # type: ignore[type-arg]
@@ -869,10 +872,9 @@ def install(app: Any) -> None:
     celery_signals.task_postrun.connect(
         _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
     )
+    # Once per app (this function is idempotent), holding the app weakly.
     celery_signals.worker_process_init.connect(
-        functools.partial(_mark_pool_child, app),
-        weak=False,
-        dispatch_uid=f"celery_redislock.pool_child.{id(app)}",
+        functools.partial(_mark_pool_child, weakref.ref(app)), weak=False
     )
     celery_signals.task_revoked.connect(
         _free_revoked, weak=False, dispatch_uid="celery_redislock.free_revoked"
