@@ -18,7 +18,7 @@ meanwhile is left alone and reported) and wakes the next waiter, as the
 owner's release would. It is logged (WARNING, ``celery_redislock.cli``) with
 the key and the holder. The holder's watchdog finds the lock gone within one
 renewal interval and handles the loss per ``lock_on_lost``: a task goes on
-running unlocked unless that is ``"raise"``.
+running unlocked unless that is ``"raise"`` or ``"terminate"``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ EXECUTION_MODES = frozenset(
 )
 BUSY = ("skip", "retry", "wait", "raise")
 DUPLICATE = ("return", "raise")
-ON_LOST = ("log", "raise")
+ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
 URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis-cluster", "rediss-cluster")
 

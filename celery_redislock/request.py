@@ -1,16 +1,26 @@
 """The worker main process's side of ``LockedTask``: freeing the lock of a pool child that died.
 
 When a prefork child dies mid-task (SIGKILL, OOM, a hard time limit,
-``revoke(terminate=True)``), nothing in it can release its lock; the main
-process learns of the death through the task's ``Request`` and releases the
-lock at once, so the next duplicate does not wait for the lease to expire.
-The release is owner-checked against the holder the child wrote (task id,
-node name and child pid), so a lock taken over meanwhile is left alone.
+``revoke(terminate=True)``, ``lock_on_lost="terminate"``), nothing in it can
+release its lock; the main process learns of the death through the task's
+``Request`` and releases the lock at once, so the next duplicate does not
+wait for the lease to expire. The release is owner-checked against the
+holder the child wrote (task id, node name and child pid), so a lock taken
+over meanwhile is left alone.
+
+Never while the child still runs: billiard reports a hard time limit
+(``on_timeout``) *before* it stops the child (SIGTERM, then SIGKILL 0.1 s
+later, and a body may ignore SIGTERM), so that release waits on a thread of
+its own until the child has terminated (``os.pidfd_open``). Where pidfds do
+not exist, the lock is left to its lease, which the dead child no longer renews.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
+import threading
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
@@ -27,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 #: What the pool reports when the child running a task is gone.
 CHILD_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
+#: Longest wait (seconds) for a child past its hard time limit to terminate (SIGKILL follows 0.1 s
+#: after it is told); past it, its lock is left to its lease.
+CHILD_EXIT_TIMEOUT = 60.0
 
 
 class LockedRequest(Request):
@@ -44,19 +57,77 @@ class LockedRequest(Request):
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
-        if not soft:  # the pool has killed the child
-            self._release_orphaned_lock("hard time limit")
+        pid = self._locking_pid()
+        if not soft and pid is not None:
+            self._release_once_gone(pid, "hard time limit")
+
+    def _locking_pid(self) -> int | None:
+        """The pid of the process that ran the task under an execution lock (``None``: no such lock)."""
+        options = getattr(self.task, "_lock_options", None)
+        if options is None or options.mode not in EXECUTION_MODES or self.worker_pid is None:
+            return None
+        return int(self.worker_pid)
+
+    def _release_once_gone(self, pid: int, why: str) -> None:
+        """Release the lock once the child ``pid`` that ran the task has terminated (the pool
+        stops it after this returns). A task that ran in this process (gevent, eventlet) was
+        stopped in its own greenlet before the pool reports the time limit: released at once."""
+        if pid == os.getpid():
+            self._release_orphaned_lock(why)
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone
+            self._release_orphaned_lock(why)
+            return
+        except (AttributeError, OSError) as exc:  # no pidfd here: the lease runs out unrenewed
+            logger.warning(
+                "task %s[%s]: pool child %s past its %s; its lock expires within lock_ttl once it is "
+                "gone (%r)",
+                self.name,
+                self.id,
+                pid,
+                why,
+                exc,
+            )
+            return
+        threading.Thread(
+            target=self._release_when_terminated,
+            args=(pidfd, why),
+            name="celery-redislock-release",
+            daemon=True,
+        ).start()
+
+    def _release_when_terminated(self, pidfd: int, why: str) -> None:
+        """Wait until the process of ``pidfd`` has terminated (readable), then release."""
+        try:
+            poller = select.poll()  # not select(): a worker's descriptors may pass FD_SETSIZE
+            poller.register(pidfd, select.POLLIN)
+            terminated = poller.poll(CHILD_EXIT_TIMEOUT * 1000)
+        finally:
+            os.close(pidfd)
+        if terminated:
+            self._release_orphaned_lock(why)
+        else:
+            logger.warning(
+                "task %s[%s]: pool child %s still runs %.0fs after its %s; its lock is left to its lease",
+                self.name,
+                self.id,
+                self.worker_pid,
+                CHILD_EXIT_TIMEOUT,
+                why,
+            )
 
     def _release_orphaned_lock(self, why: str) -> None:
-        task = self.task
-        options = getattr(task, "_lock_options", None)
-        if options is None or options.mode not in EXECUTION_MODES or self.worker_pid is None:
+        pid = self._locking_pid()
+        if pid is None:
             return
+        task = self.task
         try:
             key = task_lock_key(task, self.args, self.kwargs)
             client, _ = client_for(task.app)
             retries = self.request_dict.get("retries") or 0
-            holder = holder_for(self.id, retries, self.hostname, int(self.worker_pid))
+            holder = holder_for(self.id, retries, self.hostname, pid)
             released = release_held_by(client, key, holder)
         except Exception:  # the main process's event loop must go on
             logger.exception("task %s[%s]: could not release its dead pool child's lock", self.name, self.id)

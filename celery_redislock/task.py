@@ -12,9 +12,15 @@ Where each outcome is handled:
   releases in a ``finally``, before Celery stores the result; the
   ``task_postrun`` receiver releases a lock an asynchronous exception (a soft
   time limit) kept that ``finally`` from releasing;
-* the pool child dies (SIGKILL, OOM, hard time limit, ``revoke(terminate=True)``):
-  the worker's main process releases the lock, owner-checked
-  (``celery_redislock.request.LockedRequest``);
+* a step between taking the lock and running the body fails (a Redis error
+  freeing the message's enqueue lock): the lock is released on the way out;
+* the lock is lost while the body runs: the run is told at points the package
+  controls, never by an exception injected into the body (``lock_on_lost``,
+  ``LockedTask.check_lock``), or its prefork pool child is stopped
+  (``lock_on_lost="terminate"``);
+* the pool child dies (SIGKILL, OOM, hard time limit, ``revoke(terminate=True)``,
+  ``lock_on_lost="terminate"``): the worker's main process releases the lock
+  once the child is gone, owner-checked (``celery_redislock.request.LockedRequest``);
 * the whole worker dies: nothing renews the lease, and it expires within
   ``lock_ttl``.
 """
@@ -22,17 +28,20 @@ Where each outcome is handled:
 from __future__ import annotations
 
 import contextvars
-import ctypes
+import functools
 import logging
 import os
 import random
 import secrets
+import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Any, ClassVar, cast
 from urllib.parse import quote, unquote
 
@@ -78,10 +87,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Keys held by the calls running in this thread (or task), so that a task
-#: called directly from inside another holding the same key runs under it.
-_held_keys: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "celery_redislock_held", default=frozenset()
+#: Key -> execution lock (``None`` when running unlocked) of the runs under way in this thread
+#: (or task): a task called directly from inside another holding the same key runs under
+#: it, and a locked call inside a run is one of the points where a loss is raised.
+_held_locks: contextvars.ContextVar[Mapping[str, _ExecutionLock | None]] = contextvars.ContextVar(
+    "celery_redislock_held", default=MappingProxyType({})
 )
 #: (task, lock fields, lock) for the request a direct call is about to push.
 _pending_request: contextvars.ContextVar[tuple[Any, dict[str, Any], Any] | None] = contextvars.ContextVar(
@@ -198,34 +208,40 @@ def _bound_options(task: Task[Any, Any]) -> tuple[LockOptions, AppSettings]:
     return options, settings
 
 
-def _lost_here(key: str) -> type[LockLost]:
-    """A ``LockLost`` class constructible without arguments, for ``PyThreadState_SetAsyncExc``."""
-
-    class LockLostHere(LockLost):
-        def __init__(self) -> None:
-            super().__init__(key)
-
-    return LockLostHere
-
-
-def _set_async_exc(thread_id: int, exc_type: type[BaseException] | None) -> None:
-    """Raise ``exc_type`` in the thread at its next bytecode (``None``: cancel a pending one)."""
-    exc = None if exc_type is None else ctypes.py_object(exc_type)
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exc)
-
-
 class _ExecutionLock(RedisLock):
-    """A task's execution lock: a loss marks the request (``lock_lost``) and, with
-    ``lock_on_lost="raise"``, raises ``LockLost`` in the thread running the body."""
+    """A run's execution lock.
+
+    A loss (found by the watchdog, or by the owner-checked release) sets
+    ``lost`` and marks the request (``lock_lost``). It never interrupts the
+    thread running the body: an exception injected at an arbitrary instruction
+    can be swallowed (``logging`` catches it) or leave a lock of the
+    interpreter, ``logging``, redis-py or a driver held, which would hang the
+    watchdog thread and with it every renewal of the process. With
+    ``raise_on_lost``, the run raises ``LockLost`` at points the package
+    controls instead (see ``LockedTask.check_lock``). With ``stop_child`` (a
+    prefork pool child, ``lock_on_lost="terminate"``), a loss while the body
+    runs also kills this process at once (SIGKILL, as a hard time limit ends);
+    the worker's main process then records the failure and releases,
+    owner-checked, which leaves a new holder alone.
+    """
 
     def __init__(
-        self, client: Client, key: str, ttl: float, holder: str, on_lost: str, settings: AppSettings
+        self,
+        client: Client,
+        key: str,
+        ttl: float,
+        holder: str,
+        settings: AppSettings,
+        *,
+        raise_on_lost: bool,
+        stop_child: bool,
     ) -> None:
         super().__init__(client, key, ttl, holder=holder, **settings.replication)
         self.request: Any = None  # the request the body sees, once pushed
-        self.raise_on_lost = on_lost == "raise"
-        self._thread_id = threading.get_ident()
+        self.raise_on_lost = raise_on_lost
+        self._stop_child = stop_child
         self._body_running = False
+        #: held only to read or flip ``_body_running``: never long, never around a call that blocks
         self._guard = threading.Lock()
 
     def _mark_lost(self, lease: Lease) -> bool:
@@ -233,14 +249,22 @@ class _ExecutionLock(RedisLock):
             return False
         if self.request is not None:
             self.request.lock_lost = True
-        with self._guard:
-            if self.raise_on_lost and self._body_running:
-                _set_async_exc(self._thread_id, _lost_here(self.name))
+        if self._stop_child:
+            with self._guard:  # the body cannot end meanwhile: a child that finished is never stopped
+                if self._body_running:
+                    logger.error(
+                        "lock %r lost while task %s ran: it is no longer held by this task; stopping "
+                        "pool child %d (lock_on_lost='terminate')",
+                        self.name,
+                        getattr(self.request, "id", None),
+                        os.getpid(),
+                    )
+                    os.kill(os.getpid(), signal.SIGKILL)
         return True
 
     @contextmanager
     def body(self) -> Iterator[None]:
-        """While this block runs, a loss may raise ``LockLost`` in it; never after it."""
+        """The body runs in this block: only then does a loss stop the pool child (``stop_child``)."""
         with self._guard:
             self._body_running = True
         try:
@@ -248,8 +272,20 @@ class _ExecutionLock(RedisLock):
         finally:
             with self._guard:
                 self._body_running = False
-                if self.raise_on_lost:
-                    _set_async_exc(self._thread_id, None)
+
+
+def _raise_if_lost(locks: Iterable[_ExecutionLock | None]) -> None:
+    """Raise ``LockLost`` for the first of ``locks`` that raises on a loss and was lost."""
+    for lock in locks:
+        if lock is not None and lock.raise_on_lost and lock.lost.is_set():
+            raise LockLost(lock.name)
+
+
+def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:
+    """``worker_process_init`` (sent in a prefork pool child only): this process is one."""
+    app = app_ref()
+    if app is not None:
+        app._redislock_pool_child = os.getpid()
 
 
 class LockedTask(Task):  # type: ignore[type-arg]
@@ -265,6 +301,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
     ``redislock_on_error="run"``), ``self.request.lock_lost`` becomes
     ``True`` if the watchdog finds the lock lost, and ``self.request.lock_slot``
     names the beat slot the run is for (``None`` outside once-per-slot beat jobs).
+    ``self.check_lock()`` raises ``LockLost`` once the lock is lost.
     """
 
     Request = "celery_redislock.request:LockedRequest"
@@ -281,6 +318,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
     lock_on_lost: ClassVar[str | None] = None
     lock_beat: ClassVar[bool | None] = None
 
+    #: whether the WARNING that ``lock_on_lost="terminate"`` acts as ``"raise"`` here was logged
+    _lock_terminate_warned: bool = False
     _lock_options: ClassVar[LockOptions | None] = None
     _lock_settings: ClassVar[AppSettings | None] = None
 
@@ -398,10 +437,23 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if lock is not None:
             lock.request = self.request_stack.top
 
+    def check_lock(self) -> None:
+        """Raise ``LockLost`` if the lock of the run under way was lost; else return ``None``.
+
+        For the loops of long bodies: a loss is found by the watchdog (within
+        one renewal interval) and never interrupts the body by itself. Whatever
+        ``lock_on_lost`` says, a body that asks is told. Outside a locked run
+        (unlocked with ``redislock_on_error="run"``, or not running) it returns.
+        """
+        lock = _held_locks.get().get(getattr(self.request, "lock_key", None) or "")
+        if lock is not None and lock.lost.is_set():
+            raise LockLost(lock.name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         options, settings = _bound_options(self)
         key = task_lock_key(self, args, kwargs)
-        held = _held_keys.get()
+        held = _held_locks.get()
+        _raise_if_lost(held.values())  # a locked call inside a run is one of the run's check points
         if key in held:  # called directly from a call holding the same key: run under that hold
             return super().__call__(*args, **kwargs)
         request: Any = self.request_stack.top
@@ -424,10 +476,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 key,
                 options.ttl,
                 holder_for(task_id, retries, node, os.getpid()),
-                options.on_lost,
                 settings,
+                raise_on_lost=options.on_lost != "log",
+                stop_child=self._stops_child(options),
             )
             lock.request = request
+            # From here on, what an asynchronous exception leaves held is task_postrun's to release.
+            if task_id is not None:
+                _running[threading.get_ident()] = (task_id, lock)
         # In these modes the message's enqueue lock goes once the message is dealt with here:
         # run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
         ticket_to_free = ticket if options.mode in ("until_executing", "until_and_while_executing") else None
@@ -440,10 +496,13 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 taken = lock is None or self._take(lock, options, request, args, kwargs, ticket)
             except LockNotAcquired:
                 if ticket_to_free is not None:
-                    free_ticket(client, ticket_to_free)
+                    # Refused is the outcome: an error freeing the enqueue lock must not turn it into
+                    # an unlocked run beside the holder (redislock_on_error="run").
+                    with suppress(redis.RedisError):
+                        self._free_message_lock(client, ticket_to_free, None, task_id)
                 raise
-            if ticket_to_free is not None and not free_ticket(client, ticket_to_free):
-                logger.debug("task %s[%s]: its enqueue lock had already gone", self.name, task_id)
+            if ticket_to_free is not None:
+                self._free_message_lock(client, ticket_to_free, lock, task_id)
             if not taken:
                 return None
         except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
@@ -458,29 +517,74 @@ class LockedTask(Task):  # type: ignore[type-arg]
             "lock_lost": False,
             "lock_slot": None if slot is None else slot["slot"],
         }
-        held_token = _held_keys.set(held | {key})
-        if lock is not None and task_id is not None:
-            _running[threading.get_ident()] = (task_id, lock)
+        held_token = _held_locks.set({**held, key: lock})
         try:
             with nullcontext() if lock is None else lock.body():
                 if request is not None:
                     request.update(fields)
-                    return self.run(*args, **kwargs)
-                pending = _pending_request.set((self, fields, lock))
-                try:
-                    return super().__call__(*args, **kwargs)
-                finally:
-                    _pending_request.reset(pending)
-        except LockLost as exc:
-            if type(exc) is not LockLost:  # raised in this thread by the watchdog: make it a plain one
-                raise LockLost(key) from None
+                    result = self.run(*args, **kwargs)
+                else:
+                    pending = _pending_request.set((self, fields, lock))
+                    try:
+                        result = super().__call__(*args, **kwargs)
+                    finally:
+                        _pending_request.reset(pending)
             raise
         finally:
-            _held_keys.reset(held_token)
+            _held_locks.reset(held_token)
             if lock is not None:
                 self._let_go(lock, options, task_id, retries)
                 if task_id is not None:  # only once let go: an interrupted release is task_postrun's
                     _running.pop(threading.get_ident(), None)
+        _raise_if_lost([lock])  # the body returned, but exclusion broke meanwhile: not a success
+        return result
+
+    def _stops_child(self, options: LockOptions) -> bool:
+        """Whether a lost lock stops this process: ``lock_on_lost="terminate"`` in a prefork pool child.
+
+        Anywhere else (threads, solo, gevent or eventlet pools, a direct call)
+        the process is the worker itself: ``"terminate"`` acts as ``"raise"``,
+        with a WARNING the first time.
+        """
+        if options.on_lost != "terminate":
+            return False
+        if getattr(self.app, "_redislock_pool_child", None) == os.getpid():
+            return True
+        if not self._lock_terminate_warned:
+            self._lock_terminate_warned = True
+            logger.warning(
+                "task %s: lock_on_lost='terminate' stops a prefork pool child, and this process is "
+                "not one (threads, solo, gevent or eventlet pool, or a direct call): a lost lock "
+                "raises LockLost instead, as with lock_on_lost='raise'",
+                self.name,
+            )
+        return False
+
+    def _free_message_lock(
+        self, client: Client, ticket: tuple[str, str], lock: _ExecutionLock | None, task_id: str | None
+    ) -> None:
+        """Free the message's enqueue lock, the run being under way (``lock``: its execution lock).
+
+        If that fails, nothing stays held: ``lock`` is released, the enqueue
+        lock is tried once more (owner-checked), and the error propagates.
+        """
+        try:
+            if not free_ticket(client, ticket):
+                logger.debug("task %s[%s]: its enqueue lock had already gone", self.name, task_id)
+        except BaseException:
+            if lock is not None:
+                _release(self, lock, task_id)
+            try:
+                free_ticket(client, ticket)
+            except redis.RedisError as exc:
+                logger.warning(
+                    "task %s[%s]: could not release its enqueue lock %s (%s); it expires within its ttl",
+                    self.name,
+                    task_id,
+                    ticket[0],
+                    exc,
+                )
+            raise
 
     def _claim_slot(self, client: Client, slot: dict[str, Any], request: Any, node: str) -> bool:
         """Claim the beat slot the message was sent for; ``False`` if another message has it.
@@ -662,7 +766,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         began = time.monotonic()
         if left > margin:  # watch for one renewal interval, never up to the end of the lease
             if lock.acquire(timeout=min(options.ttl / 3, left - margin)):
-                _release(self, lock, None)  # freed early: released by its holder, who is done
+                _release(self, lock, None, announce=False)  # freed early: released by its holder, who is done
                 return False
             now_holder, now_left = lock._busy
             if now_holder != holder or (now_left or 0.0) > left - (time.monotonic() - began) + margin:
@@ -671,7 +775,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if lock.acquire(timeout=left + margin):  # not renewed for an interval: wait for the lease to end
             if time.monotonic() - began >= left - margin:
                 return True  # it ran out: the holder is dead
-            _release(self, lock, None)  # released late: it was alive after all
+            _release(self, lock, None, announce=False)  # released late: it was alive after all
         return False
 
     def _let_go(self, lock: _ExecutionLock, options: LockOptions, task_id: str | None, retries: int) -> None:
@@ -762,13 +866,18 @@ def _adopt(lock: _ExecutionLock, token: str) -> tuple[str | None, int] | None:
     return None
 
 
-def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None) -> None:
-    """Release after the body; a failure is logged, never raised over the task's outcome."""
+def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None, *, announce: bool = True) -> None:
+    """Release after the body; a failure is logged, never raised over the task's outcome.
+
+    A lock found no longer held is marked ``lost``. ``announce=False``: no
+    ``lock_released`` signal (for a hold that was never a run's: a probe).
+    """
     if not lock._held_here():
         return
     try:
         lock.release()
     except LockNotOwned:
+        lock.lost.set()
         logger.warning(
             "task %s[%s]: lock %s was no longer held when the task ended", task.name, task_id, lock.name
         )
@@ -781,7 +890,8 @@ def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None) -> None
             exc,
         )
     else:
-        signals.lock_released.send(sender=task, key=lock.name, task_id=task_id)
+        if announce:
+            signals.lock_released.send(sender=task, key=lock.name, task_id=task_id)
 
 
 def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
@@ -837,6 +947,10 @@ def install(app: Any) -> None:
     app_settings(app)  # bad settings fail here, not at the first task
     celery_signals.task_postrun.connect(
         _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
+    )
+    # Once per app (this function is idempotent), holding the app weakly.
+    celery_signals.worker_process_init.connect(
+        functools.partial(_mark_pool_child, weakref.ref(app)), weak=False
     )
     celery_signals.task_revoked.connect(
         _free_revoked, weak=False, dispatch_uid="celery_redislock.free_revoked"

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import signal
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -38,6 +41,8 @@ from celery_redislock.task import request_slot
 EVENTS_TTL_MS = 600_000
 #: Longest a gated body waits for its gate before giving up (a test that failed to open it).
 GATE_TIMEOUT = 60
+#: What ``lose_own_lock`` logs to (under the package's logger, whose handlers the watchdog's logs reach).
+stress_logger = logging.getLogger("celery_redislock.tests.stress")
 #: How far this process's beat clock is off (``skewed_now``).
 SKEW = timedelta(seconds=float(os.environ.get("TASKAPP_SKEW", "0")))
 
@@ -82,14 +87,15 @@ class Recorder:
     def gate_key(self, x: object) -> str:
         return f"{self.prefix}:gate:{x}"
 
-    def wait_gate(self, x: object, poll: float | None = None) -> bool:
-        """Block until the test opens ``x``'s gate; ``poll`` seconds per BLPOP, so that an
-        asynchronous exception (``LockLost``) reaches the body between two."""
+    def wait_gate(self, x: object, poll: float | None = None, check: Callable[[], object] = bool) -> bool:
+        """Block until the test opens ``x``'s gate; ``poll`` seconds per BLPOP, calling
+        ``check`` between two (a task's ``check_lock``, which raises ``LockLost``)."""
         if poll is None:
             return self.client.blpop([self.gate_key(x)], timeout=GATE_TIMEOUT) is not None
         for _ in range(int(GATE_TIMEOUT / poll)):
             if self.client.blpop([self.gate_key(x)], timeout=poll) is not None:
                 return True
+            check()
         return False
 
     def open_gate(self, x: object, times: int = 1) -> None:
@@ -148,6 +154,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
 
     for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
         locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
+    locked_task(name="taskapp.uawe_raise", lock_mode="until_and_while_executing", lock_busy="raise")(gated)
     locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
     locked_task(
         name="taskapp.requeued_slowly",
@@ -250,9 +257,62 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
     @locked_task(name="taskapp.lost", lock_ttl=0.6, lock_on_lost="raise")
     def lost(self: Task[Any, Any], x: object) -> str:
         recorder.record("start", self, x)
-        recorder.wait_gate(x, poll=0.05)
+        recorder.wait_gate(x, poll=0.05, check=self.check_lock)
         recorder.record("end", self, x)  # only if LockLost did not stop the body
         return "not stopped"
+
+    @locked_task(name="taskapp.lost_at_end", lock_ttl=0.6, lock_on_lost="raise")
+    def lost_at_end(self: Task[Any, Any], x: object) -> str:
+        """One blocking call that nothing interrupts, then a normal return."""
+        recorder.record("start", self, x)
+        recorder.wait_gate(x)
+        recorder.record("end", self, x)
+        return "finished"
+
+    @locked_task(name="taskapp.lose_own_lock", lock_ttl=0.6, lock_on_lost="raise")
+    def lose_own_lock(self: Task[Any, Any], x: object, work: str) -> str:
+        """Deletes its own lock, then logs (``work="log"``) or calls Redis (``"redis"``) in a
+        tight loop until the watchdog has marked the loss; then returns normally."""
+        recorder.client.delete(self.request.lock_key)
+        deadline = time.monotonic() + GATE_TIMEOUT
+        while not self.request.lock_lost and time.monotonic() < deadline:
+            if work == "log":
+                stress_logger.info("task %s still working on %s", self.request.id, x)
+            else:
+                recorder.client.get(f"{recorder.prefix}:stress:{x}")
+        return "not stopped"
+
+    @locked_task(name="taskapp.calls_after_loss", lock_ttl=0.6, lock_on_lost="raise")
+    def calls_after_loss(self: Task[Any, Any], x: object) -> object:
+        """Loses its lock, waits until the watchdog has marked the loss, then calls a locked task."""
+        recorder.client.delete(self.request.lock_key)
+        for _ in range(GATE_TIMEOUT * 20):
+            if self.request.lock_lost:
+                break
+            recorder.client.blpop([recorder.gate_key(f"never-{x}")], timeout=0.05)
+        return nested(x, 0)
+
+    @locked_task(name="taskapp.terminated", lock_on_lost="terminate")
+    def terminated(self: Task[Any, Any], x: object, gate: bool = True) -> object:
+        """Waits for its gate in one blocking call; a lost lock stops its pool child."""
+        return gated(self, x, gate)
+
+    @locked_task(name="taskapp.terminated_checks", lock_ttl=0.6, lock_on_lost="terminate")
+    def terminated_checks(self: Task[Any, Any], x: object) -> str:
+        recorder.record("start", self, x)
+        recorder.wait_gate(x, poll=0.05, check=self.check_lock)
+        recorder.record("end", self, x)
+        return "not stopped"
+
+    @locked_task(name="taskapp.outlives_sigterm", lock_busy="wait", lock_wait_timeout=60)
+    def outlives_sigterm(self: Task[Any, Any], x: object, gate: bool = True) -> object:
+        """Ignores SIGTERM (so a hard time limit needs SIGKILL); records ``overlap`` if a body
+        that ran before it with the same ``x`` is still alive when it starts."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        earlier = {int(event[4]) for event in recorder.events() if event[0] == "start" and event[2] == str(x)}
+        if any(running(pid) for pid in earlier - {os.getpid()}):
+            recorder.record("overlap", self, x)
+        return gated(self, x, gate)
 
     @locked_task(name="taskapp.lost_logged", lock_ttl=0.6)
     def lost_logged(self: Task[Any, Any], x: object) -> object:
@@ -275,7 +335,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         """Holds its lock (``redislock_ttl``) until its gate opens; a lost lock stops it (``LockLost``)."""
         recorder.record("start", self, x)
         if gate:
-            recorder.wait_gate(x, poll=0.05)
+            recorder.wait_gate(x, poll=0.05, check=self.check_lock)
         recorder.record("end", self, x)  # only if LockLost did not stop the body
         return x
 
@@ -301,6 +361,15 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
             locked_task(name=f"taskapp.{name}", **{"lock_beat": True, **options})(beat_job)
 
     return app
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not terminated (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @worker_ready.connect

@@ -231,6 +231,8 @@ def test_a_body_longer_than_three_leases_keeps_its_lock(pool: Pool) -> None:
 
 
 def test_on_lost_raise_stops_the_body_with_lock_lost(pool: Pool) -> None:
+    """The body calls ``self.check_lock()`` between short waits: the first call after the
+    loss raises ``LockLost``."""
     x, task = fresh(), pool.task("lost")
     result = task.delay(x)
     pool.started(x)
@@ -240,6 +242,21 @@ def test_on_lost_raise_stops_the_body_with_lock_lost(pool: Pool) -> None:
     assert type(raised.value).__name__ == "LockLost"
     assert pool.events("end", x) == []
     pool.recorder.open_gate(x)  # nothing waits on it any more; expires with the prefix's keys
+
+
+def test_on_lost_raise_fails_a_body_that_returns_after_the_loss(pool: Pool) -> None:
+    """The body is in one blocking call when its lock is lost; nothing interrupts it, it returns
+    normally, and the run fails with ``LockLost`` instead of reporting success."""
+    x, task = fresh(), pool.task("lost_at_end")
+    result = task.delay(x)
+    pool.started(x)
+    pool.recorder.client.delete(task_lock_key(task, (x,)))
+    wait_for(lambda: pool.events("lost", x), what="the watchdog to find the lock lost")
+    pool.recorder.open_gate(x)
+    with pytest.raises(Exception, match="lost") as raised:
+        result.get(timeout=RESULT_TIMEOUT)
+    assert type(raised.value).__name__ == "LockLost"
+    assert len(pool.events("end", x)) == 1  # the body ran to its end: nothing was raised inside it
 
 
 @pytest.mark.parametrize("pool", ["threads"], indirect=True)

@@ -101,7 +101,7 @@ BAD_OPTIONS = [
     ("lock_mode", "sometimes", "allowed: 'while_executing', 'until_executing'"),
     ("lock_busy", "later", "allowed: 'skip', 'retry', 'wait', 'raise'"),
     ("lock_duplicate", "ignore", "allowed: 'return', 'raise'"),
-    ("lock_on_lost", "panic", "allowed: 'log', 'raise'"),
+    ("lock_on_lost", "panic", "allowed: 'log', 'raise', 'terminate'"),
     ("lock_ttl", 0, ">= 0.3"),
     ("lock_ttl", 0.1, ">= 0.3"),
     ("lock_ttl", -5, ">= 0.3"),

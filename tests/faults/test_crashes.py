@@ -27,6 +27,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_redislock import task_lock_key
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
+from tests.taskapp import running
 from tests.workers import wait_for
 
 #: The lease of the tasks whose lock only the main process can free in time.
@@ -127,3 +128,26 @@ def test_a_terminated_or_timed_out_task_frees_its_lock_at_once(stage: Stage, how
             first.get(timeout=RESULT_TIMEOUT)
     stage.recorder.open_gate(x)
     assert second.get(timeout=RESULT_TIMEOUT) == x
+
+
+def test_a_hard_time_limit_frees_the_lock_only_once_the_child_is_gone(stage: Stage) -> None:
+    """A hard time limit: the pool sends SIGTERM to the child, waits 0.1 s, then sends SIGKILL.
+    The body ignores SIGTERM, so its child runs on until the SIGKILL. The duplicate waiting for
+    the lock starts only once that child is gone: it never sees the old child alive."""
+    stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
+    x, task = fresh(), stage.task("outlives_sigterm")
+    key = task_lock_key(task, (x,))
+    first = task.apply_async((x,), time_limit=3)
+    child = int(stage.wait_events("start", x)[0][4])
+    second = task.delay(x)
+    stage.wait_events("busy", x)  # the duplicate waits in the other child
+    starts = stage.wait_events("start", x, 2)
+    assert starts[1][3] == second.id and int(starts[1][5]) > int(starts[0][5])
+    assert stage.events("overlap", x) == [], "the duplicate started while the old child still ran"
+    assert not running(child)
+    with pytest.raises(TimeLimitExceeded):
+        first.get(timeout=RESULT_TIMEOUT)
+    assert "released its lock" in stage.workers[0].output()
+    stage.recorder.open_gate(x)
+    assert second.get(timeout=RESULT_TIMEOUT) == x
+    assert not stage.client.exists(key)

@@ -7,7 +7,7 @@ The guarantees under test, from the README's "When things go wrong":
 * the stale holder learns of the loss within one renewal interval (``lock_ttl/3``)
   of running again (paused), or of its lease running out (cut off): an ERROR
   log, the ``lock_lost`` signal (recorded as a ``lost`` event by ``tests.taskapp``);
-* with ``lock_on_lost="raise"`` its body is stopped by ``LockLost``;
+* with ``lock_on_lost="raise"`` its body is stopped by ``LockLost`` at its next ``self.check_lock()``;
 * its exit (a release sent late, or held up by the cut) leaves the new
   holder's lock alone.
 """

@@ -61,6 +61,35 @@ def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run_again(
     assert "Task taskapp" in first.output()
 
 
+def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_released(stage: Stage) -> None:
+    """The twin watches its first delivery's lease for one renewal interval; the first delivery
+    ends and releases meanwhile, so the twin's probe acquisition gets the lock and gives it back
+    at once. That probe was never a run: ``lock_released`` is sent once, by the first delivery."""
+    ttl = 6.0  # the twin watches for ttl/3 = 2 s: time for the test to end the first delivery
+    conf: dict[str, Any] = {
+        "broker_transport_options": TRANSPORT,
+        "task_acks_late": True,
+        "redislock_ttl": ttl,
+    }
+    first = stage.worker("first", **conf)
+    x, task = fresh(), stage.task("hold_skip")
+    result = task.delay(x, gate=True)
+    stage.wait_events("start", x)
+    twin = stage.worker("twin", **conf)
+    wait_for(
+        lambda: [event for event in stage.events("busy", x) if event[4] == str(twin.pid)],
+        timeout=20,
+        what="kombu to redeliver the message to the second worker",
+    )
+    stage.recorder.open_gate(x)  # the first delivery ends while the twin watches its lease
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    wait_for(lambda: "its first delivery" in twin.output(), timeout=ttl, what="the twin to decide")
+    assert "redelivered while its first delivery runs; ignored" in twin.output()
+    released = stage.events("released", x)
+    assert [event[4] for event in released] == [str(first.pid)], released
+    assert [event[3] for event in stage.events("start", x)] == [result.id]
+
+
 def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out(stage: Stage) -> None:
     """``acks_late`` promises a run for a message whose worker died mid-task. Its redelivery finds
     the lock still naming the same task and attempt, as a twin's would, but nobody renews it:

@@ -1,0 +1,134 @@
+"""A Redis error at any step of a run never leaves a lock held (issue 13, item 7).
+
+A run takes its execution lock (or adopts its enqueue lock), may free the
+message's enqueue lock, runs the body, then releases or keeps the lock as the
+mode says. Each step's Redis call fails once here (``redis.ConnectionError``,
+injected into the package's call), in a real worker: afterwards no lock of the
+run is left (a failed release's key runs out within ``lock_ttl``, unrenewed)
+and the watchdog renews nothing for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+import celery_redislock.lock
+import celery_redislock.task
+from celery_redislock import LockNotAcquired, RedisLock, RedisLockError, task_lock_key
+from celery_redislock.testing import RedisServer
+from celery_redislock.watchdog import get_watchdog
+from tests import invariants
+from tests.faults.conftest import RESULT_TIMEOUT, fresh
+from tests.taskapp import make_app
+from tests.workers import threads_worker, wait_for
+
+#: The runs' lease: how long a lock whose release failed lasts, unrenewed.
+TTL = 1.5
+
+#: step -> (object, attribute) of the call that fails once
+STEPS: dict[str, tuple[Any, str]] = {
+    "free_queued": (celery_redislock.task, "free_ticket"),
+    "release": (celery_redislock.lock.RedisLock, "_free"),
+    "settle": (celery_redislock.task, "SETTLE"),
+}
+
+
+def fail_once(monkeypatch: pytest.MonkeyPatch, step: str) -> list[tuple[Any, ...]]:
+    """Make ``step``'s call raise ``redis.ConnectionError`` the first time; the calls that failed."""
+    owner, name = STEPS[step]
+    original: Callable[..., Any] = getattr(owner, name)
+    failed: list[tuple[Any, ...]] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(args)
+            raise redis.ConnectionError(f"injected: {step} failed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return failed
+
+
+@pytest.mark.parametrize(
+    ("task_name", "step", "on_error"),
+    [
+        ("until_executing", "free_queued", "fail"),
+        ("until_executing", "free_queued", "run"),
+        ("until_and_while_executing", "free_queued", "fail"),
+        ("until_and_while_executing", "free_queued", "run"),
+        ("hold_skip", "release", "fail"),
+        ("until_executed", "release", "fail"),
+        ("until_and_while_executing", "release", "fail"),
+        ("until_expired", "settle", "fail"),
+    ],
+)
+def test_a_redis_error_at_any_step_leaves_no_lock_held(
+    redis_server: RedisServer,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    task_name: str,
+    step: str,
+    on_error: str,
+) -> None:
+    """The step fails once; the run then fails (``redislock_on_error="fail"``, before the body) or
+    goes on (a failed release is only logged; ``"run"`` runs the body unlocked). Either way the
+    run's locks are released or run out, and the watchdog holds no lease for them."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL, redislock_on_error=on_error)
+    task = app.tasks[f"taskapp.{task_name}"]
+    x = fresh()
+    key = task_lock_key(task, (x,))
+    client = redis_server.client()
+    failed = fail_once(monkeypatch, step)
+    try:
+        with threads_worker(app):
+            result = task.delay(x)
+            if step == "free_queued" and on_error == "fail":
+                with pytest.raises(RedisLockError, match="injected"):
+                    result.get(timeout=RESULT_TIMEOUT)
+            else:
+                assert result.get(timeout=RESULT_TIMEOUT) == x
+            assert len(failed) == 1, f"{step} was not called"
+            leases = [lease.key for lease in list(get_watchdog()._leases) if lease.key.startswith(key)]
+            assert leases == [], "the watchdog still renews the run's lock"
+            wait_for(
+                lambda: not invariants.leftover_locks(client, prefix),
+                timeout=TTL + 5,
+                what=lambda: f"no lock left: {invariants.leftover_locks(client, prefix)}",
+            )
+    finally:
+        client.close()
+        app.close()
+
+
+def test_a_redis_error_freeing_the_enqueue_lock_of_a_refused_run_never_runs_it_unlocked(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``until_and_while_executing`` with ``lock_busy="raise"`` and ``redislock_on_error="run"``:
+    another run holds the execution lock, so this one gives up (``LockNotAcquired``), and freeing
+    its enqueue lock fails once. That error does not make it an unlocked run beside the holder:
+    it fails with ``LockNotAcquired``, and its enqueue lock is freed all the same."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL, redislock_on_error="run")
+    task = app.tasks["taskapp.uawe_raise"]
+    x = fresh()
+    client = redis_server.client()
+    holder = RedisLock(client, task_lock_key(task, (x,)), TTL)
+    assert holder.acquire(blocking=False)
+    failed = fail_once(monkeypatch, "free_queued")
+    try:
+        with threads_worker(app):
+            result = task.delay(x)
+            with pytest.raises(LockNotAcquired):
+                result.get(timeout=RESULT_TIMEOUT)
+        assert len(failed) == 1
+        assert [event for event in app.recorder.events() if event[0] == "start"] == []  # type: ignore[attr-defined]
+        holder.release()
+        assert invariants.leftover_locks(client, prefix) == []
+    finally:
+        if holder.owned():  # the test failed before releasing it
+            holder.release()
+        client.close()
+        app.close()
