@@ -27,12 +27,10 @@ from celery_redislock import RedisLock
 from celery_redislock.aio import AsyncRedisLock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisClusterServers, RedisServer
-from tests.workers import wait_for
+from tests.taskapp import LEASE
+from tests.workers import renewed, wait_for
 
 pytestmark = pytest.mark.compat
-
-#: Long enough that a loaded machine never loses a live holder's lease; renewed every 2/3 s.
-LEASE = 2.0
 
 
 class Spy:
@@ -75,20 +73,6 @@ def spies(monkeypatch: pytest.MonkeyPatch, client: redis.Redis, *names: str) -> 
         owner, _, method = name.partition(".")
         found[name] = Spy(monkeypatch, owners[owner], method)
     return found
-
-
-def renewed(client: Any, key: str) -> None:
-    """Wait until the watchdog renews ``key``: without a renewal its PTTL only falls."""
-    lowest = client.pttl(key)
-    assert lowest > 0
-
-    def went_up() -> bool:
-        nonlocal lowest
-        now = client.pttl(key)
-        lowest, rose = min(lowest, now), now > lowest
-        return rose
-
-    wait_for(went_up, timeout=10 * LEASE, what=f"a renewal of {key}")
 
 
 def assert_called(found: dict[str, Spy]) -> None:

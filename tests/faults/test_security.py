@@ -27,8 +27,8 @@ from celery_redislock.testing import RedisServer
 from tests import invariants
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.faults.tls import TLSRedisServer, TLSUnsupported, have_openssl
-from tests.taskapp import make_app
-from tests.workers import threads_worker, wait_for
+from tests.taskapp import LEASE, make_app
+from tests.workers import renewed, threads_worker, wait_for
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 PACKAGE = Path(celery_redislock.__file__).resolve().parent
@@ -150,10 +150,11 @@ def tls_server(tmp_path: Path) -> Iterator[TLSRedisServer]:
 def test_the_lock_over_tls_with_a_test_ca(tls_server: TLSRedisServer, prefix: str) -> None:
     client = tls_server.client()
     name = f"{prefix}:k"
-    holder = RedisLock(client, name, ttl=0.6)
+    holder = RedisLock(client, name, ttl=LEASE)
     assert holder.acquire(blocking=False)
-    assert not holder.lost.wait(1.0)  # five renewals by the watchdog, over its own TLS connections
-    waiter = RedisLock(client, name, ttl=0.6, fair=True)
+    renewed(client, name)  # by the watchdog, over its own TLS connections
+    assert not holder.lost.is_set()
+    waiter = RedisLock(client, name, ttl=LEASE, fair=True)
     thread = threading.Thread(target=waiter.acquire, kwargs={"timeout": 10})
     thread.start()
     wait_for(lambda: client.zcard(companion_key(name, "queue")) == 1, what="the waiter to queue")
@@ -301,15 +302,24 @@ def lock_workload(url: str, prefix: str, admin: redis.Redis) -> list[str]:
         return got
 
     admin.script_flush()
-    lock = RedisLock(client, name, ttl=0.3)
+    lock = RedisLock(client, name, ttl=LEASE)
     if attempt("acquire", lambda: lock.acquire(blocking=False)):
         if not attempt("owned", lock.owned):
             problems.append("owned() was not True")
         if not attempt("locked", lock.locked):
             problems.append("locked() was not True")
-        if lock.lost.wait(0.4):  # renewed every 0.1 s by the watchdog meanwhile
+        lowest = admin.pttl(name)
+
+        def renewed_or_lost() -> bool:
+            nonlocal lowest
+            now = admin.pttl(name)
+            lowest, rose = min(lowest, now), now > lowest
+            return rose or lock.lost.is_set()
+
+        wait_for(renewed_or_lost, timeout=10 * LEASE, what="a renewal by the watchdog, or a loss")
+        if lock.lost.is_set():
             problems.append("the watchdog could not renew the lease")
-        attempt("extend", lambda: lock.extend(0.3))
+        attempt("extend", lambda: lock.extend(LEASE))
         attempt("release", lock.release)
     for fair in (False, True):
         if contended(fair, timeout=1, released=True) != [True]:  # a release wakes it in ms
