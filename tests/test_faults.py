@@ -15,6 +15,8 @@ import celery_redislock.lock as lock_module
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
+from tests.taskapp import LEASE
+from tests.workers import renewed
 
 
 def wait_until_queued(client: redis.Redis, name: str, count: int = 1) -> None:
@@ -54,21 +56,24 @@ def test_a_handover_received_late_is_still_held(
 ) -> None:
     """A pause between the failed attempt and BLPOP must not make the watchdog miss the lease."""
     real_call = lock_module.call_with_timeout
+    resume = threading.Event()
 
     def paused_call(*args: Any) -> Any:
-        threading.Event().wait(0.5)  # an injected pause (GC, scheduling) before the BLPOP is sent
+        resume.wait(30)  # an injected pause (GC, scheduling) before the BLPOP is sent
         return real_call(*args)
 
     monkeypatch.setattr(lock_module, "call_with_timeout", paused_call)
     name = f"{prefix}:k"
-    holder, waiter = RedisLock(client, name, ttl=0.6, fair=True), RedisLock(client, name, ttl=0.6, fair=True)
+    holder = RedisLock(client, name, ttl=LEASE, fair=True)
+    waiter = RedisLock(client, name, ttl=LEASE, fair=True)
     holder.acquire()
     thread = threading.Thread(target=waiter.acquire)
     thread.start()
     wait_until_queued(client, name)
-    holder.release()  # hands over with a 0.6 s TTL while the waiter is still paused
+    holder.release()  # hands over, with a fresh lease, while the waiter is still paused
+    resume.set()
     thread.join()
-    assert not waiter.lost.wait(1.5)
+    assert not waiter.lost.wait(1.5 * LEASE)
     assert waiter.owned()
     waiter.release()
 
@@ -77,13 +82,14 @@ def test_a_stalled_server_is_reported_and_does_not_stall_other_leases(
     fresh_server: RedisServer, redis_server: RedisServer, prefix: str
 ) -> None:
     stalled = RedisLock(fresh_server.client(), f"{prefix}:stalled", ttl=0.6)
-    healthy = RedisLock(redis_server.client(), f"{prefix}:healthy", ttl=0.6)
+    healthy = RedisLock(redis_server.client(), f"{prefix}:healthy", ttl=LEASE)
     stalled.acquire()
     healthy.acquire()
     os.kill(fresh_server.pid, signal.SIGSTOP)
     try:
         assert stalled.lost.wait(10)  # renewals get no answer: lost once the lease ran out
-        assert not healthy.lost.wait(1.5)  # meanwhile the other server's lease kept being renewed
+        renewed(redis_server.client(), f"{prefix}:healthy")  # meanwhile the other server's lease is renewed
+        assert not healthy.lost.is_set()
         assert healthy.owned()
     finally:
         os.kill(fresh_server.pid, signal.SIGCONT)
@@ -92,13 +98,14 @@ def test_a_stalled_server_is_reported_and_does_not_stall_other_leases(
 
 
 def test_a_key_of_another_type_loses_only_its_own_lease(client: redis.Redis, prefix: str) -> None:
-    locks = [RedisLock(client, f"{prefix}:{i}", ttl=0.6) for i in range(3)]
+    locks = [RedisLock(client, f"{prefix}:{i}", ttl=LEASE) for i in range(3)]
     for lock in locks:
         lock.acquire()
     client.delete(f"{prefix}:0")
     client.set(f"{prefix}:0", "not a lock", px=60_000)
     assert locks[0].lost.wait(5)
-    assert not locks[1].lost.wait(1.0) and not locks[2].lost.is_set()
+    renewed(client, f"{prefix}:1")  # the other two are renewed all along
+    assert not locks[1].lost.is_set() and not locks[2].lost.is_set()
     assert locks[1].owned() and locks[2].owned()
     for lock in locks[1:]:
         lock.release()

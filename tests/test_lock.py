@@ -15,6 +15,7 @@ from celery_redislock import LockConfigurationError, LockLost, LockNotAcquired, 
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from tests.conftest import calls_since, command_calls
+from tests.taskapp import LEASE
 
 MakeLock = Callable[..., RedisLock]
 
@@ -214,11 +215,11 @@ def test_without_watchdog_the_lock_expires_and_a_waiter_gets_it(
 
 
 def test_watchdog_keeps_a_short_lease_alive(client: redis.Redis, name: str, make: MakeLock) -> None:
-    lock = make(ttl=1)
+    lock = make(ttl=LEASE)
     lock.acquire()
-    assert not lock.lost.wait(5)  # five leases long
+    assert not lock.lost.wait(3 * LEASE)  # three leases long
     assert lock.owned()
-    assert 0 < client.pttl(name) <= 1000
+    assert 0 < client.pttl(name) <= LEASE * 1000
     assert not make().acquire(blocking=False)
 
 

@@ -72,3 +72,32 @@ def test_every_setting_and_task_option_has_a_row_with_type_default_and_meaning()
     for name in names:
         assert name in rows, f"{name} has no row in the settings tables"
         assert rows[name].count(" | ") >= 3, rows[name]  # name, type, default, meaning
+
+
+REPOSITORY = "https://github.com/celery-redislock/celery-redislock"
+#: Where links into the repository point: files, and images (served raw).
+BASES = (
+    f"{REPOSITORY}/blob/main/",
+    "https://raw.githubusercontent.com/celery-redislock/celery-redislock/main/",
+)
+#: Makes every relative link and image of the README absolute (run it after editing the README).
+ABSOLUTE_LINKS = (
+    'python3 -c \'import pathlib,re; p=pathlib.Path("README.md"); p.write_text(re.sub('
+    'r"(!?)(\\[[^\\]]*\\])\\((?!https?://|#|mailto:)([^)\\s]+)\\)", lambda m: m[1]+m[2]+"("+('
+    f'"{BASES[1]}" if m[1] else "{BASES[0]}")+m[3]+")", p.read_text()))\''
+)
+
+
+def test_every_link_is_absolute_and_leads_to_a_file_of_the_repository() -> None:
+    """PyPI shows the README without the repository around it, where a relative link or image
+    leads nowhere; every link into the repository names a file that exists."""
+    text = re.sub(r"```.*?```", "", README.read_text(), flags=re.DOTALL)
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    relative = [
+        target for target in targets if not target.startswith(("https://", "http://", "#", "mailto:"))
+    ]
+    assert relative == [], f"relative links (PyPI breaks them); run:\n{ABSOLUTE_LINKS}"
+    inside = [target.removeprefix(base) for target in targets for base in BASES if target.startswith(base)]
+    assert inside
+    missing = [path for path in inside if not (README.parent / path.split("#")[0]).exists()]
+    assert missing == []

@@ -226,8 +226,8 @@ def test_a_retry_that_arrives_before_its_previous_attempt_released_waits_for_it(
 @pytest.mark.parametrize("pool", ["threads", "prefork"], indirect=True)
 def test_a_body_longer_than_three_leases_keeps_its_lock(pool: Pool) -> None:
     x, task = fresh(), pool.task("long")
-    assert task.delay(x, renewals=5).get(timeout=RESULT_TIMEOUT) is True
-    assert not pool.recorder.client.exists(task_lock_key(task, (x, 5)))
+    assert task.delay(x, leases=3).get(timeout=RESULT_TIMEOUT) is True
+    assert not pool.recorder.client.exists(task_lock_key(task, (x, 3)))
 
 
 def test_on_lost_raise_stops_the_body_with_lock_lost(pool: Pool) -> None:

@@ -21,7 +21,7 @@ from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import Lease, get_watchdog
 from tests.conftest import Topology, calls_since, command_calls
-from tests.taskapp import make_app
+from tests.taskapp import LEASE, make_app
 from tests.workers import threads_worker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ def test_holder_sigkilled_frees_the_lock_within_one_ttl(redis_server: RedisServe
     client = redis_server.client()
     key = f"{prefix}:k"
     holder = subprocess.Popen(
-        [sys.executable, "-m", "tests.holder", redis_server.url, key, "1"],
+        [sys.executable, "-m", "tests.holder", redis_server.url, key, str(LEASE)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -137,12 +137,12 @@ def test_holder_sigkilled_frees_the_lock_within_one_ttl(redis_server: RedisServe
         assert holder.stdout is not None
         assert holder.stdout.readline().startswith("acquired")
         waiter = RedisLock(client, key, ttl=5)
-        # Held well past its 1 s lease while the holder lives: its watchdog renews it.
-        assert not waiter.acquire(timeout=3)
+        # Held past its lease while the holder lives: its watchdog renews it.
+        assert not waiter.acquire(timeout=1.5 * LEASE)
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-        assert 0 < client.pttl(key) <= 1000  # nobody renews it now: gone within one TTL
-        assert waiter.acquire(timeout=10)
+        assert 0 < client.pttl(key) <= LEASE * 1000  # nobody renews it now: gone within one TTL
+        assert waiter.acquire(timeout=10 * LEASE)
         waiter.release()
     finally:
         if holder.poll() is None:
@@ -159,9 +159,9 @@ def _child(url: str, prefix: str, inherited: RedisLock, results: Any) -> None:
         except LockNotOwned:
             released_inherited = False
         client = redis.Redis.from_url(url)
-        lock = RedisLock(client, f"{prefix}:child", ttl=0.6)
+        lock = RedisLock(client, f"{prefix}:child", ttl=LEASE)
         lock.acquire()
-        kept = not lock.lost.wait(2.0)  # three leases
+        kept = not lock.lost.wait(1.5 * LEASE)  # four renewals or more
         results.put((released_inherited, kept and lock.owned(), get_watchdog().pid == os.getpid()))
         lock.release()
     except BaseException as exc:
@@ -173,7 +173,7 @@ def test_fork_child_renews_its_own_locks_and_not_the_parents(redis_server: Redis
     import multiprocessing
 
     client = redis_server.client()
-    parent_lock = RedisLock(client, f"{prefix}:parent", ttl=0.6)
+    parent_lock = RedisLock(client, f"{prefix}:parent", ttl=LEASE)
     parent_lock.acquire()  # the parent's watchdog thread is running
     context = multiprocessing.get_context("fork")
     results = context.Queue()

