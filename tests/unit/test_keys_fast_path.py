@@ -26,9 +26,9 @@ delivered = st.recursive(
     | st.floats()
     | st.text()
     | st.sampled_from(["\ud800", "é\u2028", "\x00"]),
-    lambda inner: st.lists(inner, max_size=3)
-    | st.tuples(inner, inner)
-    | st.dictionaries(st.text(), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.tuples(inner, inner) | st.dictionaries(st.text(), inner, max_size=3)
+    ),
     max_leaves=10,
 )
 #: Values that take the round trip: int dict keys, other types, envelope look-alikes, nested.
