@@ -32,7 +32,8 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python bench/lock_bench.py
 
-# LockedTask vs a plain task, celery-once and celery-singleton in a real prefork worker (~5 min)
+# LockedTask vs a plain task, celery-once and celery-singleton in a real prefork worker: the paired
+# median of 7 rounds x plain, lock CPU, round trips and commands per task (~6 min)
 bench-tasks: $(VENV)/.installed
 	$(BIN)/python bench/task_bench.py
 

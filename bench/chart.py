@@ -11,8 +11,11 @@ to a baseline so that runs on different machines compare:
   (min/max acquisitions per process);
 * beyond one Redis: a Redlock over 3 primaries x pottery's, a 3-primary
   Cluster x one server (``--only redlock``, ``--only cluster``);
-* Celery tasks: wall time x a plain task, CPU per task of all processes, and
-  what a refused duplicate enqueue costs the producer (``refused_duplicates``).
+* Celery tasks: wall time x a plain task (the median of per-round ratios, each
+  run paired with plain's in its round, with the best peer as a line), lock CPU
+  per task (worker pool + producer less plain's, plus the lock server; older
+  files: CPU per task of all processes), and what a refused duplicate enqueue
+  costs the producer (``refused_duplicates``).
 
 A scenario or variant a run left out is left out of its panel; a panel with
 nothing to show says why. matplotlib (the ``bench`` extra) is installed from
@@ -136,22 +139,45 @@ def lock_fairness(lock: dict[str, Any]) -> Panel:
     return panel
 
 
+#: The peers of ``task_bench.py`` (the best of them is the bar ``LockedTask`` is held to).
+TASK_PEERS = ("celery-once", "celery-singleton")
+
+
+def paired(tasks: dict[str, Any]) -> bool:
+    """Whether ``task_bench.json`` has the paired figures (per-round ratios to plain, lock CPU);
+    older files have medians of walls and CPU per process only."""
+    return any("paired_ratio_to_plain" in row for row in _section(tasks, "summary").values())
+
+
 def task_wall(tasks: dict[str, Any]) -> Panel:
     count = _section(tasks, "args").get("tasks")
     what = f"{count:,} tasks" if isinstance(count, int) else "tasks"
-    panel = Panel(f"Celery, {what}: wall {X} a plain task", f"{X} a plain task's wall time (lower is better)")
+    rounds = _section(tasks, "args").get("repeats")
+    if paired(tasks):
+        title = f"Celery, {what}: wall {X} plain, paired median of {rounds} rounds"
+        ratio_key = "paired_ratio_to_plain"
+    else:
+        title, ratio_key = f"Celery, {what}: wall {X} a plain task", "wall_ratio_to_plain"
+    panel = Panel(title, f"{X} a plain task's wall time (lower is better)")
     for name, row in _section(tasks, "summary").items():
-        ratio = row.get("wall_ratio_to_plain")
+        ratio = row.get(ratio_key)
         if ratio is None:
             continue
+        commands = row.get("server_commands_per_task")
         note = f"{ratio:.2f}{X}\n{row['wall_s']:.2f} s\n{row['round_trips_per_task']:.1f} RT"
+        if commands is not None:
+            note += f"\n{commands:.1f} cmds"
         panel.bars.append(Bar(name, ratio, note))
-    panel.lines = [(1.0, "plain"), (1.05, f"target 1.05{X}")] if panel.bars else []
+    peers = [bar.value for bar in panel.bars if bar.label in TASK_PEERS]
+    target = (min(peers), "best peer") if paired(tasks) and peers else (1.05, f"target 1.05{X}")
+    panel.lines = [(1.0, "plain"), target] if panel.bars else []
     panel.missing = "" if panel.bars else "no task results with a plain baseline in task_bench.json"
     return panel
 
 
 def task_cpu(tasks: dict[str, Any]) -> Panel:
+    if paired(tasks):
+        return task_lock_cpu(tasks)
     panel = Panel("Celery: CPU per task, all processes", "CPU ms per task (lower is better)")
     for name, row in _section(tasks, "summary").items():
         cpu = row.get("cpu_ms_per_task") or {}
@@ -162,6 +188,24 @@ def task_cpu(tasks: dict[str, Any]) -> Panel:
             )
             panel.bars.append(Bar(name, total, note))
     panel.missing = "" if panel.bars else "no CPU figures in task_bench.json"
+    return panel
+
+
+def task_lock_cpu(tasks: dict[str, Any]) -> Panel:
+    panel = Panel(
+        "Celery: lock CPU per task (pool + producer - plain's, + lock server)",
+        "lock CPU µs per task (lower is better)",
+    )
+    for name, row in _section(tasks, "summary").items():
+        cpu = row.get("lock_cpu_us_per_task")
+        if cpu is None or name == "plain":
+            continue
+        lock_server = _section(row, "cpu_ms_per_task").get("lock server", 0) * 1000
+        note = f"{cpu:.0f} µs\nserver {lock_server:.0f}\n{row['round_trips_per_task']:.1f} RT"
+        panel.bars.append(Bar(name, cpu, note))
+    peers = [bar.value for bar in panel.bars if bar.label in TASK_PEERS]
+    panel.lines = [(min(peers), "best peer")] if peers else []
+    panel.missing = "" if panel.bars else "no lock CPU figures in task_bench.json"
     return panel
 
 
@@ -241,7 +285,10 @@ def subtitle(lock: dict[str, Any], tasks: dict[str, Any]) -> str:
     parts = []
     for name, data in (("lock_bench", lock), ("task_bench", tasks)):
         if data:
+            machine = data.get("machine") or {}
             where = f"{data.get('cpus', '?')} CPUs, Python {data.get('python', '?')}"
+            if machine:
+                where = f"{machine['cpu']}, {machine['cores']} cores, Python {machine['python']}"
             commit = f", commit {data['commit']}" if data.get("commit") else ""
             parts.append(f"{name}.json: {where}{commit}")
     return "; ".join(parts) + ". RT: round trips to Redis. Numbers vary with machine load: compare ratios."

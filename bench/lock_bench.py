@@ -93,6 +93,7 @@ UNCONTENDED = [
     "bare",
     "RedisLock",
     "RedisLock watchdog=False",
+    "RedisLock subclass",
     "redis-py Lock",
     "python-redis-lock",
     "pottery",
@@ -197,9 +198,16 @@ def uncontended_pair(name: str, client: redis.Redis, key: str) -> Pair:
     return lambda: checked(lock.acquire(blocking=False), name), lock.release
 
 
+class SubclassedRedis(redis.Redis):
+    """A ``redis.Redis`` subclass, as an instrumented or counting client is: every lock
+    command goes through its ``execute_command``, not the plain client's fast path."""
+
+
 def uncontended_lock(name: str, client: redis.Redis, key: str) -> Any:
     if name == "RedisLock":
         return RedisLock(client, key)
+    if name == "RedisLock subclass":  # the same (counting) connections, through the subclass
+        return RedisLock(SubclassedRedis(connection_pool=client.connection_pool), key)
     if name == "RedisLock watchdog=False":
         return RedisLock(client, key, watchdog=False)
     return peer_lock(name, client, key)
@@ -450,11 +458,14 @@ def bench_contention(url: str, prefix: str, processes: int, seconds: float) -> d
             "fifo_ideal_wait_ms": fifo_ideal * 1000,
             "p99_over_fifo_ideal": percentile(waits, 99) / fifo_ideal,
         }
+    peers = [rows[name] for name in PEER_NAMES if "error" not in rows.get(name, {"error": "not run"})]
+    best_peer = max((row["critical_sections_per_s"] for row in peers), default=0.0)
     print_table(
         f"contention: {processes} processes, one key, hold {HOLD * 1000:g} ms, {seconds:g}s",
         [
             "lock",
             "CS/s",
+            "x best peer",
             "acq",
             "min",
             "max",
@@ -466,11 +477,12 @@ def bench_contention(url: str, prefix: str, processes: int, seconds: float) -> d
             "CPU us c+s",
         ],
         [
-            [name, "error", *[""] * 9]
+            [name, "error", *[""] * 10]
             if "error" in row
             else [
                 name,
                 f"{row['critical_sections_per_s']:.0f}",
+                f"{row['critical_sections_per_s'] / best_peer:.3f}" if best_peer else "-",
                 str(row["acquisitions"]),
                 str(row["min_per_process"]),
                 str(row["max_per_process"]),
@@ -485,7 +497,8 @@ def bench_contention(url: str, prefix: str, processes: int, seconds: float) -> d
         ],
     )
     print(
-        "  (RT/acq: all processes' commands / acquisitions; CPU us c+s: client + server CPU per acquisition)"
+        "  (x best peer: CS/s / the best peer's in this run; RT/acq: all processes' commands / acquisitions;"
+        " CPU us c+s: client + server CPU per acquisition)"
     )
     admin.close()
     return rows
@@ -708,6 +721,11 @@ def checks(results: dict[str, Any]) -> list[Check]:
                 "",
             ),
             Check(
+                "uncontended RedisLock subclass/bare pairs/s",
+                rows["RedisLock subclass"]["ratio_to_bare"],
+                ">= 0.90",
+            ),
+            Check(
                 "uncontended RedisLock/best peer pairs/s",
                 rows["RedisLock"]["pairs_per_s"] / max(rows[p]["pairs_per_s"] for p in PEER_NAMES),
                 "",
@@ -798,19 +816,47 @@ def print_summary(found: list[Check]) -> None:
         print("  " + check.line())
 
 
-def _relative(path: Path) -> str:
-    """``path`` relative to the repository (a results file is committed: no machine's own path)."""
-    return os.path.relpath(path.resolve(), Path(__file__).resolve().parent.parent)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def relative(path: Path) -> str:
+    """``path`` as the results name it: relative to the repository (never an absolute path)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else path.name
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor field."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def run_header(args: argparse.Namespace) -> dict[str, Any]:
-    """What a results file says about the run: its arguments, Python, platform and CPUs."""
+    """What a results file says about the run: its arguments (paths relative to the repository),
+    the machine (CPU model, cores, Python, OS) and, for older readers, Python, platform and CPUs."""
     return {
-        "args": {k: _relative(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: relative(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "os": platform.platform(),
+        },
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "package_changes_not_committed": git("status", "--porcelain", "--", "celery_redislock"),
     }
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

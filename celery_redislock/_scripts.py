@@ -24,6 +24,7 @@ its use. Times come from the Redis server clock (``TIME``), never a client's.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,15 +241,18 @@ class Script:
         task. A ``RedisCluster`` sends it the same way to the node serving the
         keys' slot, and goes through its ``execute_command`` (which follows
         MOVED/ASK and learns the new layout) when that node redirects it or is
-        gone. Any other client (single-connection, a subclass) goes through
-        ``execute_command``.
+        gone. Any other client (single-connection, a subclass), and any client
+        whose ``execute_command`` an instrumentation library wraps (see
+        ``own_execute_command``), goes through ``execute_command``, so that
+        APM tools see every lock command.
 
         An exception that ends the exchange early (``KeyboardInterrupt``, a
         Celery time limit, even between the send and the read) drops the
         connection, so that its reply is never read by the next user.
         """
-        if type(client) is not redis.Redis or client.connection is not None:
-            if type(client) is redis.cluster.RedisCluster and keys:
+        plain = type(client) is redis.Redis and client.connection is None
+        if not plain or not own_execute_command(client):
+            if type(client) is redis.cluster.RedisCluster and keys and own_execute_command(client):
                 try:  # straight to the node that serves the keys' slot, on that node's own fast path
                     return self(node_client(client, keys[0]), keys, args, resending)
                 except _REDIRECTED:
@@ -321,6 +325,32 @@ class Script:
                 *args,
             )
         )
+
+
+def _redis_py_execute_command(cls: type) -> Any:
+    """``cls.execute_command`` as redis-py defines it, unwrapped (``__wrapped__``) if an
+    instrumentation library wrapped it before this module was imported; ``None`` if it was
+    replaced by a function that does not lead back to redis-py's (no client is then taken for
+    uninstrumented: every command goes through ``execute_command``)."""
+    function = inspect.unwrap(cls.__dict__["execute_command"])
+    if function.__module__ != cls.__module__ or function.__qualname__ != f"{cls.__name__}.execute_command":
+        return None
+    return function
+
+
+#: class -> its ``execute_command`` as redis-py defines it (or ``None``), captured at import.
+_OWN_EXECUTE_COMMAND = {
+    cls: _redis_py_execute_command(cls) for cls in (redis.Redis, redis.cluster.RedisCluster)
+}
+
+
+def own_execute_command(client: Any) -> bool:
+    """Whether ``client`` (a ``redis.Redis`` or ``RedisCluster``) sends commands with redis-py's
+    own ``execute_command``: not wrapped by an instrumentation library (OpenTelemetry, Sentry,
+    ddtrace wrap it on the class, ``instrument_client`` on the client). Checked on every call,
+    since an app may instrument redis-py, or stop, at any time after this module is imported."""
+    cls = type(client)
+    return cls.execute_command is _OWN_EXECUTE_COMMAND.get(cls) and "execute_command" not in vars(client)
 
 
 #: Errors after which a Cluster's direct node call is sent again through the Cluster client.

@@ -34,8 +34,9 @@ __all__ = ["LockOn", "call_digest", "leader_key", "lock_key", "slot_key"]
 LockOn = Sequence[str] | Callable[..., Any] | None
 
 
-def _signature(run: Callable[..., Any]) -> inspect.Signature:
-    """``inspect.signature(run)``, computed once per function (a bound method drops its ``self``)."""
+def _signature(run: Callable[..., Any]) -> tuple[inspect.Signature, tuple[str, ...] | None]:
+    """``inspect.signature(run)`` (a bound method drops its ``self``) and, when every parameter
+    can be passed by position, their names; computed once per function."""
     function = getattr(run, "__func__", None)
     if function is None:
         return _function_signature(run, False)
@@ -43,12 +44,17 @@ def _signature(run: Callable[..., Any]) -> inspect.Signature:
 
 
 @functools.lru_cache(maxsize=1024)
-def _function_signature(function: Callable[..., Any], bound: bool) -> inspect.Signature:
+def _function_signature(
+    function: Callable[..., Any], bound: bool
+) -> tuple[inspect.Signature, tuple[str, ...] | None]:
     signature = inspect.signature(function)
     if bound:
         parameters = list(signature.parameters.values())[1:]
         signature = signature.replace(parameters=parameters)
-    return signature
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if all(parameter.kind in positional for parameter in signature.parameters.values()):
+        return signature, tuple(signature.parameters)
+    return signature, None
 
 
 #: The keys of kombu's JSON envelope for a non-JSON type: ``{"__type__": "datetime", "__value__": ...}``.
@@ -58,9 +64,40 @@ _ENVELOPE = frozenset({"__type__", "__value__"})
 def _canonical(value: Any) -> str:
     """The canonical JSON of ``value`` as a worker receives it: encoded by Celery's JSON
     encoder, decoded (a tuple is a list, a dict key a string; envelopes left encoded, as
-    kombu's decoder and encoder invert each other) and encoded again with sorted keys."""
-    delivered = json.loads(json.dumps(value, cls=JSONEncoder, ensure_ascii=False, allow_nan=True))
-    return json.dumps(delivered, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+    kombu's decoder and encoder invert each other) and encoded again with sorted keys.
+    A value already in its delivered form (``_delivered``) is encoded once: the same text."""
+    if not _delivered(value):
+        value = json.loads(json.dumps(value, cls=JSONEncoder, ensure_ascii=False, allow_nan=True))
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+
+
+#: The types JSON delivers as they were sent (``bool`` and ``None`` included; not subclasses).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _delivered(value: Any) -> bool:
+    """Whether a worker receives ``value`` as it is (dicts with string keys, lists, tuples
+    and ``_SCALARS``, each container reached once: no cycle, no shared part), so that one
+    encoding gives its canonical JSON. Anything else (other types, an int dict key, a dict
+    shaped like kombu's envelope) takes the round trip."""
+    pending, seen = [value], set()
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        if kind in _SCALARS:
+            continue
+        if id(item) in seen:
+            return False
+        seen.add(id(item))
+        if kind is dict:
+            if item.keys() == _ENVELOPE or not all(type(key) is str for key in item):
+                return False
+            pending.extend(item.values())
+        elif kind is list or kind is tuple:
+            pending.extend(item)
+        else:
+            return False
+    return True
 
 
 def _envelope_lookalike(value: Any) -> bool:
@@ -87,17 +124,22 @@ def _keyed_value(
             return lock_on(*args, **kwargs)
         except Exception as exc:
             raise LockKeyError(task_name, "lock_on", f"(the callable) raised {exc!r}") from exc
-    try:
-        bound = _signature(run).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise LockKeyError(task_name, "*", f"list does not match the task's signature: {exc}") from None
-    bound.apply_defaults()
+    signature, names = _signature(run)
+    if names is not None and not kwargs and len(args) == len(names):
+        arguments = dict(zip(names, args, strict=True))  # as binding gives: every parameter by position
+    else:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise LockKeyError(task_name, "*", f"list does not match the task's signature: {exc}") from None
+        bound.apply_defaults()
+        arguments = bound.arguments
     if lock_on is None:
-        return bound.arguments
-    missing = [name for name in lock_on if name not in bound.arguments]
+        return arguments
+    missing = [name for name in lock_on if name not in arguments]
     if missing:
         raise LockKeyError(task_name, missing[0], "named in lock_on is not a parameter of the task")
-    return {name: bound.arguments[name] for name in lock_on}
+    return {name: arguments[name] for name in lock_on}
 
 
 def call_digest(

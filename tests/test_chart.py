@@ -148,3 +148,28 @@ def test_redlock_and_cluster_results_are_charted_against_their_baselines() -> No
     assert [bar.value for bar in beyond.bars] == pytest.approx([1.0, 1279 / 282, 1.0, 3429 / 3479])
     lock["results"].pop("cluster")
     assert len(by_title(chart.panels(lock, TASKS), "Beyond one Redis").bars) == 2  # one scenario only
+
+
+def test_paired_ratios_and_lock_cpu_are_charted() -> None:
+    """The format bench/task_bench.py writes now: per-round ratios to plain (their median is the
+    bar), lock CPU per task in µs, server commands per task; the best peer is a line."""
+    tasks = copy.deepcopy(TASKS)
+    figures = {
+        "plain": (1.0, 0.0),
+        "LockedTask": (1.03, 180.0),
+        "celery-once": (1.05, 210.0),
+        "celery-singleton": (1.04, 190.0),
+    }
+    for name, (ratio, cpu) in figures.items():
+        tasks["summary"].setdefault(name, copy.deepcopy(tasks["summary"]["plain"]))
+        tasks["summary"][name].update(
+            paired_ratio_to_plain=ratio, lock_cpu_us_per_task=cpu, server_commands_per_task=2.0
+        )
+    panels = chart.panels(LOCK, tasks)
+    wall = by_title(panels, "Celery, 2,000 tasks: wall")
+    assert "paired median" in wall.title
+    assert values(wall) == {name: ratio for name, (ratio, _) in figures.items()}  # the others: unpaired
+    assert (1.04, "best peer") in wall.lines
+    cpu = by_title(panels, "Celery: lock CPU per task")
+    assert values(cpu) == {name: cpu_us for name, (_, cpu_us) in figures.items() if name != "plain"}
+    assert cpu.lines == [(190.0, "best peer")]
