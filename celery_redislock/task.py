@@ -529,8 +529,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                         result = super().__call__(*args, **kwargs)
                     finally:
                         _pending_request.reset(pending)
-            raise
-        finally:
+        finally:  # the body's own exception, if any, stands, lost lock or not (the loss is logged)
             _held_locks.reset(held_token)
             if lock is not None:
                 self._let_go(lock, options, task_id, retries)
