@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -57,7 +58,8 @@ def test_every_key_of_a_lock_lives_in_its_slot(
     holder = RedisLock(client, name, ttl=30, fair=True)
     holder.acquire()
     waiters = [RedisLock(client, name, ttl=30, fair=True) for _ in range(2)]
-    threads = [threading.Thread(target=waiter.acquire) for waiter in waiters]
+    granted: queue.Queue[RedisLock] = queue.Queue()  # in the order the waiters got the lock
+    threads = [threading.Thread(target=lambda w=w: granted.put(w) if w.acquire() else None) for w in waiters]
     for thread in threads:
         thread.start()
     node = node_of(cluster, client, name).client()
@@ -67,11 +69,11 @@ def test_every_key_of_a_lock_lives_in_its_slot(
     keys = [key for server in cluster.servers for key in server.client().scan_iter(match=f"*{prefix}*")]
     assert len(keys) >= 3  # the lock, its queue and its waiters' deadlines
     assert {client.keyslot(key) for key in keys} == {client.keyslot(name)}
-    holder.release()  # hands over to the first waiter, who hands over to the second
-    threads[0].join()
-    waiters[0].release()
-    threads[1].join()
-    waiters[1].release()
+    holder.release()  # hands over to the first queued waiter (not necessarily the first started)
+    for _ in waiters:
+        granted.get(timeout=30).release()  # ... who hands over to the other
+    for thread in threads:
+        thread.join(timeout=30)
     assert client.exists(name) == 0
 
 
