@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_redislock.connection import redis_client
 from celery_redislock.testing import (
@@ -28,6 +29,7 @@ from celery_redislock.testing import (
     find_redis_server,
 )
 from tests import invariants
+from tests.taskapp import make_app
 
 
 def pytest_report_header() -> str:
@@ -63,6 +65,15 @@ def fresh_server(request: pytest.FixtureRequest, prefix: str) -> Iterator[RedisS
         gc.collect()  # as for redis_server
         if server.process is not None and server.process.poll() is None:
             check_invariants(request, server, prefix)
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
+    """The test app (``tests.taskapp``) on the session server, under the test's prefix and queue;
+    modules that need another app define their own ``app``."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    yield app
+    app.close()
 
 
 @pytest.fixture

@@ -130,6 +130,11 @@ class Recorder:
 _recorders: dict[str, Recorder] = {}
 
 
+def recorder(app: Celery) -> Recorder:
+    """The ``Recorder`` of an app made by ``make_app``."""
+    return app.recorder  # type: ignore[attr-defined, no-any-return]
+
+
 def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), **conf: Any) -> Celery:
     """The tests' app; the tasks named in ``without`` are not registered (a beat that
     does not import them sends them with ``send_task``)."""

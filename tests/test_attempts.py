@@ -29,21 +29,10 @@ from celery_redislock.cli import read_lock
 from celery_redislock.lock import companion_key
 from celery_redislock.task import BEAT_HEADER, HEADER, holder_for, parse_holder
 from celery_redislock.testing import RedisServer
-from tests.taskapp import Recorder, make_app
+from tests.taskapp import make_app, recorder
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
-
-
-@pytest.fixture
-def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
-    app = make_app(redis_server.url, prefix, f"q-{prefix}")
-    yield app
-    app.close()
-
-
-def recorder(app: Celery) -> Recorder:
-    return app.recorder  # type: ignore[attr-defined, no-any-return]
 
 
 def events(app: Celery, x: object) -> list[list[str]]:

@@ -15,22 +15,10 @@ from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, task_lock_key
 from celery_redislock.task import HEADER
-from celery_redislock.testing import RedisServer
-from tests.taskapp import Recorder, make_app
+from tests.taskapp import recorder
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
-
-
-@pytest.fixture
-def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
-    app = make_app(redis_server.url, prefix, f"q-{prefix}")
-    yield app
-    app.close()
-
-
-def recorder(app: Celery) -> Recorder:
-    return app.recorder  # type: ignore[attr-defined, no-any-return]
 
 
 def queued(app: Celery) -> int:
