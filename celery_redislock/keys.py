@@ -66,7 +66,13 @@ def _canonical(value: Any) -> str:
     encoder, decoded (a tuple is a list, a dict key a string; envelopes left encoded, as
     kombu's decoder and encoder invert each other) and encoded again with sorted keys.
     A value already in its delivered form (``_delivered``) is encoded once: the same text."""
-    if not _delivered(value):
+    return _encode(value, _delivered(value))
+
+
+def _encode(value: Any, delivered: bool) -> str:
+    """``_canonical(value)``, told whether ``value`` is ``_delivered`` (a caller that needs to know
+    anyway walks the value once)."""
+    if not delivered:
         value = json.loads(json.dumps(value, cls=JSONEncoder, ensure_ascii=False, allow_nan=True))
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
 
@@ -156,8 +162,9 @@ def call_digest(
     """
     value = _keyed_value(task_name, run, args, kwargs or {}, lock_on)
     parts: Mapping[str, Any] = {"lock_on": value} if callable(lock_on) else value  # name -> its value
+    delivered = _delivered(value)
     try:
-        text = _canonical(value)
+        text = _encode(value, delivered)
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         culprit = next((name for name, part in parts.items() if not _encodable(part)), "*")
         raise LockKeyError(
@@ -166,7 +173,10 @@ def call_digest(
             f"cannot be encoded by Celery's JSON serializer ({exc}); "
             "pass JSON-able values or choose the key with lock_on",
         ) from None
-    lookalike = next((name for name, part in parts.items() if _envelope_lookalike(part)), None)
+    # A delivered value holds no envelope look-alike (``_delivered`` refuses one): no second walk.
+    lookalike = None
+    if not delivered:
+        lookalike = next((name for name, part in parts.items() if _envelope_lookalike(part)), None)
     if lookalike is not None:
         raise LockKeyError(
             task_name,
