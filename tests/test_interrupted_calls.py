@@ -72,6 +72,18 @@ def on_this_thread() -> Callable[[], bool]:
     return lambda: threading.current_thread() is thread
 
 
+def assert_right_answers(client: Any, prefix: str) -> RedisLock:
+    """After an interrupted call, ``client`` (or a Redlock's clients) answers rightly: ``{prefix}:b``,
+    held by another owner, is refused, and a free ``{prefix}:c`` is taken and released.
+    Returns the refused probe."""
+    probe = RedisLock(client, f"{prefix}:b", ttl=5)
+    assert not probe.acquire(blocking=False)  # held by another: a stale "granted" reply would say True
+    fresh = RedisLock(client, f"{prefix}:c", ttl=5)
+    assert fresh.acquire(blocking=False)
+    fresh.release()
+    return probe
+
+
 @pytest.mark.parametrize("step", ["release", "acquire", "extend"])
 def test_an_interrupted_script_call_leaves_the_client_giving_right_answers(
     redis_server: RedisServer,
@@ -93,13 +105,9 @@ def test_an_interrupted_script_call_leaves_the_client_giving_right_answers(
     with pytest.raises(Interrupt):
         calls[step]()
     assert fired
-    probe = RedisLock(client, f"{prefix}:b", ttl=5)
-    assert not probe.acquire(blocking=False)  # held by `theirs`: a stale "granted" reply would say True
+    probe = assert_right_answers(client, prefix)
     assert probe.fence is None
     assert other.get(f"{prefix}:b").decode().startswith(theirs.token or "-")
-    fresh = RedisLock(client, f"{prefix}:c", ttl=5)
-    assert fresh.acquire(blocking=False)
-    fresh.release()
     assert not client.exists(f"{prefix}:c")
     theirs.release()
     client.delete(f"{prefix}:a")  # whatever the interrupted call left (it may have acquired)
@@ -143,11 +151,7 @@ def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
         mine.acquire(blocking=False)
     assert fired
     assert not client.exists(f"{prefix}:a")  # the interrupted acquire gave its hold back
-    probe = RedisLock(client, f"{prefix}:b", ttl=5)
-    assert not probe.acquire(blocking=False)
-    fresh = RedisLock(client, f"{prefix}:c", ttl=5)
-    assert fresh.acquire(blocking=False)
-    fresh.release()
+    assert_right_answers(client, prefix)
     theirs.release()
 
 
@@ -186,11 +190,7 @@ def test_an_interrupted_redlock_call_leaves_its_servers_giving_right_answers(
     assert fired
     monkeypatch.undo()
     assert not any(client.connection_pool._in_use_connections for client in clients)
-    probe = RedisLock(clients, f"{prefix}:b", ttl=5)
-    assert not probe.acquire(blocking=False)
-    fresh = RedisLock(clients, f"{prefix}:c", ttl=5)
-    assert fresh.acquire(blocking=False)
-    fresh.release()
+    assert_right_answers(clients, prefix)
     theirs.release()
     for client in clients:
         client.delete(f"{prefix}:a")
