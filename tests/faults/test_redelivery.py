@@ -29,6 +29,13 @@ from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.workers import wait_for
 
 TRANSPORT = {"visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+
+
+def acks_late(ttl: float) -> dict[str, Any]:
+    """A worker's settings: ``acks_late``, messages restored within a second, ``ttl`` leases."""
+    return {"broker_transport_options": TRANSPORT, "task_acks_late": True, "redislock_ttl": ttl}
+
+
 #: The workers' lock_ttl: a redelivered twin watches a live holder's lease for lock_ttl/3.
 TTL = 1.5
 
@@ -66,11 +73,7 @@ def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_relea
     ends and releases meanwhile, so the twin's probe acquisition gets the lock and gives it back
     at once. That probe was never a run: ``lock_released`` is sent once, by the first delivery."""
     ttl = 6.0  # the twin watches for ttl/3 = 2 s: time for the test to end the first delivery
-    conf: dict[str, Any] = {
-        "broker_transport_options": TRANSPORT,
-        "task_acks_late": True,
-        "redislock_ttl": ttl,
-    }
+    conf = acks_late(ttl)
     first = stage.worker("first", **conf)
     x, task = fresh(), stage.task("hold_skip")
     result = task.delay(x, gate=True)
@@ -95,11 +98,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     the lock still naming the same task and attempt, as a twin's would, but nobody renews it:
     once the dead worker's lease has run out, the redelivered message runs."""
     ttl = 5.0  # long enough for the redelivery to arrive while the dead worker's lease lasts
-    conf: dict[str, Any] = {
-        "broker_transport_options": TRANSPORT,
-        "task_acks_late": True,
-        "redislock_ttl": ttl,
-    }
+    conf = acks_late(ttl)
     doomed = stage.worker("doomed", **conf)
     x, task = fresh(), stage.task("hold_skip")
     key = task_lock_key(task, (x,), {"gate": True})
