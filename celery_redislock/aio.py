@@ -116,12 +116,12 @@ class AsyncRedisLock:
         self._count = 0
         self._pid = 0
         self._lease: Lease | None = None
-        self._busy: tuple[str | None, float | None] = (None, None)
+        self.busy: tuple[str | None, float | None] = (None, None)
 
     def __repr__(self) -> str:
         return f"<AsyncRedisLock {self.name!r} ttl={self.ttl} held={self._count}>"
 
-    def _held_here(self) -> bool:
+    def held(self) -> bool:
         return self._count > 0 and self._pid == os.getpid()
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
@@ -129,7 +129,7 @@ class AsyncRedisLock:
         if timeout is not None and not blocking:
             raise LockConfigurationError("timeout cannot be given with blocking=False")
         wait = self.timeout if timeout is None else seconds(timeout, "timeout")
-        if self._held_here():
+        if self.held():
             if self.lost.is_set():
                 raise LockLost(self.name)
             self._count += 1
@@ -162,7 +162,7 @@ class AsyncRedisLock:
                 if isinstance(reply, int):
                     return sent_at, reply
                 pttl = int(reply[0])
-                self._busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
+                self.busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
                 if not waiting:
                     return sent_at, None
                 queued = True
@@ -188,7 +188,7 @@ class AsyncRedisLock:
 
     async def release(self) -> None:
         """Lower the hold count; at zero, free the key, owner-checked (see ``RedisLock.release``)."""
-        if not self._held_here():
+        if not self.held():
             raise LockNotOwned(self.name)
         if self._count > 1:
             self._count -= 1
@@ -206,7 +206,7 @@ class AsyncRedisLock:
     async def extend(self, ttl: Duration | None = None) -> None:
         """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it (see ``RedisLock.extend``)."""
         new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
-        if not self._held_here():
+        if not self.held():
             raise LockNotOwned(self.name)
         token, lease = self.token or "", self._lease
         async with _watchdog().changing([] if lease is None else [lease]):  # no renewal in flight undoes it
@@ -223,7 +223,7 @@ class AsyncRedisLock:
 
     async def owned(self) -> bool:
         """Whether this object holds the lock, as Redis sees it now (one round trip)."""
-        if not self._held_here():
+        if not self.held():
             return False
         token = self.token
         current = await self.client.get(self.name)
@@ -231,7 +231,7 @@ class AsyncRedisLock:
 
     async def __aenter__(self) -> AsyncRedisLock:
         if not await self.acquire():
-            holder, ttl = self._busy
+            holder, ttl = self.busy
             raise LockNotAcquired(self.name, holder, ttl)
         return self
 
@@ -249,7 +249,7 @@ class AsyncRedisLock:
         except LockNotOwned:
             logger.warning("lock %r was not held any more when its with-block raised", self.name)
 
-    def _mark_lost(self, lease: Lease) -> bool:
+    def lease_lost(self, lease: Lease) -> bool:
         """Called by the watchdog: set ``lost`` if ``lease`` is still this object's hold."""
         if self._lease is not lease:
             return False

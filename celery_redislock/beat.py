@@ -67,7 +67,6 @@ import logging
 import os
 import secrets
 import socket
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
@@ -218,7 +217,7 @@ class Leadership:
         try:
             leads = candidate.acquire(blocking=False)
             if not leads:
-                leader = candidate._busy[0]
+                leader = candidate.busy[0]
                 if leader != self._seen:
                     self._seen = leader
                     logger.info("%s: standing by; the leader is %s (lock %s)", self.holder, leader, self.key)
@@ -243,9 +242,8 @@ class Leadership:
         lock = self.lock
         if lock is None:
             return False
-        lease = lock._lease
         if not lock.lost.is_set():
-            if lease is None or time.monotonic() < lease.expires - lease.interval:
+            if lock.renewals_on_time():
                 return True
             try:
                 lock.extend()  # renewals are late: ask Redis, and renew if still ours

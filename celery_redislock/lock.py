@@ -197,7 +197,7 @@ class RedisLock:
         self._lease: Lease | None = None
         self._state = threading.Lock()
         #: (holder, ttl in seconds) seen by the last failed attempt
-        self._busy: tuple[str | None, float | None] = (None, None)
+        self.busy: tuple[str | None, float | None] = (None, None)
 
     def __repr__(self) -> str:
         return f"<RedisLock {self.name!r} ttl={self.ttl} held={self._count}>"
@@ -218,7 +218,7 @@ class RedisLock:
             raise LockConfigurationError("timeout cannot be given with blocking=False")
         wait = self.timeout if timeout is None else seconds(timeout, "timeout")
         with self._state:
-            if self._held_here():
+            if self.held():
                 if self.lost.is_set():
                     raise LockLost(self.name)
                 self._count += 1
@@ -229,10 +229,26 @@ class RedisLock:
         sent_at, fence = self._wait_for(token, member, blocking, deadline)
         if fence is None:
             return False
-        if self.replicas:
-            self._confirm(token, member)
-        self._hold(token, fence, sent_at)
+        self.take_hold(token, fence, sent_at)
         return True
+
+    def wait_as(self, token: str, deadline: float) -> int | None:
+        """Queue for the lock as ``token`` until it is granted or handed over to ``token`` (the
+        fence), or until monotonic ``deadline`` (``None``); ``busy`` then names the holder.
+
+        For a hold prepared for a known token (a retry adopting its attempt's parked hold):
+        the caller records it with ``take_hold``.
+        """
+        member = _member(self._ttl_ms, token, self.fair, self.holder)
+        return self._wait_for(token, member, True, deadline)[1]
+
+    def take_hold(self, token: str, fence: int, sent_at: float) -> None:
+        """Record as this object's the hold ``token`` was granted (``fence``) by a request sent at
+        monotonic ``sent_at``: confirmed by ``replicas`` replicas where set (else released and
+        ``LockNotReplicated``), then renewed by the watchdog."""
+        if self.replicas:
+            self._confirm(token, _member(self._ttl_ms, token, self.fair, self.holder))
+        self._hold(token, fence, sent_at)
 
     def _confirm(self, token: str, member: str) -> None:
         """Wait (``WAIT``, at most ``replica_timeout``) until ``replicas`` replicas have the hold of
@@ -265,11 +281,11 @@ class RedisLock:
                 self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
                 get_watchdog().add(self._lease, sent_at)
 
-    def _let_go(self) -> str:
+    def stop_renewing(self) -> str:
         """Stop renewing the hold (before the caller frees or parks the key) and return its token;
         no renewal of it is in flight any more (see ``watchdog``)."""
         with self._state:
-            if not self._held_here():
+            if not self.held():
                 raise LockNotOwned(self.name)
             token, leases = self.token or "", self._held_leases()
         for lease in leases:
@@ -280,7 +296,7 @@ class RedisLock:
         """The watchdog's leases of the current hold (under ``_state``)."""
         return [] if self._lease is None else [self._lease]
 
-    def _forget(self) -> None:
+    def forget(self) -> None:
         """Forget the hold, once the caller has freed or parked the key."""
         with self._state:
             self.token, self.fence, self._count, self._lease = None, None, 0, None
@@ -306,7 +322,7 @@ class RedisLock:
                 if isinstance(reply, int):
                     return sent_at, reply
                 pttl = int(reply[0])
-                self._busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
+                self.busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
                 if not waiting:
                     return sent_at, None
                 queued = True
@@ -337,9 +353,16 @@ class RedisLock:
 
     # -- holding -------------------------------------------------------------
 
-    def _held_here(self) -> bool:
+    def held(self) -> bool:
         """Held by this object in this process (a forked child holds nothing it inherited)."""
         return self._count > 0 and self._pid == os.getpid()
+
+    def renewals_on_time(self) -> bool:
+        """Whether the watchdog renews the hold and its last renewal is less than one interval
+        late (a late one means this process was paused or cut off: ask Redis, ``extend()``)."""
+        with self._state:
+            leases = self._held_leases() if self.held() else []
+        return bool(leases) and all(mod_time.monotonic() < lease.expires - lease.interval for lease in leases)
 
     def release(self) -> None:
         """Lower the hold count; at zero, free the key (one round trip, owner-checked).
@@ -351,13 +374,13 @@ class RedisLock:
         can be retried; unrenewed, the key expires within ``ttl`` anyway.
         """
         with self._state:
-            if not self._held_here():
+            if not self.held():
                 raise LockNotOwned(self.name)
             if self._count > 1:
                 self._count -= 1
                 return
-        released = self._free(self._let_go())
-        self._forget()
+        released = self._free(self.stop_renewing())
+        self.forget()
         if not released:
             raise LockNotOwned(self.name)
 
@@ -382,7 +405,7 @@ class RedisLock:
         """
         new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
         with self._state:
-            if not self._held_here():
+            if not self.held():
                 raise LockNotOwned(self.name)
             token, leases = self.token or "", self._held_leases()
         with get_watchdog().changing(leases):  # no renewal in flight can undo it
@@ -404,7 +427,7 @@ class RedisLock:
     def owned(self) -> bool:
         """Whether this object holds the lock, as Redis sees it now (one round trip)."""
         with self._state:
-            if not self._held_here():
+            if not self.held():
                 return False
             token = self.token
         current = self.client.get(self.name)
@@ -414,7 +437,7 @@ class RedisLock:
 
     def __enter__(self) -> RedisLock:
         if not self.acquire():
-            holder, ttl = self._busy
+            holder, ttl = self.busy
             raise LockNotAcquired(self.name, holder, ttl)
         return self
 
@@ -432,7 +455,7 @@ class RedisLock:
         except LockNotOwned:
             logger.warning("lock %r was not held any more when its with-block raised", self.name)
 
-    def _mark_lost(self, lease: Lease) -> bool:
+    def lease_lost(self, lease: Lease) -> bool:
         """Called by the watchdog: set ``lost`` if ``lease`` is still this object's hold."""
         with self._state:
             if self._lease is not lease:

@@ -185,7 +185,7 @@ class Redlock(RedisLock):
                     return sent_at, max(fences)
                 if fences:  # a minority, or too late: give back what was granted
                     self._on_all(RELEASE, [token])
-                self._busy = self._holder(replies)
+                self.busy = self._holder(replies)
                 if not waiting:
                     return sent_at, None
                 pause = random.uniform(0, RETRY_DELAY)
@@ -234,7 +234,7 @@ class Redlock(RedisLock):
     def owned(self) -> bool:
         """Whether a quorum of servers hold the lock for this object, now."""
         with self._state:
-            if not self._held_here():
+            if not self.held():
                 return False
             token = self.token
         mine = self._count_servers(lambda value: value is not None and _text(value)[:32] == token)
@@ -265,11 +265,11 @@ class Redlock(RedisLock):
     def _held_leases(self) -> list[Lease]:
         return list(self._leases)
 
-    def _forget(self) -> None:
+    def forget(self) -> None:
         with self._state:
             self.token, self.fence, self._count, self._leases, self.validity = None, None, 0, [], None
 
-    def _mark_lost(self, lease: Lease) -> bool:
+    def lease_lost(self, lease: Lease) -> bool:
         """A server lost ``lease``: the lock is lost once fewer than a quorum of servers hold it."""
         with self._state:
             if lease not in self._leases:

@@ -68,7 +68,7 @@ from .exceptions import (
     RedisLockError,
 )
 from .keys import call_digest, lock_key
-from .lock import RedisLock, _member, _text
+from .lock import RedisLock, _text
 from .watchdog import Lease
 
 __all__ = [
@@ -244,8 +244,8 @@ class _ExecutionLock(RedisLock):
         #: held only to read or flip ``_body_running``: never long, never around a call that blocks
         self._guard = threading.Lock()
 
-    def _mark_lost(self, lease: Lease) -> bool:
-        if not super()._mark_lost(lease):
+    def lease_lost(self, lease: Lease) -> bool:
+        if not super().lease_lost(lease):
             return False
         if self.request is not None:
             self.request.lock_lost = True
@@ -394,7 +394,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
             )
         if not acquired:
-            return self._duplicate(key, *lock._busy)
+            return self._duplicate(key, *lock.busy)
         headers[HEADER] = {"key": key, "token": lock.token}
         try:
             return super().apply_async(
@@ -642,7 +642,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 return self._when_busy(lock, options, request, args, kwargs, busy[0], max(busy[1], 0) / 1000)
         if lock.acquire(blocking=False):
             return self._acquired(lock, task_id)
-        return self._when_busy(lock, options, request, args, kwargs, *lock._busy)
+        return self._when_busy(lock, options, request, args, kwargs, *lock.busy)
 
     def _acquired(self, lock: _ExecutionLock, task_id: str | None) -> bool:
         signals.lock_acquired.send(sender=self, key=lock.name, task_id=task_id, fence=lock.fence)
@@ -730,7 +730,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if busy == "wait" and lock.acquire(timeout=options.wait_timeout):
             return self._acquired(lock, task_id)
         if busy == "wait":
-            holder, ttl = lock._busy
+            holder, ttl = lock.busy
         raise LockNotAcquired(lock.name, holder, ttl)
 
     def _adopt_when_parked(
@@ -739,9 +739,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         """A retry carrying ``token`` found its previous attempt still holding ``lock``: wait (at
         most ``lock_wait_timeout``) until that attempt parks the hold for ``token`` (its park wakes
         this waiter) or frees it, then adopt it; else ``LockNotAcquired``."""
-        member = _member(lock._ttl_ms, token, lock.fair, lock.holder)
-        _, fence = lock._wait_for(token, member, True, time.monotonic() + options.wait_timeout)
-        holder, ttl = lock._busy
+        fence = lock.wait_as(token, time.monotonic() + options.wait_timeout)
+        holder, ttl = lock.busy
         if fence is not None:  # ``token`` owns the hold now: parked for it, or taken free
             busy = _adopt(lock, token)
             if busy is None:
@@ -767,7 +766,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             if lock.acquire(timeout=min(options.ttl / 3, left - margin)):
                 _release(self, lock, None, announce=False)  # freed early: released by its holder, who is done
                 return False
-            now_holder, now_left = lock._busy
+            now_holder, now_left = lock.busy
             if now_holder != holder or (now_left or 0.0) > left - (time.monotonic() - began) + margin:
                 return False  # renewed (alive), or released and taken by another
             began, left = time.monotonic(), now_left or 0.0
@@ -788,14 +787,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
             options.mode in PARKING_MODES
             and retry is not None
             and retry[0] == lock.name
-            and lock._held_here()
+            and lock.held()
         ):
             ttl = options.queue_ttl + retry[2]
             queued = holder_for(task_id, retries + 1, socket.gethostname(), os.getpid(), "queued")
             current = lock.holder or ""
             try:
                 parked = PARK(
-                    lock.client, [lock.name], [lock._let_go(), current, retry[1], queued, to_ms(ttl)]
+                    lock.client, [lock.name], [lock.stop_renewing(), current, retry[1], queued, to_ms(ttl)]
                 )
             except redis.RedisError as exc:
                 logger.warning(
@@ -807,21 +806,21 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 )
                 return
             finally:
-                lock._forget()
+                lock.forget()
             if not int(parked):
                 logger.info(  # usually the retry already adopted it; else it was lost
                     "task %s[%s]: lock %s was already taken over at its retry", self.name, task_id, lock.name
                 )
             return
-        if options.mode == "until_expired" and options.period is not None and lock._held_here():
+        if options.mode == "until_expired" and options.period is not None and lock.held():
             try:
-                left = int(SETTLE(lock.client, [lock.name], [lock._let_go(), to_ms(options.period)]))
+                left = int(SETTLE(lock.client, [lock.name], [lock.stop_renewing(), to_ms(options.period)]))
             except redis.RedisError as exc:
                 logger.warning("task %s[%s]: could not keep lock %s: %s", self.name, task_id, lock.name, exc)
-                lock._forget()
+                lock.forget()
                 return
             if left > 0:
-                lock._forget()
+                lock.forget()
                 return
         _release(self, lock, task_id)
 
@@ -856,12 +855,10 @@ def _adopt(lock: _ExecutionLock, token: str) -> tuple[str | None, int] | None:
     """
     own = secrets.token_hex(16)
     sent_at = time.monotonic()
-    reply = ADOPT(lock.client, [lock.name], [token, own, lock._ttl_ms, lock.holder or ""])
+    reply = ADOPT(lock.client, [lock.name], [token, own, to_ms(lock.ttl), lock.holder or ""])
     if not isinstance(reply, int):
         return (None if reply[1] is None else _text(reply[1])), int(reply[0])
-    if lock.replicas:
-        lock._confirm(own, _member(lock._ttl_ms, own, lock.fair, lock.holder))
-    lock._hold(own, reply, sent_at)
+    lock.take_hold(own, reply, sent_at)
     return None
 
 
@@ -871,7 +868,7 @@ def _release(task: Task[Any, Any], lock: RedisLock, task_id: str | None, *, anno
     A lock found no longer held is marked ``lost``. ``announce=False``: no
     ``lock_released`` signal (for a hold that was never a run's: a probe).
     """
-    if not lock._held_here():
+    if not lock.held():
         return
     try:
         lock.release()

@@ -87,7 +87,7 @@ class Lease:
     """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds.
 
     ``owner`` refers to the lock object (``RedisLock`` or ``AsyncRedisLock``),
-    whose ``_mark_lost(lease)`` says whether a loss of this lease is its loss.
+    whose ``lease_lost(lease)`` says whether a loss of this lease is its loss.
     """
 
     __slots__ = (
@@ -405,7 +405,7 @@ def mark_lost(lease: Lease) -> Any:
     """Tell ``lease``'s lock it lost its hold (once taken out of its watchdog); the lock if it
     counts it as its loss (its ``lost`` is set), else None."""
     lock = lease.owner()
-    return lock if lock is not None and lock._mark_lost(lease) else None
+    return lock if lock is not None and lock.lease_lost(lease) else None
 
 
 def announce_loss(lock: Any, lease: Lease, reason: str) -> None:

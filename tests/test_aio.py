@@ -73,7 +73,7 @@ def test_acquire_release_and_the_sync_lock_share_the_key(redis_server: RedisServ
         sync_lock.acquire()
         other = AsyncRedisLock(client, name, ttl=10)
         assert await other.acquire(timeout=0.05) is False
-        assert other._busy[0] is not None  # the holder, for LockNotAcquired
+        assert other.busy[0] is not None  # the holder, for LockNotAcquired
         sync_lock.release()
         fences = []
         for _ in range(3):
@@ -330,7 +330,7 @@ def test_cancelled_during_release_still_releases(
         gate["release"].set()
         with pytest.raises(asyncio.CancelledError):
             await releasing
-        assert lock.token is None and not lock._held_here()  # the object knows it is released
+        assert lock.token is None and not lock.held()  # the object knows it is released
         assert await client.exists(name) == 0
         assert await lock.acquire(blocking=False)  # and can take it again
         await lock.release()

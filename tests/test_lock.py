@@ -31,7 +31,7 @@ def locks(client: redis.Redis, name: str) -> Iterator[list[RedisLock]]:
     made: list[RedisLock] = []
     yield made
     for lock in made:
-        while lock.token is not None and lock._held_here():
+        while lock.token is not None and lock.held():
             try:
                 lock.release()
             except LockNotOwned:

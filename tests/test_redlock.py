@@ -124,7 +124,7 @@ def test_a_minority_grant_is_given_back(servers: list[RedisServer], prefix: str)
     squatter.acquire()
     lock = RedisLock(clients(servers), name, ttl=10)
     assert not lock.acquire(blocking=False)
-    assert lock._busy[0] == "squatter"
+    assert lock.busy[0] == "squatter"
     assert holders_of(servers[len(majority) :], name) == [None] * (len(servers) - len(majority))
     squatter.release()
 
