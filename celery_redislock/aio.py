@@ -38,7 +38,8 @@ from ._durations import Duration, seconds, to_ms
 from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
-from .lock import _check_holder, _lease_seconds, _lock_name, _member, _sleep_seconds, _text, companion_key
+from .lock import _check_holder, _lease_seconds, _lock_name, _member, _sleep_seconds, companion_key
+from .protocol import text
 from .watchdog import Lease, announce_loss, failed_renewal, landing_late, mark_lost, next_due, pick
 
 __all__ = ["AsyncRedisLock"]
@@ -162,7 +163,7 @@ class AsyncRedisLock:
                 if isinstance(reply, int):
                     return sent_at, reply
                 pttl = int(reply[0])
-                self.busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
+                self.busy = (None if reply[1] is None else text(reply[1]), max(pttl, 0) / 1000)
                 if not waiting:
                     return sent_at, None
                 queued = True
@@ -178,7 +179,7 @@ class AsyncRedisLock:
         wait = _sleep_seconds(self.ttl, deadline, pttl_ms)
         key = self._wake_prefix + token
         reply = await call_with_timeout_async(self.client, wait + 1.0, "BLPOP", key, f"{wait:.3f}")
-        return None if reply is None else _text(reply[1])
+        return None if reply is None else text(reply[1])
 
     async def _abandon(self, token: str, member: str) -> None:
         try:
@@ -227,7 +228,7 @@ class AsyncRedisLock:
             return False
         token = self.token
         current = await self.client.get(self.name)
-        return current is not None and _text(current)[:32] == token
+        return current is not None and text(current)[:32] == token
 
     async def __aenter__(self) -> AsyncRedisLock:
         if not await self.acquire():

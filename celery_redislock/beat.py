@@ -82,8 +82,9 @@ from .config import app_settings
 from .connection import client_for
 from .exceptions import LockConfigurationError, LockNotOwned, RedisLockError
 from .keys import leader_key, slot_key
-from .lock import RedisLock, _text
-from .task import BEAT_HEADER, free_ticket
+from .lock import RedisLock
+from .protocol import BEAT_HEADER, text
+from .task import free_ticket
 
 __all__ = ["CLOCK_TOLERANCE", "OPTION", "BeatGuard", "Leadership", "Slot", "connect", "guard", "slot_of"]
 
@@ -403,7 +404,7 @@ class BeatGuard:
             self.holder,
             header["entry"],
             header["slot"],
-            _text(reply),
+            text(reply),
             header["key"],
         )
         return False

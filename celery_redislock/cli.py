@@ -38,15 +38,14 @@ import redis
 from .config import app_settings
 from .connection import Client, client_for
 from .exceptions import RedisLockError
-from .lock import _text, companion_key
-from .task import LockedTask, free_ticket, parse_holder, task_lock_key
+from .lock import companion_key
+from .protocol import parse_holder, parse_value, text
+from .task import LockedTask, free_ticket, task_lock_key
 
 __all__ = ["HeldLock", "force_release", "held_locks", "read_lock", "redislock"]
 
 logger = logging.getLogger(__name__)
 
-#: A lock value: ``"<token>:<fence>:<holder>"`` (see ``_scripts``).
-_VALUE = re.compile(r"([0-9a-f]{32}):(\d+):(.*)", re.DOTALL)
 #: What follows ``{prefix}:`` in a task's lock key; ``:queued`` marks the enqueue
 #: lock of an ``until_and_while_executing`` task.
 _TASK_KEY = re.compile(r"(.+):[0-9a-f]{64}(?::queued)?", re.DOTALL)
@@ -97,12 +96,10 @@ class HeldLock:
 
 def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | None:
     """The lock at ``key`` from its value and PTTL; ``None`` if the value is not a lock."""
-    if not isinstance(value, (bytes, str)) or not isinstance(pttl, int) or pttl == -2:
+    lock = parse_value(value)
+    if lock is None or not isinstance(pttl, int) or pttl == -2:
         return None
-    match = _VALUE.fullmatch(_text(value))
-    if match is None:
-        return None
-    token, fence, holder = match.groups()
+    token, fence, holder = lock
     task = None
     if key.startswith(prefix + ":"):
         task_match = _TASK_KEY.fullmatch(key[len(prefix) + 1 :])
@@ -171,7 +168,7 @@ def held_locks(client: Client, prefix: str, task: str | None = None) -> list[Hel
 def _batches(keys: Iterator[Any], size: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for key in keys:
-        batch.append(_text(key))
+        batch.append(text(key))
         if len(batch) == size:
             yield batch
             batch = []

@@ -34,6 +34,7 @@ from ._durations import Duration, seconds, to_ms
 from ._redis import call_with_timeout, node_client, pooled_connection
 from ._scripts import ACQUIRE, RELEASE, RENEW, bulk
 from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned, LockNotReplicated
+from .protocol import text
 from .watchdog import Lease, get_watchdog
 
 __all__ = ["MAX_TTL", "MIN_WATCHDOG_TTL", "RedisLock", "companion_key"]
@@ -113,10 +114,6 @@ def _sleep_seconds(ttl: float, deadline: float | None, pttl_ms: int) -> float:
     if deadline is not None:
         waits.append(deadline - mod_time.monotonic())
     return max(min(waits), 0.001)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class RedisLock:
@@ -322,7 +319,7 @@ class RedisLock:
                 if isinstance(reply, int):
                     return sent_at, reply
                 pttl = int(reply[0])
-                self.busy = (None if reply[1] is None else _text(reply[1]), max(pttl, 0) / 1000)
+                self.busy = (None if reply[1] is None else text(reply[1]), max(pttl, 0) / 1000)
                 if not waiting:
                     return sent_at, None
                 queued = True
@@ -342,7 +339,7 @@ class RedisLock:
             reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
         except (redis.exceptions.MovedError, redis.exceptions.AskError):
             return None  # a Cluster moving the slot: try again through the client, which follows it
-        return None if reply is None else _text(reply[1])
+        return None if reply is None else text(reply[1])
 
     def _abandon(self, token: str, member: str) -> None:
         """Leave the queue, and release the lock if it was granted meanwhile."""
@@ -431,7 +428,7 @@ class RedisLock:
                 return False
             token = self.token
         current = self.client.get(self.name)
-        return current is not None and _text(current)[:32] == token
+        return current is not None and text(current)[:32] == token
 
     # -- context manager -----------------------------------------------------
 

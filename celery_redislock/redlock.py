@@ -43,7 +43,8 @@ import redis
 from ._durations import Duration, to_ms
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulk
 from .exceptions import LockConfigurationError
-from .lock import RedisLock, _lease_seconds, _text
+from .lock import RedisLock, _lease_seconds
+from .protocol import text
 from .watchdog import Lease, get_watchdog
 
 __all__ = ["RETRY_DELAY", "Redlock"]
@@ -203,7 +204,7 @@ class Redlock(RedisLock):
         if not busy:
             failed = sum(isinstance(reply, Exception) for reply in replies)
             return (f"nobody: {failed} of {len(replies)} servers failed", None) if failed else (None, None)
-        holders = [None if reply[1] is None else _text(reply[1]) for reply in busy]
+        holders = [None if reply[1] is None else text(reply[1]) for reply in busy]
         holder = max(set(holders), key=holders.count)
         pttl = max(int(reply[0]) for reply in busy)
         return holder, max(pttl, 0) / 1000
@@ -237,7 +238,7 @@ class Redlock(RedisLock):
             if not self.held():
                 return False
             token = self.token
-        mine = self._count_servers(lambda value: value is not None and _text(value)[:32] == token)
+        mine = self._count_servers(lambda value: value is not None and text(value)[:32] == token)
         return mine >= self.quorum
 
     def _count_servers(self, test: Any) -> int:

@@ -29,7 +29,8 @@ from celery.worker.request import Request
 
 from .config import EXECUTION_MODES
 from .connection import client_for
-from .task import holder_for, release_held_by, task_lock_key
+from .protocol import holder_for
+from .task import release_held_by, task_lock_key
 
 __all__ = ["LockedRequest"]
 

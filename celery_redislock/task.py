@@ -43,7 +43,6 @@ from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any, ClassVar, cast
-from urllib.parse import quote, unquote
 
 import redis
 from celery import Task
@@ -68,7 +67,18 @@ from .exceptions import (
     RedisLockError,
 )
 from .keys import call_digest, lock_key
-from .lock import RedisLock, _text
+from .lock import RedisLock
+from .protocol import (
+    BEAT_HEADER,
+    HEADER,
+    holder_for,
+    message_ticket,
+    parse_holder,
+    parse_value,
+    request_slot,
+    request_ticket,
+    text,
+)
 from .watchdog import Lease
 
 __all__ = [
@@ -97,41 +107,14 @@ _held_locks: contextvars.ContextVar[Mapping[str, _ExecutionLock | None]] = conte
 _pending_request: contextvars.ContextVar[tuple[Any, dict[str, Any], Any] | None] = contextvars.ContextVar(
     "celery_redislock_pending", default=None
 )
-#: The message header carrying a task's enqueue lock (key and token) to the worker.
-HEADER = "redislock"
-#: The message header naming the beat slot a message was sent for (``celery_redislock.beat``):
-#: ``entry``, ``slot`` (its id), ``key`` (its marker), ``token``, ``ttl`` (ms, of a new
-#: marker), ``beat`` (the sender) and ``claimed`` (whether the sender claimed the slot).
-BEAT_HEADER = "redislock_beat"
 #: Modes whose lock is taken by apply_async.
 ENQUEUE_MODES = frozenset({"until_executing", "until_executed", "until_and_while_executing", "until_expired"})
 #: Modes that keep the lock between a task's attempts: an attempt parks its hold for its retry.
 PARKING_MODES = frozenset({"until_executed", "until_expired"})
-#: Characters a holder field keeps as they are; others (space, ``=``, ``%``, non-ASCII) are %-encoded.
-_FIELD_SAFE = "!\"#$&'()*+,-./:;<>?@[\\]^_`{|}~"
 #: thread id -> (task id, its lock) while a worker's body runs in that thread, for the
 #: task_postrun receiver, which runs in the same thread (two attempts of one task, a
 #: retry starting while its previous attempt finishes, run in different threads).
 _running: dict[int, tuple[str, RedisLock]] = {}
-
-
-def holder_for(task_id: str | None, retries: int, node: str, pid: int, state: str = "running") -> str:
-    """How a task's lock names its holder: task id, attempt (retries so far), ``queued`` or
-    ``running``, and the node and process that queued or run it.
-
-    Fields are separated by spaces; the task id and node are %-encoded where they hold a
-    space, ``=``, ``%`` or a non-ASCII character, so that any task id reads back whole.
-    """
-    task, where = quote(task_id or "-", safe=_FIELD_SAFE), quote(node, safe=_FIELD_SAFE)
-    return f"task={task} try={retries} state={state} node={where} pid={pid}"
-
-
-def parse_holder(holder: str | None) -> dict[str, str]:
-    """The fields of a holder written by ``holder_for``, decoded (empty for another kind of holder)."""
-    if holder is None or not holder.startswith("task="):
-        return {}
-    fields = (field.partition("=") for field in holder.split(" "))
-    return {name: unquote(value) for name, _, value in fields}
 
 
 def release_held_by(client: Client, key: str, holder: str) -> bool:
@@ -141,45 +124,10 @@ def release_held_by(client: Client, key: str, holder: str) -> bool:
     after a pool child died): the token comes from the lock itself, and the
     release is still owner-checked, so a lock taken over meanwhile is left alone.
     """
-    value = client.get(key)
-    if value is None:
+    value = parse_value(client.get(key))
+    if value is None or value.holder != holder:
         return False
-    token, _, rest = _text(value).partition(":")
-    if rest.partition(":")[2] != holder:
-        return False
-    return free_ticket(client, (key, token))
-
-
-def message_ticket(headers: Mapping[str, Any] | None) -> tuple[str, str] | None:
-    """(key, token) of the enqueue lock a message carries in its ``redislock`` header, if any."""
-    ticket = (headers or {}).get(HEADER)
-    if (
-        isinstance(ticket, Mapping)
-        and isinstance(ticket.get("key"), str)
-        and isinstance(ticket.get("token"), str)
-    ):
-        return ticket["key"], ticket["token"]
-    return None
-
-
-def request_ticket(request: Any) -> tuple[str, str] | None:
-    """The enqueue lock a request's message carries (in ``request.headers`` or, for a
-    request built from the raw message headers, as its ``redislock`` attribute)."""
-    return message_ticket(getattr(request, "headers", None)) or message_ticket(
-        {HEADER: getattr(request, HEADER, None)}
-    )
-
-
-def request_slot(request: Any) -> dict[str, Any] | None:
-    """The beat slot a request's message was sent for (its ``redislock_beat`` header), if any."""
-    slot = (getattr(request, "headers", None) or {}).get(BEAT_HEADER) or getattr(request, BEAT_HEADER, None)
-    if (
-        isinstance(slot, Mapping)
-        and all(isinstance(slot.get(field), str) for field in ("entry", "slot", "key", "token"))
-        and isinstance(slot.get("ttl"), int)
-    ):
-        return dict(slot)
-    return None
+    return free_ticket(client, (key, value.token))
 
 
 def free_ticket(client: Client, ticket: tuple[str, str]) -> bool:
@@ -604,7 +552,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 slot.get("beat"),
             )
             return True
-        other = _text(reply)
+        other = text(reply)
         logger.info(
             "task %s[%s]: not run, a duplicate: slot %s of beat entry %r went to %s (marker %s)",
             self.name,
@@ -783,12 +731,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         the retry's message carries, whether the body then raised the ``Retry`` or not.
         """
         retry = getattr(lock.request, "lock_retry", None)
-        if (
-            options.mode in PARKING_MODES
-            and retry is not None
-            and retry[0] == lock.name
-            and lock.held()
-        ):
+        if options.mode in PARKING_MODES and retry is not None and retry[0] == lock.name and lock.held():
             ttl = options.queue_ttl + retry[2]
             queued = holder_for(task_id, retries + 1, socket.gethostname(), os.getpid(), "queued")
             current = lock.holder or ""
@@ -857,7 +800,7 @@ def _adopt(lock: _ExecutionLock, token: str) -> tuple[str | None, int] | None:
     sent_at = time.monotonic()
     reply = ADOPT(lock.client, [lock.name], [token, own, to_ms(lock.ttl), lock.holder or ""])
     if not isinstance(reply, int):
-        return (None if reply[1] is None else _text(reply[1])), int(reply[0])
+        return (None if reply[1] is None else text(reply[1])), int(reply[0])
     lock.take_hold(own, reply, sent_at)
     return None
 

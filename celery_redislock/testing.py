@@ -50,8 +50,9 @@ from .cli import HeldLock, held_locks
 from .config import app_settings
 from .connection import Client, client_for
 from .keys import slot_markers
-from .lock import RedisLock, _text
-from .task import holder_for, task_lock_key
+from .lock import RedisLock
+from .protocol import holder_for, text
+from .task import task_lock_key
 
 __all__ = [
     "RedisClusterServers",
@@ -429,7 +430,7 @@ def locks_left(app: Any) -> list[str]:
         if not lock.key.startswith(slot_markers(prefix))
     ]
     patterns = [f"{prefix}:*", f"{{{prefix}:*"]  # locks and markers; the waiters' companion keys
-    for key in (_text(key) for pattern in patterns for key in client.scan_iter(match=pattern)):
+    for key in (text(key) for pattern in patterns for key in client.scan_iter(match=pattern)):
         if client.pttl(key) == -1 and not any(line.startswith(f"{key} ") for line in lines):
             lines.append(f"{key} has no TTL")
     return sorted(lines)

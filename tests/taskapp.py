@@ -36,7 +36,7 @@ from celery.schedules import schedule
 from celery.signals import worker_ready
 
 from celery_redislock import LockedTask, signals
-from celery_redislock.task import request_slot
+from celery_redislock.protocol import request_slot
 
 EVENTS_TTL_MS = 600_000
 #: Longest a gated body waits for its gate before giving up (a test that failed to open it).

@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock.beat import guard, slot_of
-from celery_redislock.task import BEAT_HEADER
+from celery_redislock.protocol import BEAT_HEADER
 from celery_redislock.testing import RedisServer
 from tests.taskapp import make_app
 

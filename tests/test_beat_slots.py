@@ -21,7 +21,7 @@ from celery.schedules import BaseSchedule, crontab, schedule, solar
 
 from celery_redislock import LockConfigurationError, LockedTask, signals
 from celery_redislock.beat import CLOCK_TOLERANCE, guard, slot_of
-from celery_redislock.task import BEAT_HEADER
+from celery_redislock.protocol import BEAT_HEADER
 from celery_redislock.testing import RedisServer
 from tests.taskapp import Recorder, make_app
 from tests.workers import threads_worker, wait_for

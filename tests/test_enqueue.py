@@ -14,7 +14,7 @@ from celery import Celery, chord, group
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, task_lock_key
-from celery_redislock.task import HEADER
+from celery_redislock.protocol import HEADER
 from tests.taskapp import recorder
 from tests.workers import threads_worker, wait_for
 

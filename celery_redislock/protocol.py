@@ -1,0 +1,118 @@
+"""The wire format: what the package writes to Redis and to Celery messages, read back in one place.
+
+* A lock is one string: ``"<token>:<fence>:<holder>"`` (``LockValue``), where
+  the token is the owner's 128-bit random token (32 hex digits), the fence is
+  the fencing token of the hold (decimal) and the holder a free-form
+  description of the owner. Ownership is the token prefix. The Lua side of the
+  same format is ``_scripts``' prelude (``owns``, ``fence_of``, ``holder_of``,
+  ``hold``).
+* A task's lock names its holder with ``holder_for`` (fields ``task``, ``try``,
+  ``state``, ``node``, ``pid``); a ``RedisLock`` by default as ``"<host>:<pid>"``.
+* A message carries its enqueue lock (its *ticket*: key and token) in the
+  ``redislock`` header, and the beat slot it was sent for in ``redislock_beat``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+from urllib.parse import quote, unquote
+
+__all__ = [
+    "BEAT_HEADER",
+    "HEADER",
+    "LockValue",
+    "holder_for",
+    "message_ticket",
+    "parse_holder",
+    "parse_value",
+    "request_slot",
+    "request_ticket",
+    "text",
+]
+
+#: The message header carrying a task's enqueue lock (key and token) to the worker.
+HEADER = "redislock"
+#: The message header naming the beat slot a message was sent for (``celery_redislock.beat``):
+#: ``entry``, ``slot`` (its id), ``key`` (its marker), ``token``, ``ttl`` (ms, of a new
+#: marker), ``beat`` (the sender) and ``claimed`` (whether the sender claimed the slot).
+BEAT_HEADER = "redislock_beat"
+#: Characters a holder field keeps as they are; others (space, ``=``, ``%``, non-ASCII) are %-encoded.
+_FIELD_SAFE = "!\"#$&'()*+,-./:;<>?@[\\]^_`{|}~"
+_VALUE = re.compile(r"([0-9a-f]{32}):(\d+):(.*)", re.DOTALL)
+
+
+def text(value: Any) -> str:
+    """A Redis reply (bytes, or str from a ``decode_responses`` client) as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class LockValue(NamedTuple):
+    """A lock as stored: the owner's token, the hold's fence and the holder's description."""
+
+    token: str
+    fence: int
+    holder: str
+
+
+def parse_value(value: object) -> LockValue | None:
+    """The lock stored as ``value`` (a GET reply); ``None`` for a missing key or another kind of value."""
+    if not isinstance(value, (bytes, str)):
+        return None
+    match = _VALUE.fullmatch(text(value))
+    if match is None:
+        return None
+    token, fence, holder = match.groups()
+    return LockValue(token, int(fence), holder)
+
+
+def holder_for(task_id: str | None, retries: int, node: str, pid: int, state: str = "running") -> str:
+    """How a task's lock names its holder: task id, attempt (retries so far), ``queued`` or
+    ``running``, and the node and process that queued or run it.
+
+    Fields are separated by spaces; the task id and node are %-encoded where they hold a
+    space, ``=``, ``%`` or a non-ASCII character, so that any task id reads back whole.
+    """
+    task, where = quote(task_id or "-", safe=_FIELD_SAFE), quote(node, safe=_FIELD_SAFE)
+    return f"task={task} try={retries} state={state} node={where} pid={pid}"
+
+
+def parse_holder(holder: str | None) -> dict[str, str]:
+    """The fields of a holder written by ``holder_for``, decoded (empty for another kind of holder)."""
+    if holder is None or not holder.startswith("task="):
+        return {}
+    fields = (field.partition("=") for field in holder.split(" "))
+    return {name: unquote(value) for name, _, value in fields}
+
+
+def message_ticket(headers: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(key, token) of the enqueue lock a message carries in its ``redislock`` header, if any."""
+    ticket = (headers or {}).get(HEADER)
+    if (
+        isinstance(ticket, Mapping)
+        and isinstance(ticket.get("key"), str)
+        and isinstance(ticket.get("token"), str)
+    ):
+        return ticket["key"], ticket["token"]
+    return None
+
+
+def request_ticket(request: Any) -> tuple[str, str] | None:
+    """The enqueue lock a request's message carries (in ``request.headers`` or, for a
+    request built from the raw message headers, as its ``redislock`` attribute)."""
+    return message_ticket(getattr(request, "headers", None)) or message_ticket(
+        {HEADER: getattr(request, HEADER, None)}
+    )
+
+
+def request_slot(request: Any) -> dict[str, Any] | None:
+    """The beat slot a request's message was sent for (its ``redislock_beat`` header), if any."""
+    slot = (getattr(request, "headers", None) or {}).get(BEAT_HEADER) or getattr(request, BEAT_HEADER, None)
+    if (
+        isinstance(slot, Mapping)
+        and all(isinstance(slot.get(field), str) for field in ("entry", "slot", "key", "token"))
+        and isinstance(slot.get("ttl"), int)
+    ):
+        return dict(slot)
+    return None
