@@ -374,7 +374,7 @@ class BeatGuard:
         task = self.app.tasks.get(entry.task)
         if task is None:
             return None
-        lock_options = getattr(task, "_lock_options", None)
+        lock_options = getattr(task, "lock_options", None)
         return bool(lock_options is not None and lock_options.beat)
 
     def _claim(self, header: dict[str, Any]) -> bool:

@@ -39,6 +39,7 @@ from .config import app_settings
 from .connection import Client, client_for
 from .exceptions import RedisLockError
 from .lock import companion_key
+from .modes import QUEUED_SUFFIXES
 from .protocol import parse_holder, parse_value, text
 from .task import LockedTask, free_ticket, task_lock_key
 
@@ -46,9 +47,11 @@ __all__ = ["HeldLock", "force_release", "held_locks", "read_lock", "redislock"]
 
 logger = logging.getLogger(__name__)
 
-#: What follows ``{prefix}:`` in a task's lock key; ``:queued`` marks the enqueue
-#: lock of an ``until_and_while_executing`` task.
-_TASK_KEY = re.compile(r"(.+):[0-9a-f]{64}(?::queued)?", re.DOTALL)
+#: What follows ``{prefix}:`` in a task's lock key; a queued suffix (``:queued``) marks an
+#: enqueue lock that is not the execution lock (``until_and_while_executing``).
+_TASK_KEY = re.compile(
+    r"(.+):[0-9a-f]{64}(?:" + "|".join(map(re.escape, sorted(QUEUED_SUFFIXES))) + ")?", re.DOTALL
+)
 #: The default holder of a ``RedisLock``: ``"<host>:<pid>"``.
 _HOST_PID = re.compile(r"(.+):(\d+)", re.DOTALL)
 #: Keys read per round trip while listing.
@@ -218,7 +221,7 @@ class _Context:
 
     def mode(self, task: str | None) -> str | None:
         """``task``'s ``lock_mode``, if the app has that LockedTask."""
-        options = getattr(self.locked_tasks.get(task or ""), "_lock_options", None)
+        options = getattr(self.locked_tasks.get(task or ""), "lock_options", None)
         return None if options is None else str(options.mode)
 
     def unknown_task(self, name: str) -> click.ClickException:

@@ -107,10 +107,6 @@ _held_locks: contextvars.ContextVar[Mapping[str, _ExecutionLock | None]] = conte
 _pending_request: contextvars.ContextVar[tuple[Any, dict[str, Any], Any] | None] = contextvars.ContextVar(
     "celery_redislock_pending", default=None
 )
-#: Modes whose lock is taken by apply_async.
-ENQUEUE_MODES = frozenset({"until_executing", "until_executed", "until_and_while_executing", "until_expired"})
-#: Modes that keep the lock between a task's attempts: an attempt parks its hold for its retry.
-PARKING_MODES = frozenset({"until_executed", "until_expired"})
 #: thread id -> (task id, its lock) while a worker's body runs in that thread, for the
 #: task_postrun receiver, which runs in the same thread (two attempts of one task, a
 #: retry starting while its previous attempt finishes, run in different threads).
@@ -149,8 +145,8 @@ def task_lock_key(
 
 
 def _bound_options(task: Task[Any, Any]) -> tuple[LockOptions, AppSettings]:
-    options = getattr(task, "_lock_options", None)
-    settings = getattr(task, "_lock_settings", None)
+    options = getattr(task, "lock_options", None)
+    settings = getattr(task, "lock_settings", None)
     if options is None or settings is None:
         raise LockConfigurationError(f"task {task.name!r} is not a LockedTask bound to an app")
     return options, settings
@@ -254,28 +250,52 @@ class LockedTask(Task):  # type: ignore[type-arg]
 
     Request = "celery_redislock.request:LockedRequest"
 
+    # Each option's ``None`` falls back to ``app.conf.redislock_<x>``, then to the default in brackets.
+
+    #: When the lock is held: ``"while_executing"`` (the body's run), ``"until_executing"``
+    #: (from ``apply_async`` until the run starts), ``"until_executed"`` (from ``apply_async``
+    #: until the run ends, across its retries), ``"until_and_while_executing"`` (one queued,
+    #: one running), ``"until_expired"`` (until ``lock_period`` after the run).
+    #: [``"while_executing"``]
     lock_mode: ClassVar[str | None] = None
+    #: Which arguments make the key: ``None`` (all), a tuple of parameter names, or a callable
+    #: ``(*args, **kwargs) -> JSON-able value``. [``None``]
     lock_on: ClassVar[Any] = None
+    #: Lease of a held execution lock (seconds or ``timedelta``), renewed every third of it. [30]
     lock_ttl: ClassVar[Any] = None
+    #: A run that finds its lock held: ``"skip"``, ``"retry"`` (after ``lock_retry_delay``),
+    #: ``"wait"`` (up to ``lock_wait_timeout``) or ``"raise"`` (``LockNotAcquired``).
+    #: [``"retry"`` for ``until_and_while_executing``, else ``"skip"``]
     lock_busy: ClassVar[str | None] = None
+    #: An enqueue that finds its lock held: ``"return"`` the queued task's ``AsyncResult``, or
+    #: ``"raise"`` ``DuplicateTask``. [``"return"``]
     lock_duplicate: ClassVar[str | None] = None
+    #: Longest life of an enqueue lock while its message waits (plus its countdown). [3600]
     lock_queue_ttl: ClassVar[Any] = None
+    #: ``until_expired``: how long the lock stays after a run. [``None``]
     lock_period: ClassVar[Any] = None
+    #: Countdown of a ``lock_busy="retry"`` (with jitter, 0.5x to 1.5x). [5]
     lock_retry_delay: ClassVar[Any] = None
+    #: Longest wait of ``lock_busy="wait"``. [``lock_ttl``]
     lock_wait_timeout: ClassVar[Any] = None
+    #: A lock lost while the body runs: ``"log"``, ``"raise"`` (``LockLost`` at the run's check
+    #: points) or ``"terminate"`` (stop the prefork pool child). [``"log"``]
     lock_on_lost: ClassVar[str | None] = None
+    #: Run once per schedule slot when sent by beat (``celery_redislock.beat``). [``False``]
     lock_beat: ClassVar[bool | None] = None
 
+    #: The options above, resolved and validated when the task is bound (``None`` until then).
+    lock_options: ClassVar[LockOptions | None] = None
+    #: The app's ``redislock_*`` settings, resolved when the task is bound.
+    lock_settings: ClassVar[AppSettings | None] = None
     #: whether the WARNING that ``lock_on_lost="terminate"`` acts as ``"raise"`` here was logged
     _lock_terminate_warned: bool = False
-    _lock_options: ClassVar[LockOptions | None] = None
-    _lock_settings: ClassVar[AppSettings | None] = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
         super().on_bound(app)
-        cls._lock_options = task_options(cls, app)
-        cls._lock_settings = app_settings(app)
+        cls.lock_options = task_options(cls, app)
+        cls.lock_settings = app_settings(app)
         install(app)
 
     def apply_async(
@@ -306,7 +326,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
         in_canvas = (options.get("group_id") or options.get("chord")) and not in_canvas_opt_in
         headers = dict(options.pop("headers", None) or {})
         running = self._retried_attempt(key, task_id, options)
-        if running is not None and lock_options.mode in PARKING_MODES and running.lock_fence is not None:
+        rules = lock_options.rules
+        if running is not None and rules.parks_for_retry and running.lock_fence is not None:
             token = secrets.token_hex(16)
             headers[HEADER] = {"key": key, "token": token}
             result = super().apply_async(
@@ -314,17 +335,16 @@ class LockedTask(Task):  # type: ignore[type-arg]
             )
             running.lock_retry = (key, token, _delay(options))  # once sent: _let_go parks the hold for it
             return result
-        if running is not None or lock_options.mode not in ENQUEUE_MODES or HEADER in headers or in_canvas:
+        if running is not None or not rules.enqueue_lock or HEADER in headers or in_canvas:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
             )
         task_id = task_id or uuid()
-        if lock_options.mode == "until_and_while_executing":
-            key += ":queued"
+        key += rules.queued_suffix
         ttl = lock_options.queue_ttl + _delay(options)
         if options.get("expires") is not None:
             ttl = min(ttl, max(_seconds_until(options["expires"]), 0.001))
-        if lock_options.mode == "until_expired":
+        if rules.settles:
             ttl = max(ttl, lock_options.period or 0)
         client, url = client_for(self.app)
         holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
@@ -370,7 +390,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         existing = parse_holder(holder).get("task")
         logger.info("task %s: not sent, a duplicate of task %s (lock %s)", self.name, existing, key)
         signals.task_deduplicated.send(sender=self, key=key, existing_task_id=existing)
-        if self._lock_options is not None and self._lock_options.duplicate == "return" and existing:
+        if self.lock_options is not None and self.lock_options.duplicate == "return" and existing:
             return self.AsyncResult(existing)
         raise DuplicateTask(key, existing, holder, ttl)
 
@@ -418,7 +438,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             slot = None  # neither the task nor its schedule entry opted in
         client, url = client_for(self.app)
         lock: _ExecutionLock | None = None
-        if options.mode != "until_executing":
+        if options.rules.execution_lock:
             lock = _ExecutionLock(
                 client,
                 key,
@@ -434,7 +454,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 _running[threading.get_ident()] = (task_id, lock)
         # In these modes the message's enqueue lock goes once the message is dealt with here:
         # run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
-        ticket_to_free = ticket if options.mode in ("until_executing", "until_and_while_executing") else None
+        ticket_to_free = ticket if options.rules.frees_ticket else None
         try:
             if slot is not None and not self._claim_slot(client, slot, request, node):
                 if ticket is not None:  # a duplicate never runs: its enqueue lock, if any, goes
@@ -582,7 +602,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         ``request`` is the worker's (or apply()'s) request, ``None`` for a direct call.
         """
         task_id = None if request is None else request.id
-        if options.mode in PARKING_MODES and ticket is not None and ticket[0] == lock.name:
+        if options.rules.adopts_ticket and ticket is not None and ticket[0] == lock.name:
             busy = _adopt(lock, ticket[1])
             if busy is None:
                 return self._acquired(lock, task_id)
@@ -638,7 +658,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         if same_task and int(held_by["try"]) < (request.retries or 0):
             # This task's previous attempt published this retry and is letting go now.
             ticket = request_ticket(request)
-            if options.mode in PARKING_MODES and ticket is not None and ticket[0] == lock.name:
+            if options.rules.parks_for_retry and ticket is not None and ticket[0] == lock.name:
                 return self._adopt_when_parked(lock, options, ticket[1], task_id)
             busy = "wait"
         elif request is not None and (request.group or request.chord):
@@ -670,7 +690,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                 request, args, kwargs, countdown=delay, retries=request.retries
             )
             ticket = request_ticket(request)
-            if ticket is not None and options.mode == "until_and_while_executing":
+            if ticket is not None and options.rules.frees_ticket:
                 # Queued again, with the same enqueue lock: it lives as long as at enqueue (owner-checked).
                 RENEW(lock.client, [ticket[0]], [to_ms(options.queue_ttl + delay), ticket[1]])
             signature.apply_async()
@@ -731,7 +751,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
         the retry's message carries, whether the body then raised the ``Retry`` or not.
         """
         retry = getattr(lock.request, "lock_retry", None)
-        if options.mode in PARKING_MODES and retry is not None and retry[0] == lock.name and lock.held():
+        if options.rules.parks_for_retry and retry is not None and retry[0] == lock.name and lock.held():
             ttl = options.queue_ttl + retry[2]
             queued = holder_for(task_id, retries + 1, socket.gethostname(), os.getpid(), "queued")
             current = lock.holder or ""
@@ -755,7 +775,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
                     "task %s[%s]: lock %s was already taken over at its retry", self.name, task_id, lock.name
                 )
             return
-        if options.mode == "until_expired" and options.period is not None and lock.held():
+        if options.rules.settles and options.period is not None and lock.held():
             try:
                 left = int(SETTLE(lock.client, [lock.name], [lock.stop_renewing(), to_ms(options.period)]))
             except redis.RedisError as exc:
