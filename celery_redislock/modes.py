@@ -37,63 +37,17 @@ class ModeRules:
     default_busy: str
 
 
-_PLAIN = ModeRules(
-    enqueue_lock=False,
-    execution_lock=True,
-    adopts_ticket=False,
-    parks_for_retry=False,
-    frees_ticket=False,
-    settles=False,
-    queued_suffix="",
-    default_busy="skip",
-)
-
 #: ``lock_mode`` -> its rules, in the order the docs list the modes.
-MODE_RULES: Mapping[str, ModeRules] = MappingProxyType(
-    {
-        "while_executing": _PLAIN,
-        "until_executing": ModeRules(
-            enqueue_lock=True,
-            execution_lock=False,
-            adopts_ticket=False,
-            parks_for_retry=False,
-            frees_ticket=True,
-            settles=False,
-            queued_suffix="",
-            default_busy="skip",
-        ),
-        "until_executed": ModeRules(
-            enqueue_lock=True,
-            execution_lock=True,
-            adopts_ticket=True,
-            parks_for_retry=True,
-            frees_ticket=False,
-            settles=False,
-            queued_suffix="",
-            default_busy="skip",
-        ),
-        "until_and_while_executing": ModeRules(
-            enqueue_lock=True,
-            execution_lock=True,
-            adopts_ticket=False,
-            parks_for_retry=False,
-            frees_ticket=True,
-            settles=False,
-            queued_suffix=":queued",
-            default_busy="retry",
-        ),
-        "until_expired": ModeRules(
-            enqueue_lock=True,
-            execution_lock=True,
-            adopts_ticket=True,
-            parks_for_retry=True,
-            frees_ticket=False,
-            settles=True,
-            queued_suffix="",
-            default_busy="skip",
-        ),
-    }
-)
+# fmt: off
+MODE_RULES: Mapping[str, ModeRules] = MappingProxyType({
+    #                                       enqueue execution adopts parks  frees  settles suffix     busy
+    "while_executing": ModeRules(           False,  True,     False, False, False, False, "",        "skip"),
+    "until_executing": ModeRules(           True,   False,    False, False, True,  False, "",        "skip"),
+    "until_executed": ModeRules(            True,   True,     True,  True,  False, False, "",        "skip"),
+    "until_and_while_executing": ModeRules( True,   True,     False, False, True,  False, ":queued", "retry"),
+    "until_expired": ModeRules(             True,   True,     True,  True,  False, True,  "",        "skip"),
+})
+# fmt: on
 
 #: The suffixes an enqueue lock's key may carry after the execution lock's key.
 QUEUED_SUFFIXES = frozenset(rules.queued_suffix for rules in MODE_RULES.values() if rules.queued_suffix)

@@ -28,8 +28,9 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
 from .connection import client_for
+from .inventory import release_held_by
 from .protocol import holder_for
-from .task import release_held_by, task_lock_key
+from .task import task_lock_key
 
 __all__ = ["LockedRequest"]
 
