@@ -85,7 +85,7 @@ from .inventory import free_ticket
 from .keys import leader_key, slot_key
 from .lock import RedisLock
 from .protocol import BEAT_HEADER, text
-from .state import of as app_state
+from .state import app_state
 
 __all__ = ["CLOCK_TOLERANCE", "OPTION", "BeatGuard", "Leadership", "Slot", "connect", "guard", "slot_of"]
 

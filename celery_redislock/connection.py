@@ -27,7 +27,7 @@ import redis.sentinel
 
 from .config import URL_SCHEMES, app_settings
 from .exceptions import LockConfigurationError
-from .state import of as app_state
+from .state import app_state
 
 __all__ = ["DEFAULT_URL", "client_for", "lock_url", "masked", "redis_client"]
 

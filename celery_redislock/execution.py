@@ -37,7 +37,7 @@ from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
 from .inventory import free_ticket
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
 from .run_lock import ExecutionLock, acquired, adopt, release
-from .state import of as app_state
+from .state import app_state
 
 __all__ = ["Execution"]
 
@@ -51,6 +51,25 @@ class Execution:
     call. ``lock`` is ``None`` in a mode without an execution lock, and once a
     Redis error made the run go on unlocked (``redislock_on_error="run"``).
     """
+
+    __slots__ = (
+        "args",
+        "client",
+        "key",
+        "kwargs",
+        "lock",
+        "node",
+        "options",
+        "request",
+        "retries",
+        "running",
+        "settings",
+        "slot",
+        "task",
+        "task_id",
+        "ticket",
+        "url",
+    )
 
     def __init__(
         self,
@@ -85,7 +104,7 @@ class Execution:
             )
             self.lock.request = request
             # From here on, what an asynchronous exception leaves held is task_postrun's to release.
-            if self.task_id is not None:
+            if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
                 self.running = app_state(task.app).running
                 self.running[threading.get_ident()] = (self.task_id, self.lock)
 

@@ -29,7 +29,7 @@ from .connection import client_for
 from .inventory import free_ticket
 from .protocol import message_ticket, request_ticket
 from .run_lock import release
-from .state import of as app_state
+from .state import app_state
 
 __all__ = ["install"]
 

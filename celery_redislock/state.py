@@ -17,7 +17,7 @@ import redis.cluster
 
 from .lock import RedisLock
 
-__all__ = ["AppState", "of", "reset"]
+__all__ = ["AppState", "app_state", "reset"]
 
 
 @dataclass
@@ -42,7 +42,7 @@ class AppState:
 _STATES: WeakKeyDictionary[Any, AppState] = WeakKeyDictionary()
 
 
-def of(app: Any) -> AppState:
+def app_state(app: Any) -> AppState:
     """``app``'s state in this process (created empty on first use)."""
     state = _STATES.get(app)
     if state is None:

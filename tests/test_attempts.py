@@ -28,7 +28,7 @@ from celery_redislock._task_scripts import ADOPT
 from celery_redislock.inventory import read_lock
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder
-from celery_redislock.state import of as app_state
+from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer
 from tests.taskapp import make_app, recorder
 from tests.workers import threads_worker, wait_for

@@ -13,7 +13,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
-from celery_redislock.state import of as app_state
+from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer, assert_no_locks, hold, locks_left, use_redis
 
 README = Path(__file__).resolve().parent.parent / "README.md"
