@@ -17,7 +17,8 @@ from .exceptions import (
     RedisLockError,
 )
 from .lock import RedisLock
-from .task import LockedTask, install, task_lock_key
+from .receivers import install
+from .task import LockedTask, task_lock_key
 
 __all__ = [
     "AsyncRedisLock",

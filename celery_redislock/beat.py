@@ -81,10 +81,11 @@ from ._task_scripts import CLAIM
 from .config import app_settings
 from .connection import client_for
 from .exceptions import LockConfigurationError, LockNotOwned, RedisLockError
+from .inventory import free_ticket
 from .keys import leader_key, slot_key
 from .lock import RedisLock
 from .protocol import BEAT_HEADER, text
-from .task import free_ticket
+from .state import app_state
 
 __all__ = ["CLOCK_TOLERANCE", "OPTION", "BeatGuard", "Leadership", "Slot", "connect", "guard", "slot_of"]
 
@@ -374,7 +375,7 @@ class BeatGuard:
         task = self.app.tasks.get(entry.task)
         if task is None:
             return None
-        lock_options = getattr(task, "_lock_options", None)
+        lock_options = getattr(task, "lock_options", None)
         return bool(lock_options is not None and lock_options.beat)
 
     def _claim(self, header: dict[str, Any]) -> bool:
@@ -424,16 +425,15 @@ class BeatGuard:
 
 def guard(scheduler: Any) -> BeatGuard:
     """Install slot claims (and the leader, if configured) on ``scheduler``; idempotent."""
-    existing = scheduler.__dict__.get("_redislock_guard")
-    if existing is not None:
-        return existing  # type: ignore[no-any-return]
-    scheduler._redislock_guard = BeatGuard(scheduler)
-    return scheduler._redislock_guard  # type: ignore[no-any-return]
+    existing = getattr(scheduler.__dict__.get("apply_async"), "__self__", None)
+    if isinstance(existing, BeatGuard):  # its apply_async is a guard's already
+        return existing
+    return BeatGuard(scheduler)
 
 
 def _guard_service(sender: Any = None, **_: Any) -> None:
     """``beat_init``: guard the scheduler of a beat whose app uses celery-redislock."""
-    if getattr(sender.app, "_redislock_installed", False):
+    if app_state(sender.app).installed:
         guard(sender.scheduler)
 
 

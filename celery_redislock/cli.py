@@ -15,8 +15,8 @@ Installed through Celery's ``celery.commands`` entry point:
 A forced release runs the owner-checked release script with the token just
 read from the lock: it frees exactly the hold that was read (a hold taken over
 meanwhile is left alone and reported) and wakes the next waiter, as the
-owner's release would. It is logged (WARNING, ``celery_redislock.cli``) with
-the key and the holder. The holder's watchdog finds the lock gone within one
+owner's release would. It is logged (WARNING, ``celery_redislock.inventory``)
+with the key and the holder. The holder's watchdog finds the lock gone within one
 renewal interval and handles the loss per ``lock_on_lost``: a task goes on
 running unlocked unless that is ``"raise"`` or ``"terminate"``.
 """
@@ -26,10 +26,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
-import logging
-import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -38,159 +35,12 @@ import redis
 from .config import app_settings
 from .connection import Client, client_for
 from .exceptions import RedisLockError
+from .inventory import HeldLock, force_release, held_locks, read_lock, read_locks
 from .lock import companion_key
-from .protocol import parse_holder, parse_value, text
-from .task import LockedTask, free_ticket, task_lock_key
+from .modes import QUEUED_SUFFIXES
+from .task import LockedTask, task_lock_key
 
-__all__ = ["HeldLock", "force_release", "held_locks", "read_lock", "redislock"]
-
-logger = logging.getLogger(__name__)
-
-#: What follows ``{prefix}:`` in a task's lock key; ``:queued`` marks the enqueue
-#: lock of an ``until_and_while_executing`` task.
-_TASK_KEY = re.compile(r"(.+):[0-9a-f]{64}(?::queued)?", re.DOTALL)
-#: The default holder of a ``RedisLock``: ``"<host>:<pid>"``.
-_HOST_PID = re.compile(r"(.+):(\d+)", re.DOTALL)
-#: Keys read per round trip while listing.
-_BATCH = 500
-
-
-@dataclass(frozen=True)
-class HeldLock:
-    """A lock as read from Redis; ``None`` where the holder does not say."""
-
-    key: str
-    #: the task whose key this is (``None`` for a key outside the prefix or of another shape)
-    task: str | None
-    task_id: str | None
-    #: retries of the task so far when it took the lock
-    attempt: int | None
-    #: ``queued`` (an enqueue lock whose message waits) or ``running`` (taken by a run; an
-    #: ``until_expired`` lock stays ``running`` through its period after the run)
-    state: str | None
-    node: str | None
-    pid: int | None
-    #: seconds left (``None``: no TTL, which this package never leaves)
-    ttl: float | None
-    fence: int
-    #: the holder description as stored
-    holder: str
-    token: str = field(repr=False)
-
-    def as_dict(self, mode: str | None) -> dict[str, Any]:
-        """The fields shown by ``list --json``, with the task's ``lock_mode``."""
-        return {
-            "key": self.key,
-            "task": self.task,
-            "task_id": self.task_id,
-            "attempt": self.attempt,
-            "state": self.state,
-            "mode": mode,
-            "node": self.node,
-            "pid": self.pid,
-            "ttl": self.ttl,
-            "fence": self.fence,
-            "holder": self.holder,
-        }
-
-
-def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | None:
-    """The lock at ``key`` from its value and PTTL; ``None`` if the value is not a lock."""
-    lock = parse_value(value)
-    if lock is None or not isinstance(pttl, int) or pttl == -2:
-        return None
-    token, fence, holder = lock
-    task = None
-    if key.startswith(prefix + ":"):
-        task_match = _TASK_KEY.fullmatch(key[len(prefix) + 1 :])
-        task = task_match.group(1) if task_match else None
-    fields = parse_holder(holder)
-    node, pid = fields.get("node"), fields.get("pid")
-    if not fields:
-        host_pid = _HOST_PID.fullmatch(holder)
-        node, pid = host_pid.groups() if host_pid else (None, None)
-    return HeldLock(
-        key=key,
-        task=task,
-        task_id=fields.get("task"),
-        attempt=int(fields["try"]) if fields.get("try", "").isdigit() else None,
-        state=fields.get("state"),
-        node=node,
-        pid=int(pid) if pid and pid.isdigit() else None,
-        ttl=None if pttl < 0 else pttl / 1000,
-        fence=int(fence),
-        holder=holder,
-        token=token,
-    )
-
-
-def _read(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
-    """The locks among ``keys`` (GET and PTTL of each, in one round trip)."""
-    with client.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.get(key)
-            pipe.pttl(key)
-        replies = pipe.execute(raise_on_error=False)  # GET of a key of another type fails: not a lock
-    found = []
-    for key, value, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
-        lock = _parse(key, value, pttl, prefix)
-        if lock is not None:
-            found.append(lock)
-    return found
-
-
-def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:
-    """The lock at ``key`` (``None`` if the key is missing or holds no lock)."""
-    found = _read(client, [key], prefix)
-    return found[0] if found else None
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def held_locks(client: Client, prefix: str, task: str | None = None) -> list[HeldLock]:
-    """Every lock under ``{prefix}:`` (only ``task``'s, if given), sorted by key.
-
-    Keys are found with SCAN, so a large keyspace is walked without blocking
-    Redis; a lock taken or freed during the walk may be missed or included.
-    Companion keys (a lock's waiter queue and wake lists) are not locks.
-    """
-    pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
-    found: list[HeldLock] = []
-    for batch in _batches(client.scan_iter(match=pattern, count=1000), _BATCH):
-        found.extend(_read(client, batch, prefix))
-    if task is not None:
-        found = [lock for lock in found if lock.task == task]
-    return sorted(found, key=lambda lock: lock.key)
-
-
-def _batches(keys: Iterator[Any], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for key in keys:
-        batch.append(text(key))
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def force_release(client: Client, lock: HeldLock, why: str) -> bool:
-    """Free the hold ``lock`` describes, whoever holds it; whether it was freed.
-
-    ``False`` when that hold is gone or was taken over since it was read:
-    Redis is then unchanged. Logged at WARNING, naming ``why``.
-    """
-    released = free_ticket(client, (lock.key, lock.token))
-    if released:
-        logger.warning(
-            "lock %s force-released (%s); it was held by %s, fence %d", lock.key, why, lock.holder, lock.fence
-        )
-    return released
-
-
-# -- the commands --------------------------------------------------------------
+__all__ = ["redislock"]
 
 
 class _Group(click.Group):
@@ -218,7 +68,7 @@ class _Context:
 
     def mode(self, task: str | None) -> str | None:
         """``task``'s ``lock_mode``, if the app has that LockedTask."""
-        options = getattr(self.locked_tasks.get(task or ""), "_lock_options", None)
+        options = getattr(self.locked_tasks.get(task or ""), "lock_options", None)
         return None if options is None else str(options.mode)
 
     def unknown_task(self, name: str) -> click.ClickException:
@@ -358,7 +208,8 @@ def release(
     args = _json_option("--args", args_json or "[]", list)
     kwargs = _json_option("--kwargs", kwargs_json or "{}", dict)
     call_key = task_lock_key(task, args, kwargs)
-    held = _read(context.client, [call_key, call_key + ":queued"], context.prefix)
+    keys = [call_key, *(call_key + suffix for suffix in sorted(QUEUED_SUFFIXES))]
+    held = read_locks(context.client, keys, context.prefix)
     if not held:
         call = f"{task_name}(*{args!r}, **{kwargs!r})"
         raise click.ClickException(f"no lock held for {call}: {call_key} is free")

@@ -24,10 +24,10 @@ from ._durations import seconds
 from .exceptions import LockConfigurationError
 from .keys import LockOn
 from .lock import MAX_TTL, MIN_WATCHDOG_TTL
+from .modes import MODE_RULES, ModeRules
 
 __all__ = [
     "APP_SETTINGS",
-    "EXECUTION_MODES",
     "MODES",
     "TASK_OPTIONS",
     "AppSettings",
@@ -36,15 +36,13 @@ __all__ = [
     "task_options",
 ]
 
-MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing", "until_expired")
-#: Modes that hold a lock while the body runs.
-EXECUTION_MODES = frozenset(
-    {"while_executing", "until_executed", "until_and_while_executing", "until_expired"}
-)
+MODES = tuple(MODE_RULES)
 BUSY = ("skip", "retry", "wait", "raise")
 DUPLICATE = ("return", "raise")
 ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
+#: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
+RESOLVED = frozenset({"lock_options", "lock_settings"})
 URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis-cluster", "rediss-cluster")
 
 #: Option name (without ``lock_``) -> library default; ``lock_busy`` and
@@ -91,6 +89,8 @@ class LockOptions:
     on_lost: str
     #: run once per schedule slot when sent by beat (see ``celery_redislock.beat``)
     beat: bool
+    #: what ``mode`` takes, keeps and frees (``MODE_RULES[mode]``)
+    rules: ModeRules
 
 
 @dataclass(frozen=True)
@@ -260,8 +260,9 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
     problem = _Problem(f"task {task.name!r}")
     known = [f"lock_{name}" for name in TASK_OPTIONS]
     for name in dir(task):
-        if name.startswith("lock_") and name not in known and not callable(getattr(task, name)):
-            raise _unknown(problem, "task option", name, known)
+        if name in RESOLVED or not name.startswith("lock_") or name in known or callable(getattr(task, name)):
+            continue
+        raise _unknown(problem, "task option", name, known)
 
     def raw(name: str) -> tuple[str, Any]:
         value = getattr(task, f"lock_{name}", None)
@@ -276,12 +277,13 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
     option, ttl_value = raw("ttl")
     ttl = _duration(problem, option, ttl_value, MIN_WATCHDOG_TTL)
     option, busy = raw("busy")
-    busy = busy or ("retry" if mode == "until_and_while_executing" else "skip")
+    rules = MODE_RULES[mode]
+    busy = busy or rules.default_busy
     busy = _choice(problem, option, busy, BUSY)
     option, period_value = raw("period")
     period = None if period_value is None else _duration(problem, option, period_value, 0.001)
-    if mode == "until_expired" and period is None:
-        raise problem("lock_period", None, "until_expired needs it: how long the lock stays after a run")
+    if rules.settles and period is None:
+        raise problem("lock_period", None, f"{mode} needs it: how long the lock stays after a run")
     option, wait_value = raw("wait_timeout")
     return LockOptions(
         mode=mode,
@@ -295,4 +297,5 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
         wait_timeout=ttl if wait_value is None else _duration(problem, option, wait_value, 0),
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
         beat=_flag(problem, *raw("beat")),
+        rules=rules,
     )

@@ -27,6 +27,7 @@ import redis.sentinel
 
 from .config import URL_SCHEMES, app_settings
 from .exceptions import LockConfigurationError
+from .state import app_state
 
 __all__ = ["DEFAULT_URL", "client_for", "lock_url", "masked", "redis_client"]
 
@@ -137,7 +138,8 @@ def client_for(app: Any) -> tuple[Client, str]:
     Created on first use (and again in a forked child, which must not share
     its parent's sockets); the URL is logged once per process.
     """
-    cached = getattr(app, "_redislock_client", None)
+    state = app_state(app)
+    cached = state.client
     if cached is not None and cached[0] == os.getpid():
         return cached[1], cached[2]
     url, source = lock_url(app)
@@ -148,6 +150,6 @@ def client_for(app: Any) -> tuple[Client, str]:
     transport_options = app_settings(app).transport_options or app.conf.get("broker_transport_options") or {}
     client = redis_client(url, transport_options, **options)
     safe_url = masked(url)
-    app._redislock_client = (os.getpid(), client, safe_url)
+    state.client = (os.getpid(), client, safe_url)
     logger.info("celery-redislock: locks in Redis at %s (from %s)", safe_url, source)
     return client, safe_url

@@ -9,26 +9,33 @@
 * A task's lock names its holder with ``holder_for`` (fields ``task``, ``try``,
   ``state``, ``node``, ``pid``); a ``RedisLock`` by default as ``"<host>:<pid>"``.
 * A message carries its enqueue lock (its *ticket*: key and token) in the
-  ``redislock`` header, and the beat slot it was sent for in ``redislock_beat``.
+  ``redislock`` header, and the beat slot it was sent for in ``redislock_beat``;
+  its ``countdown``/``eta`` and ``expires`` are read as Celery's worker reads them
+  (``message_delay``, ``seconds_until``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
+
+from celery.utils.time import maybe_make_aware
 
 __all__ = [
     "BEAT_HEADER",
     "HEADER",
     "LockValue",
     "holder_for",
+    "message_delay",
     "message_ticket",
     "parse_holder",
     "parse_value",
     "request_slot",
     "request_ticket",
+    "seconds_until",
     "text",
 ]
 
@@ -116,3 +123,24 @@ def request_slot(request: Any) -> dict[str, Any] | None:
     ):
         return dict(slot)
     return None
+
+
+def message_delay(options: Mapping[str, Any]) -> float:
+    """Seconds until a message sent with ``options`` (``countdown``/``eta``) may run."""
+    if options.get("countdown") is not None:
+        return max(float(options["countdown"]), 0.0)
+    if options.get("eta") is not None:
+        return max(seconds_until(options["eta"]), 0.0)
+    return 0.0
+
+
+def seconds_until(when: Any) -> float:
+    """``when`` (seconds from now, a datetime or an ISO 8601 string) as seconds from now.
+
+    Read as Celery's worker reads a message's ``eta``/``expires``: a naive time is UTC,
+    whatever the process's local time zone or the app's ``timezone``.
+    """
+    if isinstance(when, (int, float)):
+        return float(when)
+    moment: datetime = maybe_make_aware(datetime.fromisoformat(when) if isinstance(when, str) else when)
+    return (moment - datetime.now(timezone.utc)).total_seconds()

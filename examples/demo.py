@@ -25,7 +25,7 @@ import redis
 from celery.exceptions import TimeoutError as ResultTimeout
 
 from celery_redislock import task_lock_key
-from celery_redislock.cli import HeldLock, held_locks, read_lock
+from celery_redislock.inventory import HeldLock, held_locks, read_lock
 from examples import once_per_slot, tasks
 from examples._support import Worker, redis_url, say
 

@@ -13,7 +13,7 @@ import redis
 from celery.exceptions import TimeoutError as ResultTimeout
 
 from celery_redislock import task_lock_key
-from celery_redislock.cli import read_lock
+from celery_redislock.inventory import read_lock
 from examples._support import ROOT, Worker, redis_url, say
 from examples.tasks import long_report
 

@@ -25,9 +25,10 @@ from redis.connection import AbstractConnection
 from celery_redislock import RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
 from celery_redislock._task_scripts import ADOPT
-from celery_redislock.cli import read_lock
+from celery_redislock.inventory import read_lock
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder
+from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer
 from tests.taskapp import make_app, recorder
 from tests.workers import threads_worker, wait_for
@@ -242,7 +243,7 @@ def test_a_resent_adopt_is_recognised_as_its_own(redis_server: RedisServer, pref
     # (a client from a URL does not): this in-process worker uses it.
     retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)
     assert retrying.get_retry() is not None and retrying.get_retry().get_retries() > 0
-    app._redislock_client = (os.getpid(), retrying, redis_server.url)  # type: ignore[attr-defined]
+    app_state(app).client = (os.getpid(), retrying, redis_server.url)
     x, task = fresh(), app.tasks["taskapp.until_executed"]
     result = task.delay(x)
     with first_reply_lost(ADOPT) as lost, threads_worker(app):

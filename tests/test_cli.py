@@ -186,7 +186,7 @@ def test_release_key_frees_a_running_tasks_lock_and_its_watchdog_reports_the_los
     value = setup.recorder.client.get(key)
     assert value is not None
     _, fence, holder = value.decode().split(":", 2)
-    with caplog.at_level(logging.WARNING, logger="celery_redislock.cli"):
+    with caplog.at_level(logging.WARNING, logger="celery_redislock.inventory"):
         released = setup.cli("release", key)
     assert released.exit_code == 0, released.output
     assert released.stdout == f"released {key} (held by {holder}, fence {fence})\n"

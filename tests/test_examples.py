@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_redislock.cli import held_locks
+from celery_redislock.inventory import held_locks
 from celery_redislock.testing import RedisServer
 from examples._support import QUEUE, ROOT, Worker
 

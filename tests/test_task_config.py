@@ -73,7 +73,7 @@ def test_options_come_from_the_task_then_the_app_then_the_defaults(
 ) -> None:
     app = new_app(redis_server.url, prefix, redislock_ttl=timedelta(seconds=12), redislock_busy="wait")
     task = define(app, lock_ttl=7)
-    options = task._lock_options
+    options = task.lock_options
     assert (options.ttl, options.busy, options.on_lost, options.wait_timeout) == (7.0, "wait", "log", 7.0)
     assert (options.mode, options.on, options.retry_delay, options.queue_ttl) == (
         "while_executing",
@@ -90,7 +90,7 @@ def test_subclass_and_task_annotations_set_options(redis_server: RedisServer, pr
 
     app = new_app(redis_server.url, prefix, task_annotations={"cfg.add": {"lock_ttl": 9}})
     task = define(app, base=Patient)
-    assert (task._lock_options.busy, task._lock_options.wait_timeout, task._lock_options.ttl) == (
+    assert (task.lock_options.busy, task.lock_options.wait_timeout, task.lock_options.ttl) == (
         "wait",
         2.0,
         9.0,

@@ -13,6 +13,7 @@ import pytest
 from celery import Celery
 
 from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
+from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer, assert_no_locks, hold, locks_left, use_redis
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -114,7 +115,7 @@ def test_use_redis_moves_the_locks_for_the_block_and_restores_the_setting(
             assert skip(1) is None  # busy: skipped
         assert skip(1) == 1
     assert app.conf.redislock_url == NOWHERE
-    assert "_redislock_client" not in app.__dict__  # the next use reads the setting again
+    assert app_state(app).client is None  # the next use reads the setting again
 
 
 def test_use_redis_restores_an_unset_redislock_url(redis_server: RedisServer) -> None:

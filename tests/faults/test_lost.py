@@ -27,10 +27,10 @@ import pytest
 import redis
 from billiard.exceptions import WorkerLostError
 
-import celery_redislock.task
+import celery_redislock.run_lock
 from celery_redislock import LockLost, RedisLock, task_lock_key
 from celery_redislock.config import app_settings
-from celery_redislock.task import _ExecutionLock
+from celery_redislock.run_lock import ExecutionLock
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
@@ -195,11 +195,11 @@ def test_terminate_stops_only_a_child_whose_body_still_runs(
     stops nothing; a loss while the body runs stops the child (``os.kill``, recorded here)."""
     app = make_app(redis_server.url, prefix, f"q-{prefix}")
     kills: list[tuple[int, int]] = []
-    monkeypatch.setattr(celery_redislock.task.os, "kill", lambda pid, signum: kills.append((pid, signum)))
+    monkeypatch.setattr(celery_redislock.run_lock.os, "kill", lambda pid, signum: kills.append((pid, signum)))
     client = redis_server.client()
     try:
         for in_body in (False, True):
-            lock = _ExecutionLock(
+            lock = ExecutionLock(
                 client,
                 f"{prefix}:run:{in_body}",
                 0.6,

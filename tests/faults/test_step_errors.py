@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
+import celery_redislock.execution
 import celery_redislock.lock
-import celery_redislock.task
 from celery_redislock import LockNotAcquired, RedisLock, RedisLockError, task_lock_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
@@ -31,9 +31,9 @@ TTL = 1.5
 
 #: step -> (object, attribute) of the call that fails once
 STEPS: dict[str, tuple[Any, str]] = {
-    "free_queued": (celery_redislock.task, "free_ticket"),
+    "free_queued": (celery_redislock.execution, "free_ticket"),
     "release": (celery_redislock.lock.RedisLock, "_free"),
-    "settle": (celery_redislock.task, "SETTLE"),
+    "settle": (celery_redislock.execution, "SETTLE"),
 }
 
 

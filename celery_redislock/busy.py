@@ -1,0 +1,221 @@
+"""What a run does when it finds its execution lock held: the ``lock_busy`` policies.
+
+``when_busy`` first decides whose hold it is (``policy_for``): the run's own
+message delivered again, a stale copy of an earlier attempt, the run's own
+previous attempt letting go, or a group or chord member, which is never
+skipped. Only then does the task's ``lock_busy`` (``skip``, ``retry``,
+``wait``, ``raise``) apply, with ``retry`` as ``wait`` where the run cannot
+be retried later (an eager or direct call). Each outcome is a small policy
+object: ``True`` runs the body (the lock is now held), ``False`` skips it;
+the others raise (``Ignore``, ``Retry``, ``LockNotAcquired``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Protocol, cast
+
+from celery.exceptions import Ignore, Retry
+
+from . import signals
+from ._durations import to_ms
+from ._scripts import RENEW
+from .config import LockOptions
+from .exceptions import LockNotAcquired
+from .protocol import parse_holder, request_ticket
+from .run_lock import ExecutionLock, acquired, adopt, release
+
+__all__ = ["POLICIES", "BusyPolicy", "Found", "policy_for", "when_busy"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A run that found ``lock`` held by ``holder`` (``ttl`` seconds left, if known)."""
+
+    task: Any
+    options: LockOptions
+    lock: ExecutionLock
+    #: the worker's (or apply()'s) request; ``None`` for a direct call
+    request: Any
+    args: Any
+    kwargs: Any
+    holder: str | None
+    ttl: float | None
+
+    @property
+    def task_id(self) -> str | None:
+        return None if self.request is None else self.request.id
+
+    def took(self) -> bool:
+        """The run holds ``lock`` now."""
+        return acquired(self.task, self.lock, self.task_id)
+
+
+class BusyPolicy(Protocol):
+    def __call__(self, found: Found) -> bool:
+        """``True``: the lock is held now, run the body; ``False``: skip it; or raise."""
+
+
+def when_busy(found: Found) -> bool:
+    """Apply the policy for ``found`` (``lock_busy``, after the overrides of ``policy_for``)."""
+    signals.lock_busy.send(sender=found.task, key=found.lock.name, task_id=found.task_id, holder=found.holder)
+    return policy_for(found)(found)
+
+
+def policy_for(found: Found) -> BusyPolicy:
+    """The policy for ``found``: an override where the hold is this task's own or the run must not
+    be skipped (or cannot be retried), else the task's ``lock_busy``."""
+    request = found.request
+    held_by = parse_holder(found.holder)
+    if request is not None and held_by.get("task") == request.id:
+        held_try, attempt = int(held_by["try"]), request.retries or 0
+        if held_try == attempt and held_by.get("state") == "running":
+            return _redelivered
+        if held_try > attempt:
+            return _stale_copy
+        if held_try < attempt:  # this task's previous attempt published this retry, letting go now
+            ticket = request_ticket(request)
+            if found.options.rules.parks_for_retry and ticket is not None and ticket[0] == found.lock.name:
+                return AdoptParked(ticket[1])
+            return _wait
+    if request is not None and (request.group or request.chord):
+        return _wait  # a group or chord member is never skipped: its chord would never complete
+    if found.options.busy == "retry" and (request is None or request.is_eager):
+        return _wait  # an eager or direct call cannot be retried later
+    return POLICIES[found.options.busy]
+
+
+def _skip(found: Found) -> bool:
+    logger.info(
+        "task %s[%s] skipped: lock %s is held by task %s (%s)",
+        found.task.name,
+        found.task_id,
+        found.lock.name,
+        parse_holder(found.holder).get("task"),
+        found.holder,
+    )
+    return False
+
+
+def _retry(found: Found) -> bool:
+    """Republish the message after ``lock_retry_delay`` (with jitter), with the same retry count:
+    a busy lock is not one of the task's own retries."""
+    task, lock, request, options = found.task, found.lock, found.request, found.options
+    delay = options.retry_delay * random.uniform(0.5, 1.5)
+    logger.info(
+        "task %s[%s] retries in %.1fs: lock %s is held by task %s",
+        task.name,
+        found.task_id,
+        delay,
+        lock.name,
+        parse_holder(found.holder).get("task"),
+    )
+    signature = task.signature_from_request(
+        request, found.args, found.kwargs, countdown=delay, retries=request.retries
+    )
+    ticket = request_ticket(request)
+    if ticket is not None and options.rules.frees_ticket:
+        # Queued again, with the same enqueue lock: it lives as long as at enqueue (owner-checked).
+        RENEW(lock.client, [ticket[0]], [to_ms(options.queue_ttl + delay), ticket[1]])
+    signature.apply_async()
+    raise Retry(f"lock {lock.name} is held by {found.holder}", when=cast(Any, delay), sig=signature)
+
+
+def _wait(found: Found) -> bool:
+    """Wait for the lock (woken by its release) up to ``lock_wait_timeout``; then as ``raise``."""
+    if found.lock.acquire(timeout=found.options.wait_timeout):
+        return found.took()
+    raise LockNotAcquired(found.lock.name, *found.lock.busy)
+
+
+def _raise(found: Found) -> bool:
+    raise LockNotAcquired(found.lock.name, found.holder, found.ttl)
+
+
+#: ``lock_busy`` -> its policy.
+POLICIES: Mapping[str, BusyPolicy] = MappingProxyType(
+    {"skip": _skip, "retry": _retry, "wait": _wait, "raise": _raise}
+)
+
+
+def _stale_copy(found: Found) -> bool:
+    """A copy of an earlier attempt (a redelivery): a later attempt is queued or running."""
+    logger.info(
+        "task %s[%s]: a later attempt holds %s; this stale copy is ignored",
+        found.task.name,
+        found.task_id,
+        found.lock.name,
+    )
+    raise Ignore()
+
+
+def _redelivered(found: Found) -> bool:
+    """A redelivered message (acks_late, visibility timeout, a dead consumer's messages), its lock
+    held by its own first delivery: ignored while that delivery runs, run if its worker died."""
+    task = found.task
+    if _first_delivery_died(found):
+        logger.warning(
+            "task %s[%s]: redelivered after its first delivery's worker died (its lease on %s "
+            "ran out); running it",
+            task.name,
+            found.task_id,
+            found.lock.name,
+        )
+        return found.took()
+    logger.info("task %s[%s]: redelivered while its first delivery runs; ignored", task.name, found.task_id)
+    raise Ignore()
+
+
+def _first_delivery_died(found: Found) -> bool:
+    """Whether the first delivery holding the lock, ``found.ttl`` seconds from expiry, died.
+
+    ``True`` (the lock now held here) if that holder died: its lease ran out
+    unrenewed. ``False`` if it is alive (it renewed the lease or released
+    it: it ran to its end, or its pool child died and the worker released
+    for it). A live holder renews every ``lock_ttl/3``, so this waits at most
+    one renewal interval for a live holder, and the rest of the lease for a
+    dead one; it is woken at once by a release.
+    """
+    lock, holder, left = found.lock, found.holder, found.ttl or 0.0
+    margin = 0.1  # seconds: a release this close to the lease's end counts as its running out
+    began = time.monotonic()
+    if left > margin:  # watch for one renewal interval, never up to the end of the lease
+        if lock.acquire(timeout=min(found.options.ttl / 3, left - margin)):
+            release(found.task, lock, None, announce=False)  # freed early: by its holder, who is done
+            return False
+        now_holder, now_left = lock.busy
+        if now_holder != holder or (now_left or 0.0) > left - (time.monotonic() - began) + margin:
+            return False  # renewed (alive), or released and taken by another
+        began, left = time.monotonic(), now_left or 0.0
+    if lock.acquire(timeout=left + margin):  # not renewed for an interval: wait for the lease to end
+        if time.monotonic() - began >= left - margin:
+            return True  # it ran out: the holder is dead
+        release(found.task, lock, None, announce=False)  # released late: it was alive after all
+    return False
+
+
+@dataclass(frozen=True)
+class AdoptParked:
+    """A retry carrying ``token`` found its previous attempt still holding the lock."""
+
+    token: str
+
+    def __call__(self, found: Found) -> bool:
+        """Wait (at most ``lock_wait_timeout``) until that attempt parks the hold for ``token`` (its
+        park wakes this waiter) or frees it, then adopt it; else ``LockNotAcquired``."""
+        lock = found.lock
+        fence = lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout)
+        holder, ttl = lock.busy
+        if fence is not None:  # ``token`` owns the hold now: parked for it, or taken free
+            busy = adopt(lock, self.token)
+            if busy is None:
+                return found.took()
+            holder, ttl = busy[0], max(busy[1], 0) / 1000
+        raise LockNotAcquired(lock.name, holder, ttl)

@@ -1,0 +1,326 @@
+"""One run of a ``LockedTask``'s body: take its lock, deal with a busy one, let it go.
+
+Where each outcome is handled:
+
+* the body ends (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED): ``LockedTask.__call__``
+  lets go (``Execution.let_go``) in a ``finally``, before Celery stores the
+  result; the ``task_postrun`` receiver releases a lock an asynchronous
+  exception (a soft time limit) kept that ``finally`` from releasing;
+* a step between taking the lock and running the body fails (a Redis error
+  freeing the message's enqueue lock): the lock is released on the way out;
+* the lock is lost while the body runs: see ``run_lock.ExecutionLock``;
+* the pool child dies (SIGKILL, OOM, hard time limit, ``revoke(terminate=True)``,
+  ``lock_on_lost="terminate"``): the worker's main process releases the lock
+  once the child is gone, owner-checked (``celery_redislock.request.LockedRequest``);
+* the whole worker dies: nothing renews the lease, and it expires within
+  ``lock_ttl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from contextlib import AbstractContextManager, nullcontext, suppress
+from typing import Any
+
+import redis
+
+from . import signals
+from ._durations import to_ms
+from ._task_scripts import CLAIM, PARK, SETTLE
+from .busy import Found, when_busy
+from .config import AppSettings, LockOptions
+from .connection import client_for
+from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
+from .inventory import free_ticket
+from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
+from .run_lock import ExecutionLock, acquired, adopt, release
+from .state import app_state
+
+__all__ = ["Execution"]
+
+logger = logging.getLogger(__name__)
+
+
+class Execution:
+    """The run of ``task`` with ``args``/``kwargs`` under the lock ``key``.
+
+    ``request`` is the worker's (or apply()'s) request, ``None`` for a direct
+    call. ``lock`` is ``None`` in a mode without an execution lock, and once a
+    Redis error made the run go on unlocked (``redislock_on_error="run"``).
+    """
+
+    __slots__ = (
+        "args",
+        "client",
+        "key",
+        "kwargs",
+        "lock",
+        "node",
+        "options",
+        "request",
+        "retries",
+        "running",
+        "settings",
+        "slot",
+        "task",
+        "task_id",
+        "ticket",
+        "url",
+    )
+
+    def __init__(
+        self,
+        task: Any,
+        options: LockOptions,
+        settings: AppSettings,
+        key: str,
+        request: Any,
+        args: Any,
+        kwargs: Any,
+    ) -> None:
+        self.task, self.options, self.settings, self.key = task, options, settings, key
+        self.request, self.args, self.kwargs = request, args, kwargs
+        self.task_id: str | None = None if request is None else request.id
+        self.retries: int = 0 if request is None else request.retries or 0
+        self.node: str = (None if request is None else request.hostname) or socket.gethostname()
+        self.ticket = None if request is None else request_ticket(request)
+        slot = None if request is None else request_slot(request)
+        # a beat slot counts only if the task or its schedule entry opted in
+        self.slot = slot if slot is not None and (options.beat or slot.get("claimed")) else None
+        self.client, self.url = client_for(task.app)
+        self.lock: ExecutionLock | None = None
+        if options.rules.execution_lock:
+            self.lock = ExecutionLock(
+                self.client,
+                key,
+                options.ttl,
+                holder_for(self.task_id, self.retries, self.node, os.getpid()),
+                settings,
+                raise_on_lost=options.on_lost != "log",
+                stop_child=self._stops_child(),
+            )
+            self.lock.request = request
+            # From here on, what an asynchronous exception leaves held is task_postrun's to release.
+            if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
+                self.running = app_state(task.app).running
+                self.running[threading.get_ident()] = (self.task_id, self.lock)
+
+    def begin(self) -> bool:
+        """Everything before the body: whether it runs (``False``: skipped, or a duplicate).
+
+        Raises for ``lock_busy="raise"``, ``"retry"``, a timed-out ``"wait"``; a
+        Redis error raises ``RedisLockError``, or with ``redislock_on_error="run"``
+        the body runs unlocked.
+        """
+        try:
+            return self._begin()
+        except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
+            where = (
+                f"task {self.task.name!r}[{self.task_id}]: "
+                f"could not lock {self.key!r} in Redis at {self.url}: {exc}"
+            )
+            if self.settings.on_error == "fail":
+                raise RedisLockError(where) from exc
+            logger.warning("%s; running unlocked (redislock_on_error='run')", where)
+            self.lock = None
+            return True
+
+    def _begin(self) -> bool:
+        """Claim the beat slot, take the lock, free the message's enqueue lock where the mode says."""
+        if self.slot is not None and not self._claim_slot(self.slot):
+            if self.ticket is not None:  # a duplicate never runs: its enqueue lock, if any, goes
+                free_ticket(self.client, self.ticket)
+            return False
+        # Where the mode frees it, the message's enqueue lock goes once the message is dealt with
+        # here: run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
+        ticket_to_free = self.ticket if self.options.rules.frees_ticket else None
+        try:
+            taken = self.lock is None or self.take(self.lock)
+        except LockNotAcquired:
+            if ticket_to_free is not None:
+                # Refused is the outcome: an error freeing the enqueue lock must not turn it into
+                # an unlocked run beside the holder (redislock_on_error="run").
+                with suppress(redis.RedisError):
+                    self._free_message_lock(ticket_to_free, None)
+            raise
+        if ticket_to_free is not None:
+            self._free_message_lock(ticket_to_free, self.lock)
+        return taken
+
+    def take(self, lock: ExecutionLock) -> bool:
+        """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
+        ``False`` to skip the body; raises for ``raise``, ``retry``, a timed-out ``wait``."""
+        ticket = self.ticket
+        if self.options.rules.adopts_ticket and ticket is not None and ticket[0] == lock.name:
+            busy = adopt(lock, ticket[1])
+            if busy is None:
+                return acquired(self.task, lock, self.task_id)
+            if busy[1] != -2:  # held, not for this message: busy (gone: take it afresh below)
+                return self.when_busy(lock, busy[0], max(busy[1], 0) / 1000)
+        if lock.acquire(blocking=False):
+            return acquired(self.task, lock, self.task_id)
+        return self.when_busy(lock, *lock.busy)
+
+    def when_busy(self, lock: ExecutionLock, holder: str | None, ttl: float | None) -> bool:
+        """``lock`` is held by ``holder``: apply ``lock_busy`` (``celery_redislock.busy``)."""
+        return when_busy(
+            Found(self.task, self.options, lock, self.request, self.args, self.kwargs, holder, ttl)
+        )
+
+    def body(self) -> AbstractContextManager[None]:
+        """The block the body runs in (``ExecutionLock.body``)."""
+        return nullcontext() if self.lock is None else self.lock.body()
+
+    def fields(self) -> dict[str, Any]:
+        """The ``lock_*`` fields of the request the body sees."""
+        return {
+            "lock_key": self.key,
+            "lock_fence": None if self.lock is None else self.lock.fence,
+            "lock_lost": False,
+            "lock_slot": None if self.slot is None else self.slot["slot"],
+        }
+
+    def let_go(self) -> None:
+        """After the body: release, or keep the lock as the mode says (a retry on its way; a period).
+
+        An attempt that sent its retry (``apply_async``) parks its hold for the token
+        the retry's message carries, whether the body then raised the ``Retry`` or not.
+        """
+        lock = self.lock
+        if lock is None:
+            return
+        retry = getattr(lock.request, "lock_retry", None)
+        rules = self.options.rules
+        if rules.parks_for_retry and retry is not None and retry[0] == lock.name and lock.held():
+            self._park(lock, retry[1], retry[2])
+        elif not (rules.settles and self.options.period is not None and lock.held() and self._settle(lock)):
+            release(self.task, lock, self.task_id)
+        if self.task_id is not None:  # only once let go: an interrupted release is task_postrun's
+            self.running.pop(threading.get_ident(), None)
+
+    def _park(self, lock: ExecutionLock, token: str, delay: float) -> None:
+        """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s)."""
+        ttl = self.options.queue_ttl + delay
+        queued = holder_for(self.task_id, self.retries + 1, socket.gethostname(), os.getpid(), "queued")
+        current = lock.holder or ""
+        try:
+            parked = PARK(
+                lock.client, [lock.name], [lock.stop_renewing(), current, token, queued, to_ms(ttl)]
+            )
+        except redis.RedisError as exc:
+            logger.warning(
+                "task %s[%s]: could not keep lock %s for its retry: %s",
+                self.task.name,
+                self.task_id,
+                lock.name,
+                exc,
+            )
+            return
+        finally:
+            lock.forget()
+        if not int(parked):
+            logger.info(  # usually the retry already adopted it; else it was lost
+                "task %s[%s]: lock %s was already taken over at its retry",
+                self.task.name,
+                self.task_id,
+                lock.name,
+            )
+
+    def _settle(self, lock: ExecutionLock) -> bool:
+        """Keep ``lock`` for ``lock_period`` after it was taken; ``False``: it is to be released now."""
+        assert self.options.period is not None
+        try:
+            left = int(SETTLE(lock.client, [lock.name], [lock.stop_renewing(), to_ms(self.options.period)]))
+        except redis.RedisError as exc:
+            logger.warning(
+                "task %s[%s]: could not keep lock %s: %s", self.task.name, self.task_id, lock.name, exc
+            )
+            lock.forget()
+            return True
+        if left > 0:
+            lock.forget()
+            return True
+        return False
+
+    def _stops_child(self) -> bool:
+        """Whether a lost lock stops this process: ``lock_on_lost="terminate"`` in a prefork pool child.
+
+        Anywhere else (threads, solo, gevent or eventlet pools, a direct call)
+        the process is the worker itself: ``"terminate"`` acts as ``"raise"``,
+        with a WARNING the first time (per task).
+        """
+        if self.options.on_lost != "terminate":
+            return False
+        state = app_state(self.task.app)
+        if state.pool_child == os.getpid():
+            return True
+        if self.task.name not in state.terminate_warned:
+            state.terminate_warned.add(self.task.name)
+            logger.warning(
+                "task %s: lock_on_lost='terminate' stops a prefork pool child, and this process is "
+                "not one (threads, solo, gevent or eventlet pool, or a direct call): a lost lock "
+                "raises LockLost instead, as with lock_on_lost='raise'",
+                self.task.name,
+            )
+        return False
+
+    def _free_message_lock(self, ticket: tuple[str, str], lock: ExecutionLock | None) -> None:
+        """Free the message's enqueue lock, the run being under way (``lock``: its execution lock).
+
+        If that fails, nothing stays held: ``lock`` is released, the enqueue
+        lock is tried once more (owner-checked), and the error propagates.
+        """
+        try:
+            if not free_ticket(self.client, ticket):
+                logger.debug("task %s[%s]: its enqueue lock had already gone", self.task.name, self.task_id)
+        except BaseException:
+            if lock is not None:
+                release(self.task, lock, self.task_id)
+            try:
+                free_ticket(self.client, ticket)
+            except redis.RedisError as exc:
+                logger.warning(
+                    "task %s[%s]: could not release its enqueue lock %s (%s); it expires within its ttl",
+                    self.task.name,
+                    self.task_id,
+                    ticket[0],
+                    exc,
+                )
+            raise
+
+    def _claim_slot(self, slot: dict[str, Any]) -> bool:
+        """Claim the beat slot the message was sent for; ``False`` if another message has it.
+
+        The sender's claim (same token) is taken over, naming this task; a slot
+        nobody claimed (beat's ``send_task`` fallback) goes to the first
+        message of it that starts here.
+        """
+        holder = holder_for(self.task_id, self.retries, self.node, os.getpid(), "claimed")
+        reply = CLAIM(self.client, [slot["key"]], [slot["token"], holder, slot["ttl"]])
+        if isinstance(reply, int):
+            logger.info(
+                "task %s[%s]: runs slot %s of beat entry %r (sent by %s)",
+                self.task.name,
+                self.task_id,
+                slot["slot"],
+                slot["entry"],
+                slot.get("beat"),
+            )
+            return True
+        other = text(reply)
+        logger.info(
+            "task %s[%s]: not run, a duplicate: slot %s of beat entry %r went to %s (marker %s)",
+            self.task.name,
+            self.task_id,
+            slot["slot"],
+            slot["entry"],
+            other,
+            slot["key"],
+        )
+        signals.task_deduplicated.send(
+            sender=self.task, key=slot["key"], existing_task_id=parse_holder(other).get("task")
+        )
+        return False

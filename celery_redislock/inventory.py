@@ -1,0 +1,199 @@
+"""The locks in Redis as seen from outside their owner: list and read them, free a hold by its token.
+
+Used by the CLI (``celery redislock``), ``celery_redislock.testing``
+(``assert_no_locks``), and the processes that clean up after another (the
+worker's main process after a pool child died or a message was revoked, a
+beat whose send failed). Every release here is the owner-checked release
+script run with a token read from the lock or carried by a message, so a hold
+taken over meanwhile is left alone, and the next waiter is woken as by the
+owner's own release.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._scripts import RELEASE
+from .connection import Client
+from .modes import QUEUED_SUFFIXES
+from .protocol import parse_holder, parse_value, text
+
+__all__ = [
+    "HeldLock",
+    "force_release",
+    "free_ticket",
+    "held_locks",
+    "read_lock",
+    "read_locks",
+    "release_held_by",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What follows ``{prefix}:`` in a task's lock key; a queued suffix (``:queued``) marks an
+#: enqueue lock that is not the execution lock (``until_and_while_executing``).
+_TASK_KEY = re.compile(
+    r"(.+):[0-9a-f]{64}(?:" + "|".join(map(re.escape, sorted(QUEUED_SUFFIXES))) + ")?", re.DOTALL
+)
+#: The default holder of a ``RedisLock``: ``"<host>:<pid>"``.
+_HOST_PID = re.compile(r"(.+):(\d+)", re.DOTALL)
+#: Keys read per round trip while listing.
+_BATCH = 500
+
+
+@dataclass(frozen=True)
+class HeldLock:
+    """A lock as read from Redis; ``None`` where the holder does not say."""
+
+    key: str
+    #: the task whose key this is (``None`` for a key outside the prefix or of another shape)
+    task: str | None
+    task_id: str | None
+    #: retries of the task so far when it took the lock
+    attempt: int | None
+    #: ``queued`` (an enqueue lock whose message waits) or ``running`` (taken by a run; an
+    #: ``until_expired`` lock stays ``running`` through its period after the run)
+    state: str | None
+    node: str | None
+    pid: int | None
+    #: seconds left (``None``: no TTL, which this package never leaves)
+    ttl: float | None
+    fence: int
+    #: the holder description as stored
+    holder: str
+    token: str = field(repr=False)
+
+    def as_dict(self, mode: str | None) -> dict[str, Any]:
+        """The fields shown by ``list --json``, with the task's ``lock_mode``."""
+        return {
+            "key": self.key,
+            "task": self.task,
+            "task_id": self.task_id,
+            "attempt": self.attempt,
+            "state": self.state,
+            "mode": mode,
+            "node": self.node,
+            "pid": self.pid,
+            "ttl": self.ttl,
+            "fence": self.fence,
+            "holder": self.holder,
+        }
+
+
+def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | None:
+    """The lock at ``key`` from its value and PTTL; ``None`` if the value is not a lock."""
+    lock = parse_value(value)
+    if lock is None or not isinstance(pttl, int) or pttl == -2:
+        return None
+    token, fence, holder = lock
+    task = None
+    if key.startswith(prefix + ":"):
+        task_match = _TASK_KEY.fullmatch(key[len(prefix) + 1 :])
+        task = task_match.group(1) if task_match else None
+    fields = parse_holder(holder)
+    node, pid = fields.get("node"), fields.get("pid")
+    if not fields:
+        host_pid = _HOST_PID.fullmatch(holder)
+        node, pid = host_pid.groups() if host_pid else (None, None)
+    return HeldLock(
+        key=key,
+        task=task,
+        task_id=fields.get("task"),
+        attempt=int(fields["try"]) if fields.get("try", "").isdigit() else None,
+        state=fields.get("state"),
+        node=node,
+        pid=int(pid) if pid and pid.isdigit() else None,
+        ttl=None if pttl < 0 else pttl / 1000,
+        fence=int(fence),
+        holder=holder,
+        token=token,
+    )
+
+
+def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
+    """The locks among ``keys`` (GET and PTTL of each, in one round trip), in their order."""
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.get(key)
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)  # GET of a key of another type fails: not a lock
+    found = []
+    for key, value, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
+        lock = _parse(key, value, pttl, prefix)
+        if lock is not None:
+            found.append(lock)
+    return found
+
+
+def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:
+    """The lock at ``key`` (``None`` if the key is missing or holds no lock)."""
+    found = read_locks(client, [key], prefix)
+    return found[0] if found else None
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def held_locks(client: Client, prefix: str, task: str | None = None) -> list[HeldLock]:
+    """Every lock under ``{prefix}:`` (only ``task``'s, if given), sorted by key.
+
+    Keys are found with SCAN, so a large keyspace is walked without blocking
+    Redis; a lock taken or freed during the walk may be missed or included.
+    Companion keys (a lock's waiter queue and wake lists) are not locks.
+    """
+    pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
+    found: list[HeldLock] = []
+    for batch in _batches(client.scan_iter(match=pattern, count=1000), _BATCH):
+        found.extend(read_locks(client, batch, prefix))
+    if task is not None:
+        found = [lock for lock in found if lock.task == task]
+    return sorted(found, key=lambda lock: lock.key)
+
+
+def _batches(keys: Iterator[Any], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for key in keys:
+        batch.append(text(key))
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def force_release(client: Client, lock: HeldLock, why: str) -> bool:
+    """Free the hold ``lock`` describes, whoever holds it; whether it was freed.
+
+    ``False`` when that hold is gone or was taken over since it was read:
+    Redis is then unchanged. Logged at WARNING, naming ``why``.
+    """
+    released = free_ticket(client, (lock.key, lock.token))
+    if released:
+        logger.warning(
+            "lock %s force-released (%s); it was held by %s, fence %d", lock.key, why, lock.holder, lock.fence
+        )
+    return released
+
+
+def free_ticket(client: Client, ticket: tuple[str, str]) -> bool:
+    """Release the hold ``ticket`` (key, token) names, owner-checked by its token; whether it was released."""
+    key, token = ticket
+    return bool(int(RELEASE(client, [key], [token])))
+
+
+def release_held_by(client: Client, key: str, holder: str) -> bool:
+    """Release ``key`` if ``holder`` holds it (two round trips); whether it was released.
+
+    For a process that cleans up after another (the worker's main process
+    after a pool child died): the token comes from the lock itself, and the
+    release is still owner-checked, so a lock taken over meanwhile is left alone.
+    """
+    value = parse_value(client.get(key))
+    if value is None or value.holder != holder:
+        return False
+    return free_ticket(client, (key, value.token))

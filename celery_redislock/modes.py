@@ -1,0 +1,53 @@
+"""The lock modes as data: what each ``lock_mode`` takes, keeps and frees, in one table.
+
+Every decision that depends on the mode reads a field of its row
+(``LockOptions.rules``), so adding a mode is adding a row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["MODE_RULES", "QUEUED_SUFFIXES", "ModeRules"]
+
+
+@dataclass(frozen=True)
+class ModeRules:
+    """What one ``lock_mode`` does."""
+
+    #: ``apply_async`` takes an enqueue lock, whose ticket (key and token) the message carries
+    enqueue_lock: bool
+    #: the run holds an execution lock (``{prefix}:{task}:{digest}``) while the body runs
+    execution_lock: bool
+    #: the enqueue lock is the execution lock (same key): the run adopts the message's hold
+    adopts_ticket: bool
+    #: an attempt that sends its retry parks its hold for the retry's message, which adopts it
+    parks_for_retry: bool
+    #: the run frees the message's enqueue lock once the message is dealt with here (run,
+    #: skipped or failed); a busy retry republishes the message with its enqueue lock renewed
+    frees_ticket: bool
+    #: the lock stays ``lock_period`` after a run (needs ``lock_period``; an enqueue lock lives
+    #: at least that long)
+    settles: bool
+    #: appended to the key of the enqueue lock when it is not the execution lock
+    queued_suffix: str
+    #: ``lock_busy`` when neither the task nor the app sets it
+    default_busy: str
+
+
+#: ``lock_mode`` -> its rules, in the order the docs list the modes.
+# fmt: off
+MODE_RULES: Mapping[str, ModeRules] = MappingProxyType({
+    #                                       enqueue execution adopts parks  frees  settles suffix     busy
+    "while_executing": ModeRules(           False,  True,     False, False, False, False, "",        "skip"),
+    "until_executing": ModeRules(           True,   False,    False, False, True,  False, "",        "skip"),
+    "until_executed": ModeRules(            True,   True,     True,  True,  False, False, "",        "skip"),
+    "until_and_while_executing": ModeRules( True,   True,     False, False, True,  False, ":queued", "retry"),
+    "until_expired": ModeRules(             True,   True,     True,  True,  False, True,  "",        "skip"),
+})
+# fmt: on
+
+#: The suffixes an enqueue lock's key may carry after the execution lock's key.
+QUEUED_SUFFIXES = frozenset(rules.queued_suffix for rules in MODE_RULES.values() if rules.queued_suffix)

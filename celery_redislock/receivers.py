@@ -1,0 +1,116 @@
+"""``install(app)``: the Celery signal receivers that finish what a run or a message leaves.
+
+* ``task_postrun``: release what an asynchronous exception (a soft time
+  limit) kept a run's ``finally`` from releasing;
+* ``worker_process_init``: note that this process is a prefork pool child
+  (``lock_on_lost="terminate"`` stops only those);
+* ``task_revoked``, ``task_unknown``, ``task_rejected`` (the worker's main
+  process): a message that will never run frees the enqueue lock it carries;
+* the beat receivers (``celery_redislock.beat.connect``).
+
+Importing the package connects nothing: ``install`` runs when the first
+``LockedTask`` is bound to an app.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+from celery import signals as celery_signals
+
+from .beat import connect as connect_beat
+from .config import LockOptions, app_settings
+from .connection import client_for
+from .inventory import free_ticket
+from .protocol import message_ticket, request_ticket
+from .run_lock import release
+from .state import app_state
+
+__all__ = ["install"]
+
+logger = logging.getLogger(__name__)
+
+
+def install(app: Any) -> None:
+    """Connect the package's signal receivers for ``app``; idempotent.
+
+    Called when the first ``LockedTask`` is bound to ``app``; importing the
+    package connects nothing. Receivers are strong references with a
+    ``dispatch_uid``, so connecting twice keeps one. In a beat process they
+    include the beat guard (``celery_redislock.beat``): call ``install(app)``
+    there yourself if that process binds no ``LockedTask``.
+    """
+    state = app_state(app)
+    if state.installed:
+        return
+    app_settings(app)  # bad settings fail here, not at the first task
+    celery_signals.task_postrun.connect(
+        _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
+    )
+    # Once per app (this function is idempotent), holding the app weakly.
+    celery_signals.worker_process_init.connect(
+        functools.partial(_mark_pool_child, weakref.ref(app)), weak=False
+    )
+    celery_signals.task_revoked.connect(
+        _free_revoked, weak=False, dispatch_uid="celery_redislock.free_revoked"
+    )
+    celery_signals.task_unknown.connect(
+        _free_unrunnable, weak=False, dispatch_uid="celery_redislock.free_unknown"
+    )
+    celery_signals.task_rejected.connect(
+        _free_unrunnable, weak=False, dispatch_uid="celery_redislock.free_rejected"
+    )
+    connect_beat()
+    state.installed = True
+
+
+def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """``task_postrun``: release what an asynchronous exception kept ``__call__`` from releasing."""
+    running = None if sender is None else app_state(sender.app).running.pop(threading.get_ident(), None)
+    if running is not None and running[0] == task_id:
+        release(sender, running[1], task_id)
+
+
+def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:
+    """``worker_process_init`` (sent in a prefork pool child only): this process is one."""
+    app = app_ref()
+    if app is not None:
+        app_state(app).pool_child = os.getpid()
+
+
+def _free_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+) -> None:
+    """``task_revoked`` (worker main process): a message revoked or expired before it ran
+    frees its enqueue lock. A terminated run's lock is freed once its child is gone
+    (``LockedRequest``)."""
+    ticket = request_ticket(request)
+    # a bound LockedTask: its lock options are resolved
+    if ticket is None or terminated or not isinstance(getattr(sender, "lock_options", None), LockOptions):
+        return
+    _free_ticket_logged(
+        sender.app, ticket, f"task {sender.name}[{request.id}] {'expired' if expired else 'revoked'}"
+    )
+
+
+def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
+    """``task_unknown`` / ``task_rejected`` (worker main process): a message that will never
+    run frees the enqueue lock it carries."""
+    ticket = message_ticket(getattr(message, "headers", None))
+    app = getattr(sender, "app", None)
+    if ticket is not None and app is not None:
+        _free_ticket_logged(app, ticket, f"message for {name or 'an invalid task'} dropped")
+
+
+def _free_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
+    try:
+        client, _ = client_for(app)
+        if free_ticket(client, ticket):
+            logger.info("%s: released its enqueue lock %s", why, ticket[0])
+    except Exception:  # the worker's main loop must go on
+        logger.exception("%s: could not release its enqueue lock %s", why, ticket[0])

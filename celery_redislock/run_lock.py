@@ -1,0 +1,157 @@
+"""The execution lock of one run of a ``LockedTask``, and the steps every run takes with it.
+
+A loss never interrupts the body: it is marked (``request.lock_lost``),
+raised at the points the package controls (``raise_if_lost``), or, in a
+prefork pool child with ``lock_on_lost="terminate"``, ends the child.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+
+from . import signals
+from ._durations import to_ms
+from ._task_scripts import ADOPT
+from .config import AppSettings
+from .connection import Client
+from .exceptions import LockLost, LockNotOwned
+from .lock import RedisLock
+from .protocol import text
+from .watchdog import Lease
+
+__all__ = ["ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
+
+logger = logging.getLogger(__name__)
+
+
+class ExecutionLock(RedisLock):
+    """A run's execution lock.
+
+    A loss (found by the watchdog, or by the owner-checked release) sets
+    ``lost`` and marks the request (``lock_lost``). It never interrupts the
+    thread running the body: an exception injected at an arbitrary instruction
+    can be swallowed (``logging`` catches it) or leave a lock of the
+    interpreter, ``logging``, redis-py or a driver held, which would hang the
+    watchdog thread and with it every renewal of the process. With
+    ``raise_on_lost``, the run raises ``LockLost`` at points the package
+    controls instead (see ``LockedTask.check_lock``). With ``stop_child`` (a
+    prefork pool child, ``lock_on_lost="terminate"``), a loss while the body
+    runs also kills this process at once (SIGKILL, as a hard time limit ends);
+    the worker's main process then records the failure and releases,
+    owner-checked, which leaves a new holder alone.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        key: str,
+        ttl: float,
+        holder: str,
+        settings: AppSettings,
+        *,
+        raise_on_lost: bool,
+        stop_child: bool,
+    ) -> None:
+        super().__init__(client, key, ttl, holder=holder, **settings.replication)
+        self.request: Any = None  # the request the body sees, once pushed
+        self.raise_on_lost = raise_on_lost
+        self._stop_child = stop_child
+        self._body_running = False
+        #: held only to read or flip ``_body_running``: never long, never around a call that blocks
+        self._guard = threading.Lock()
+
+    def lease_lost(self, lease: Lease) -> bool:
+        if not super().lease_lost(lease):
+            return False
+        if self.request is not None:
+            self.request.lock_lost = True
+        if self._stop_child:
+            with self._guard:  # the body cannot end meanwhile: a child that finished is never stopped
+                if self._body_running:
+                    logger.error(
+                        "lock %r lost while task %s ran: it is no longer held by this task; stopping "
+                        "pool child %d (lock_on_lost='terminate')",
+                        self.name,
+                        getattr(self.request, "id", None),
+                        os.getpid(),
+                    )
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return True
+
+    @contextmanager
+    def body(self) -> Iterator[None]:
+        """The body runs in this block: only then does a loss stop the pool child (``stop_child``)."""
+        with self._guard:
+            self._body_running = True
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._body_running = False
+
+
+def raise_if_lost(locks: Iterable[ExecutionLock | None]) -> None:
+    """Raise ``LockLost`` for the first of ``locks`` that raises on a loss and was lost."""
+    for lock in locks:
+        if lock is not None and lock.raise_on_lost and lock.lost.is_set():
+            raise LockLost(lock.name)
+
+
+def acquired(task: Any, lock: RedisLock, task_id: str | None) -> bool:
+    """``task``'s run took ``lock``: announce it (``lock_acquired``); ``True``."""
+    signals.lock_acquired.send(sender=task, key=lock.name, task_id=task_id, fence=lock.fence)
+    return True
+
+
+def adopt(lock: RedisLock, token: str) -> tuple[str | None, int] | None:
+    """Adopt for ``lock`` the hold queued for the message carrying ``token`` (``ADOPT``), under a
+    token of the run's own; ``None`` once held (acknowledged by ``replicas`` replicas where set,
+    as every acquisition), else (the holder, its PTTL in ms; -2: gone).
+
+    Raises ``LockNotReplicated`` (the hold released) when too few replicas acknowledge it.
+    """
+    own = secrets.token_hex(16)
+    sent_at = time.monotonic()
+    reply = ADOPT(lock.client, [lock.name], [token, own, to_ms(lock.ttl), lock.holder or ""])
+    if not isinstance(reply, int):
+        return (None if reply[1] is None else text(reply[1])), int(reply[0])
+    lock.take_hold(own, reply, sent_at)
+    return None
+
+
+def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool = True) -> None:
+    """Release after the body; a failure is logged, never raised over the task's outcome.
+
+    A lock found no longer held is marked ``lost``. ``announce=False``: no
+    ``lock_released`` signal (for a hold that was never a run's: a probe).
+    """
+    if not lock.held():
+        return
+    try:
+        lock.release()
+    except LockNotOwned:
+        lock.lost.set()
+        logger.warning(
+            "task %s[%s]: lock %s was no longer held when the task ended", task.name, task_id, lock.name
+        )
+    except redis.RedisError as exc:
+        logger.warning(
+            "task %s[%s]: could not release lock %s (%s); it expires within its ttl",
+            task.name,
+            task_id,
+            lock.name,
+            exc,
+        )
+    else:
+        if announce:
+            signals.lock_released.send(sender=task, key=lock.name, task_id=task_id)

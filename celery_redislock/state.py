@@ -1,0 +1,58 @@
+"""What the package keeps per Celery app in this process, held weakly by the app.
+
+One ``AppState`` per app, in a ``WeakKeyDictionary``: an app that is gone
+takes its state with it, and nothing is set on the app itself. ``reset(app)``
+(also ``celery_redislock.testing.reset``) drops the app's lock client, for
+tests that change an app's settings between uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import redis
+import redis.cluster
+
+from .lock import RedisLock
+
+__all__ = ["AppState", "app_state", "reset"]
+
+
+@dataclass
+class AppState:
+    """One app's state in this process."""
+
+    #: (pid, client, URL with the password masked) of the app's lock client; a forked
+    #: child makes its own (``connection.client_for``)
+    client: tuple[int, redis.Redis | redis.cluster.RedisCluster, str] | None = None
+    #: whether ``install(app)`` connected the receivers (``celery_redislock.receivers``)
+    installed: bool = False
+    #: the pid of this process if it is a prefork pool child (``worker_process_init``)
+    pool_child: int | None = None
+    #: thread id -> (task id, its execution lock) while a worker's body runs in that thread,
+    #: for the ``task_postrun`` receiver, which runs in the same thread (two attempts of one
+    #: task, a retry starting while its previous attempt finishes, run in different threads)
+    running: dict[int, tuple[str, RedisLock]] = field(default_factory=dict)
+    #: tasks whose WARNING that ``lock_on_lost="terminate"`` acts as ``"raise"`` here was logged
+    terminate_warned: set[str] = field(default_factory=set)
+
+
+_STATES: WeakKeyDictionary[Any, AppState] = WeakKeyDictionary()
+
+
+def app_state(app: Any) -> AppState:
+    """``app``'s state in this process (created empty on first use)."""
+    state = _STATES.get(app)
+    if state is None:
+        state = _STATES[app] = AppState()
+    return state
+
+
+def reset(app: Any) -> None:
+    """Forget ``app``'s lock client (closing it): its next use reads the settings again."""
+    state = _STATES.get(app)
+    if state is not None and state.client is not None:
+        client, state.client = state.client[1], None
+        client.close()
