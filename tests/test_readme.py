@@ -132,6 +132,43 @@ def test_every_link_leads_to_a_file_and_a_heading_that_exist(page: Path) -> None
             assert anchor in anchors, f"{page.name}: {target}"
 
 
+def test_the_loggers_table_names_every_logger_of_the_package() -> None:
+    """Each module logs under its own name (``logging.getLogger(__name__)``): the table in
+    docs/operations.md has a row for each such module, and names no other."""
+    package = ROOT / "celery_redislock"
+    logging_modules = {
+        f"celery_redislock.{path.stem}"
+        for path in package.glob("*.py")
+        if "logging.getLogger(__name__)" in path.read_text()
+    }
+    table = section(DOCS / "operations.md", "Observability: logs and signals")
+    first_cells = re.findall(r"^\| (`celery_redislock\..+?) \|", table, flags=re.MULTILINE)
+    named = set()
+    for cell in first_cells:  # `celery_redislock.lock`, `.redlock`, `.aio`
+        for name in re.findall(r"`([\w.]+)`", cell):
+            named.add(name if name.startswith("celery_redislock") else f"celery_redislock{name}")
+    assert named == logging_modules
+
+
+def first_cells(text: str) -> list[str]:
+    """The code span opening each table row in ``text`` (quotes dropped), header rows left out."""
+    lines = text.splitlines()
+    headers = {number - 1 for number, line in enumerate(lines) if line.startswith("| ---")}
+    rows = [line for number, line in enumerate(lines) if number not in headers]
+    return [span.strip('"') for row in rows for span in re.findall(r"^\| `([^`]+)`", row)]
+
+
+def test_every_lock_mode_and_busy_policy_has_its_rows() -> None:
+    """The README's modes at a glance, and the modes, paths and busy tables of docs/tasks.md."""
+    from celery_redislock.config import BUSY, MODES
+
+    tasks = DOCS / "tasks.md"
+    assert first_cells(section(README, "Lock modes at a glance")) == list(MODES)
+    assert first_cells(section(tasks, "Lock modes")) == list(MODES)
+    assert first_cells(section(tasks, "The Celery paths each mode covers")) == list(MODES)
+    assert first_cells(section(tasks, "When the lock is busy: `lock_busy`")) == list(BUSY)
+
+
 def test_every_setting_and_task_option_has_a_row_with_type_default_and_meaning() -> None:
     from celery_redislock.config import APP_SETTINGS, TASK_OPTIONS
 
