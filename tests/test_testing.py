@@ -1,5 +1,5 @@
-"""celery_redislock.testing and its pytest plugin, as a user's test suite uses them: the README's
-example runs under pytest (in a subprocess, with the plugin the package registers), and each
+"""celery_redislock.testing and its pytest plugin, as a user's test suite uses them: the docs'
+example (docs/testing.md) runs under pytest (in a subprocess, with the plugin the package registers), and each
 helper is checked against a real server."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
 from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer, assert_no_locks, hold, locks_left, use_redis
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+TESTING_PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 NOWHERE = "redis://127.0.0.1:9/0"  # the discard port: nothing answers there
 
 
-def readme_pytest_example() -> str:
+def docs_pytest_example() -> str:
     (block,) = [
         block
-        for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+        for block in re.findall(r"```python\n(.*?)```", TESTING_PAGE.read_text(), flags=re.DOTALL)
         if "def test_" in block and "redislock_url" in block
     ]
     return block
@@ -50,8 +50,8 @@ def app(prefix: str) -> Iterator[Celery]:
     app.close()
 
 
-def test_the_readme_example_passes_under_pytest_with_the_plugin(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_tasks=readme_pytest_example())
+def test_the_docs_example_passes_under_pytest_with_the_plugin(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_tasks=docs_pytest_example())
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
 
@@ -74,7 +74,7 @@ def test_second(redislock_url):
 
 
 def test_celery_config_can_use_the_session_server_for_a_worker(pytester: pytest.Pytester) -> None:
-    """What the README says for Celery's own fixtures: broker, results and locks on the session server."""
+    """What the docs say for Celery's own fixtures: broker, results and locks on the session server."""
     pytester.makepyfile(
         test_worker="""
 import pytest

@@ -32,7 +32,7 @@ from tests.faults.tls import TLSRedisServer, TLSUnsupported, have_openssl
 from tests.taskapp import LEASE, make_app
 from tests.workers import renewed, threads_worker, wait_for
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PERMISSIONS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 PACKAGE = Path(celery_redislock.__file__).resolve().parent
 
 # -- argument values never appear in Redis --------------------------------------------------
@@ -236,12 +236,12 @@ def test_locked_tasks_over_tls_broker_and_locks(tls_server: TLSRedisServer, pref
         one()
 
 
-# -- ACL: the README's command list ------------------------------------------------------------
+# -- ACL: the command list of docs/operations.md -------------------------------------------------
 
 
-def readme_acl() -> tuple[list[str], list[str]]:
-    """(key patterns, commands) of the ``ACL SETUSER`` line in the README's "Redis permissions"."""
-    [line] = re.findall(r"^ACL SETUSER locks on .*$", README.read_text(), flags=re.MULTILINE)
+def documented_acl() -> tuple[list[str], list[str]]:
+    """(key patterns, commands) of the ``ACL SETUSER`` line in docs/operations.md, "Redis permissions"."""
+    [line] = re.findall(r"^ACL SETUSER locks on .*$", PERMISSIONS_PAGE.read_text(), flags=re.MULTILINE)
     tokens = line.split()
     patterns = [token for token in tokens if token.startswith("~")]
     commands = [token[1:] for token in tokens if token.startswith("+")]
@@ -249,9 +249,9 @@ def readme_acl() -> tuple[list[str], list[str]]:
     return patterns, commands
 
 
-COMMANDS = readme_acl()[1]
+COMMANDS = documented_acl()[1]
 #: What redis-py sends at every connect (MAINT_NOTIFICATIONS: redis-py 8, over RESP3), refused
-#: under the README's list and only logged; the README's optional rules for them.
+#: under the documented list and only logged; the documented optional rules for them.
 HANDSHAKE = ["client|setinfo", "client|maint_notifications"]
 
 
@@ -284,11 +284,11 @@ def logged_as(admin: redis.Redis, command: str) -> str:
 
 
 def acl_url(server: RedisServer, prefix: str, commands: list[str], handshake: bool = True) -> str:
-    """A user with the README's rules for ``prefix`` and ``commands``, and its optional rules
+    """A user with the documented rules for ``prefix`` and ``commands``, and its optional rules
     for redis-py's handshake where the server takes them (unless ``handshake=False``)."""
     name = f"locks-{uuid.uuid4().hex[:8]}"
     admin = server.client()
-    rules = [f"~{prefix}:*", f"~{{{prefix}:*", "resetchannels", "-@all"]  # the README's, for this prefix
+    rules = [f"~{prefix}:*", f"~{{{prefix}:*", "resetchannels", "-@all"]  # the documented rules, per prefix
     commands = [*commands, *(handshake_rules(admin) if handshake else [])]
     admin.acl_setuser(name, enabled=True, passwords=["+pw"], reset=True)
     admin.execute_command("ACL", "SETUSER", name, *rules, *[f"+{command}" for command in commands])  # type: ignore[no-untyped-call]
@@ -366,7 +366,7 @@ def lock_workload(url: str, prefix: str, admin: redis.Redis) -> list[str]:
     return problems
 
 
-def test_the_readme_acl_list_is_enough(acl_server: RedisServer, prefix: str) -> None:
+def test_the_documented_acl_list_is_enough(acl_server: RedisServer, prefix: str) -> None:
     url = acl_url(acl_server, prefix, COMMANDS)
     admin = acl_server.client()
     admin.acl_log_reset()
@@ -388,7 +388,7 @@ def test_the_readme_acl_list_is_enough(acl_server: RedisServer, prefix: str) -> 
 
 
 @pytest.mark.parametrize("missing", COMMANDS)
-def test_the_readme_acl_list_is_minimal(acl_server: RedisServer, prefix: str, missing: str) -> None:
+def test_the_documented_acl_list_is_minimal(acl_server: RedisServer, prefix: str, missing: str) -> None:
     url = acl_url(acl_server, prefix, [command for command in COMMANDS if command != missing])
     admin = acl_server.client()
     admin.acl_log_reset()
@@ -401,7 +401,7 @@ def test_the_readme_acl_list_is_minimal(acl_server: RedisServer, prefix: str, mi
 
 
 def test_a_refused_handshake_is_only_logged(acl_server: RedisServer, prefix: str) -> None:
-    """Without the README's optional ``+client|...`` rules, every path of the lock still works:
+    """Without the documented optional ``+client|...`` rules, every path of the lock still works:
     redis-py goes on when the server refuses its CLIENT SETINFO (and MAINT_NOTIFICATIONS) at
     connect. The refusal is only logged (ACL LOG), where the rules would take it away; Redis
     7.0 has nothing to refuse."""
@@ -410,4 +410,4 @@ def test_a_refused_handshake_is_only_logged(acl_server: RedisServer, prefix: str
     assert lock_workload(acl_url(acl_server, prefix, COMMANDS, handshake=False), prefix, admin) == []
     refused = {entry["object"] for entry in admin.acl_log() if entry["reason"] == "command"}
     assert refused == ({"client"} if handshake_rules(admin) else set())
-    assert all(f"+{rule}" in README.read_text() for rule in HANDSHAKE)
+    assert all(f"+{rule}" in PERMISSIONS_PAGE.read_text() for rule in HANDSHAKE)
