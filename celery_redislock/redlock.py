@@ -41,7 +41,7 @@ from typing import Any
 import redis
 
 from ._durations import Duration, to_ms
-from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulk
+from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulk, read_replies
 from .exceptions import LockConfigurationError
 from .lock import RedisLock, _lease_seconds
 from .protocol import text
@@ -151,7 +151,7 @@ class Redlock(RedisLock):
                 try:
                     if not connection.can_read(max(deadline - mod_time.monotonic(), 0.0)):
                         raise redis.exceptions.TimeoutError(f"no reply within {self._node_timeout:.3f}s")
-                    results.append(script.reply_on(connection, command))
+                    results.append(read_replies(connection, script, [command])[0])
                 except redis.exceptions.ResponseError as exc:
                     results.append(exc)  # a complete error reply: the connection is clean
                 except Exception as exc:

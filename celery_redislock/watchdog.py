@@ -57,10 +57,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis.cluster
-from redis.exceptions import NoScriptError
 
 from . import signals
-from ._scripts import RENEW, bulk
+from ._scripts import RENEW, bulk, read_replies
 
 __all__ = [
     "BATCH",
@@ -424,8 +423,7 @@ def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, s
 
 def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[Any]:
     """Sends one RENEW call per batch on ``connection`` in one write; returns each call's reply,
-    or its own error (e.g. MOVED); after NOSCRIPT, loads the script and sends those calls again."""
-    replies: list[Any] = []
+    or its own error (e.g. MOVED)."""
     encoder = connection.encoder
     commands = []
     for batch in batches:
@@ -433,22 +431,7 @@ def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[
         keys, tokens = [key for key, _ in packed], [token for _, token in packed]
         commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
     connection.send_packed_command(commands)
-    for _ in commands:
-        try:
-            replies.append(connection.read_response())
-        except redis.exceptions.ResponseError as exc:  # that call's own error; the others stand
-            replies.append(exc)
-    again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if again:  # a new or restarted server: load the script, send those calls again in one write
-        connection.send_command("SCRIPT", "LOAD", RENEW.source)
-        connection.read_response()
-        connection.send_packed_command([commands[index] for index in again])
-        for index in again:
-            try:
-                replies[index] = connection.read_response()
-            except redis.exceptions.ResponseError as exc:
-                replies[index] = exc
-    return replies
+    return read_replies(connection, RENEW, commands)
 
 
 def _node(client: Any, slot: int) -> Any:
