@@ -17,6 +17,7 @@ from .exceptions import (
     RedisLockError,
 )
 from .lock import RedisLock
+from .redlock import Redlock
 from .task import LockedTask, install, task_lock_key
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "LockedTask",
     "RedisLock",
     "RedisLockError",
+    "Redlock",
     "__version__",
     "install",
     "task_lock_key",
