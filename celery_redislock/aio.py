@@ -26,7 +26,6 @@ import os
 import secrets
 import time as mod_time
 import weakref
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable
 from math import inf
 from types import TracebackType
@@ -39,7 +38,7 @@ from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
 from .attempt import Attempt, LockCore, companion_key, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
-from .watchdog import Lease, announce_loss, failed_renewal, landing_late, mark_lost, next_due, pick
+from .watchdog import Lease, LeaseSet, announce_loss, failed_renewal, landing_late, mark_lost, renewed
 
 __all__ = ["AsyncRedisLock"]
 
@@ -221,7 +220,7 @@ class AsyncRedisLock(LockCore):
         return True
 
 
-class _AsyncWatchdog:
+class _AsyncWatchdog(LeaseSet):
     """Renews one event loop's leases on one task; the contract of ``watchdog.Watchdog``.
 
     A renewal is bounded by half the lease's interval (``asyncio.wait_for``),
@@ -229,29 +228,22 @@ class _AsyncWatchdog:
     """
 
     def __init__(self) -> None:
-        self._leases: set[Lease] = set()
+        super().__init__()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        #: when the sleeping task will wake by itself
-        self._wake_at = -inf
         #: notified when renewals land
         self._landed = asyncio.Condition()
 
     def add(self, lease: Lease, sent_at: float) -> None:
-        lease.renewed(lease.ttl, sent_at)
-        self._leases.add(lease)
+        late = self._track(lease, sent_at)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="celery-redislock-watchdog")
-        elif lease.due < self._wake_at:
+        elif late:
             self._wake.set()
 
     async def discard(self, lease: Lease) -> None:
         self._drop(lease)
         await self._await_landing(lease)
-
-    def _drop(self, lease: Lease) -> None:
-        lease.cancelled = True
-        self._leases.discard(lease)
 
     @contextlib.asynccontextmanager
     async def changing(self, leases: list[Lease]) -> AsyncIterator[None]:
@@ -276,20 +268,15 @@ class _AsyncWatchdog:
                 landing_late(lease)
 
     def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
-        if lease in self._leases:
-            lease.renewed(ttl, sent_at)
-            if lease.due < self._wake_at:
-                self._wake.set()
-
-    def __len__(self) -> int:
-        return len(self._leases)
+        if self._retime(lease, ttl, sent_at):
+            self._wake.set()
 
     async def _run(self) -> None:
         try:
             while self._leases:
                 try:
                     now = mod_time.monotonic()
-                    earliest = next_due(self._leases)
+                    earliest = self._next_due()
                     if earliest > now:
                         self._wake.clear()
                         self._wake_at = earliest
@@ -299,7 +286,7 @@ class _AsyncWatchdog:
                             )
                         continue
                     self._wake_at = inf
-                    due = pick(self._leases, now)
+                    due = self._pick(now)
                     try:
                         await self._renew(due)
                     finally:
@@ -311,15 +298,12 @@ class _AsyncWatchdog:
             self._task = None
 
     async def _renew(self, leases: list[Lease]) -> None:
-        groups: dict[tuple[int, int], list[Lease]] = defaultdict(list)
-        for lease in leases:
-            if lease.owner() is None:  # the lock object is gone: let the key expire
-                self._drop(lease)
-                continue
-            groups[id(lease.client), round(lease.ttl * 1000)].append(lease)
-        results = await asyncio.gather(
-            *(self._renew_batch(group, ttl_ms) for (_, ttl_ms), group in groups.items())
-        )
+        renewals = [
+            self._renew_batch(batch, ttl_ms)
+            for (_, _, ttl_ms), batches in self._batches(leases).items()
+            for batch in batches
+        ]
+        results = await asyncio.gather(*renewals)
         await self._land(leases)  # all answered: the losses are reported with no renewal in flight
         for lost in results:
             for lease, reason in lost:
@@ -334,9 +318,7 @@ class _AsyncWatchdog:
         except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
             logger.warning("celery-redislock async watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
             return failed_renewal(batch, exc)
-        for lease in batch:
-            lease.renewed(ttl_ms / 1000, sent_at)
-        return [(batch[position - 1], "not owned") for position in not_owned]
+        return renewed(batch, ttl_ms, sent_at, not_owned)
 
     async def _land(self, leases: list[Lease]) -> None:
         for lease in leases:
