@@ -6,7 +6,7 @@ fencing token of this hold (decimal) and the holder a free-form description of
 the owner. Ownership is the token prefix.
 
 Waiters of a blocking acquire use companion keys, named in the scripts from
-the lock's name as ``lock.companion_key`` names them, so that they share its
+the lock's name as ``attempt.companion_key`` names them, so that they share its
 cluster hash slot: a queue (sorted set, member -> arrival time in
 microseconds), the waiters' deadlines (sorted set, member -> server time in ms
 after which the waiter counts as gone), and one wake list per waiter
@@ -36,7 +36,7 @@ from ._redis import node_client
 
 #: The prelude's first part: the names of KEYS[1] (the lock) and of its companion keys, in its
 #: cluster hash slot: its own hash tag if it has one, else the whole name as the tag
-#: (``lock.companion_key``). A script's fast path (``Script(fast=...)``) follows it.
+#: (``attempt.companion_key``). A script's fast path (``Script(fast=...)``) follows it.
 _PRELUDE_NAMES = """
 local lock = KEYS[1]
 local tag_open = string.find(lock, '{', 1, true)
@@ -324,7 +324,10 @@ class Script:
         """
         commands = [self.pack(keys, args)]
         connection.send_packed_command(commands)
-        reply = read_replies(connection, self, commands)[0]
+        try:
+            return connection.read_response()
+        except NoScriptError as exc:  # rare: recovered as in every exchange, by read_replies' rule
+            reply = _send_refused_again(connection, self, commands, [exc])[0]
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
         return reply
@@ -351,7 +354,14 @@ def read_replies(connection: Any, script: Script, commands: Sequence[bytes]) -> 
     every exchange on a connection (a single call, the watchdog's batches, a
     Redlock's servers).
     """
-    replies = [_reply(connection) for _ in commands]
+    return _send_refused_again(connection, script, commands, [_reply(connection) for _ in commands])
+
+
+def _send_refused_again(
+    connection: Any, script: Script, commands: Sequence[bytes], replies: list[Any]
+) -> list[Any]:
+    """``replies`` (to ``commands``), those that were NOSCRIPT replaced by the replies to the
+    same calls sent again, in one write, once ``script`` is loaded."""
     again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if again:
         connection.send_command("SCRIPT", "LOAD", script.source)
