@@ -15,6 +15,7 @@ Failure timeline, for a holder with ``ttl`` T (the lease):
 
 from __future__ import annotations
 
+import abc
 import logging
 import weakref
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ __all__ = ["MAX_TTL", "MIN_WATCHDOG_TTL", "OneServer", "RedisLock", "companion_k
 logger = logging.getLogger(__name__)
 
 
-class RedisLock(LeaseLock):
+class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
     """A lock on the Redis key ``name`` that only its owner can release or extend.
 
     ``ttl`` (seconds or timedelta) is the lease: an unrenewed hold expires
@@ -61,7 +62,8 @@ class RedisLock(LeaseLock):
     that remembers the highest fence it saw can reject a stale holder.
     ``lost`` is set when the watchdog finds the lock gone or taken over.
 
-    A list or tuple of clients or URLs makes a ``Redlock`` instead (see ``redlock``).
+    A list or tuple of clients or URLs makes a ``Redlock`` instead (see ``redlock``), which
+    counts as a ``RedisLock`` (``isinstance``) while built over other servers.
     """
 
     @overload  # a Redlock is no RedisLock: both are LeaseLocks, over other servers
@@ -108,6 +110,9 @@ class RedisLock(LeaseLock):
                 f"replica_timeout must be > 0 and < ttl ({self.ttl:g}), got {replica_timeout!r}"
             )
         self.servers = OneServer(client, self.name, self.ttl, replicas, self.replica_timeout)
+
+
+RedisLock.register(Redlock)
 
 
 class OneServer:
