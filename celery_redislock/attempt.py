@@ -128,8 +128,20 @@ class Attempt:
     ``busy`` the holder the last reply named.
     """
 
-    __slots__ = ("blocking", "busy", "deadline", "member", "pttl_ms", "queue", "queued", "sent",
-                 "sent_at", "token", "ttl", "waiting")  # fmt: skip
+    __slots__ = (
+        "blocking",
+        "busy",
+        "deadline",
+        "member",
+        "pttl_ms",
+        "queue",
+        "queued",
+        "sent",
+        "sent_at",
+        "token",
+        "ttl",
+        "waiting",
+    )
 
     def __init__(
         self, token: str, member: str, ttl: float, blocking: bool, deadline: float | None, queue: bool = True
