@@ -32,6 +32,7 @@ __all__ = [
     "Attempt",
     "Busy",
     "LockCore",
+    "busy_reply",
     "check_holder",
     "companion_key",
     "lease_seconds",
@@ -117,6 +118,13 @@ def owns(value: Any, token: str | None) -> bool:
     return found is not None and found.token == token
 
 
+def busy_reply(reply: Any) -> tuple[str | None, int | None]:
+    """A script's answer that the lock is someone else's, ``{PTTL in ms, holder or false}``, as
+    (holder, PTTL; -2: the key is gone; None: no server said, as when a Redlock's all failed)."""
+    pttl_ms, holder = reply
+    return None if holder is None else text(holder), None if pttl_ms is None else int(pttl_ms)
+
+
 class Attempt:
     """One acquire's attempts by ``member`` (for ``token``), until granted or past ``deadline``.
 
@@ -171,10 +179,9 @@ class Attempt:
         """The fence if ``reply`` (to ``ACQUIRE``) grants the lock; else None, ``busy`` set."""
         if isinstance(reply, int):
             return reply
-        pttl_ms, holder = reply  # PTTL None: no server said (Redlock's servers failed)
-        self.pttl_ms = 0 if pttl_ms is None else int(pttl_ms)
-        ttl = None if pttl_ms is None else max(self.pttl_ms, 0) / 1000
-        self.busy = (None if holder is None else text(holder), ttl)
+        holder, pttl_ms = busy_reply(reply)
+        self.pttl_ms = pttl_ms or 0
+        self.busy = (holder, None if pttl_ms is None else max(pttl_ms, 0) / 1000)
         self.queued = self.queue and self.waiting
         return None
 
