@@ -18,6 +18,7 @@ from .exceptions import (
 )
 from .lock import RedisLock
 from .receivers import install
+from .redlock import Redlock
 from .task import LockedTask, task_lock_key
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "LockedTask",
     "RedisLock",
     "RedisLockError",
+    "Redlock",
     "__version__",
     "install",
     "task_lock_key",

@@ -6,7 +6,7 @@ fencing token of this hold (decimal) and the holder a free-form description of
 the owner. Ownership is the token prefix.
 
 Waiters of a blocking acquire use companion keys, named in the scripts from
-the lock's name as ``lock.companion_key`` names them, so that they share its
+the lock's name as ``attempt.companion_key`` names them, so that they share its
 cluster hash slot: a queue (sorted set, member -> arrival time in
 microseconds), the waiters' deadlines (sorted set, member -> server time in ms
 after which the waiter counts as gone), and one wake list per waiter
@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -35,28 +34,29 @@ from redis.exceptions import NoScriptError
 
 from ._redis import node_client
 
-_NAMES = """
--- The companion keys of the lock KEYS[1], in its cluster hash slot: its own
--- hash tag if it has one, else the whole name as the tag (lock.companion_key).
+#: The prelude's first part: the names of KEYS[1] (the lock) and of its companion keys, in its
+#: cluster hash slot: its own hash tag if it has one, else the whole name as the tag
+#: (``attempt.companion_key``). A script's fast path (``Script(fast=...)``) follows it.
+_PRELUDE_NAMES = """
 local lock = KEYS[1]
-local function companion_prefix(name)
-  local open = string.find(name, '{', 1, true)
-  local close = open and string.find(name, '}', open + 1, true)
-  if close and close > open + 1 then return name .. ':' end
-  return '{' .. name .. '}:'
-end
-local prefix = companion_prefix(lock)
+local tag_open = string.find(lock, '{', 1, true)
+local tag_close = tag_open and string.find(lock, '}', tag_open + 1, true)
+local prefix = '{' .. lock .. '}:'
+if tag_close and tag_close > tag_open + 1 then prefix = lock .. ':' end
 local queue, deadlines, wake_prefix = prefix .. 'queue', prefix .. 'waiters', prefix .. 'wake:'
 """
 
-_HELPERS = """
+#: The prelude's second part: the lock value format (``protocol.LockValue``), the server clock
+#: and the waiter queue, as functions; a script's body follows it.
+_PRELUDE_FUNCTIONS = """
 -- The server clock as (ms, us), from a TIME reply.
 local function clock(t)
   local s, us = tonumber(t[1]), tonumber(t[2])
   return s * 1000 + math.floor(us / 1000), s * 1000000 + us
 end
 
-local function owns(value, token) return value and string.sub(value, 1, 32) == token end
+-- A lock value "<token>:<fence>:<holder>": who owns it, its fence, its holder.
+local function owns(value, token) return type(value) == 'string' and string.sub(value, 1, 32) == token end
 local function fence_of(value) return tonumber(string.match(value, '^%x+:(%d+):')) end
 local function holder_of(value) return value and string.match(value, '^%x+:%d+:(.*)$') end
 
@@ -65,12 +65,30 @@ local function hold(token, fence, holder)
   return token .. ':' .. string.format('%.0f', fence) .. ':' .. holder
 end
 
+-- A waiter member "<ttl ms>:<token>:<fair 1|0>:<holder>" as its four fields.
+local function member_fields(member) return string.match(member, '^(%d+):(%x+):([01]):(.*)$') end
+
 -- Drops the waiters whose deadline has passed (they died or gave up unseen).
 local function evict(now_ms)
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now_ms)) do
     redis.call('ZREM', queue, member)
     redis.call('ZREM', deadlines, member)
   end
+end
+
+-- Takes the waiter `member` (and its wake list) out of the queue.
+local function leave(member, wake)
+  redis.call('ZREM', queue, member)
+  redis.call('ZREM', deadlines, member)
+  redis.call('DEL', wake)
+end
+
+-- Leaves `message` (one only) in `token`'s wake list, for its ttl.
+local function wake(token, message, ttl_ms)
+  local list = wake_prefix .. token
+  redis.call('DEL', list)
+  redis.call('RPUSH', list, message)
+  redis.call('PEXPIRE', list, ttl_ms)
 end
 
 -- Wakes the first live waiter; a fair one is handed the (free) lock, with a
@@ -81,29 +99,19 @@ local function wake_next(floor, now_ms, now_us)
   if not head then return end
   redis.call('ZREM', queue, head)
   redis.call('ZREM', deadlines, head)
-  local ttl_ms, token, fair, holder = string.match(head, '^(%d+):(%x+):([01]):(.*)$')
+  local ttl_ms, token, fair, holder = member_fields(head)
   local message = 'retry'
   if fair == '1' then
     local fence = math.max(now_us, floor + 1)
     redis.call('SET', lock, hold(token, fence, holder), 'PX', ttl_ms)
     message = string.format('%.0f', fence)
   end
-  local wake = wake_prefix .. token
-  redis.call('DEL', wake)
-  redis.call('RPUSH', wake, message)
-  redis.call('PEXPIRE', wake, ttl_ms)
-end
-
--- Takes the waiter `member` (and its wake list) out of the queue.
-local function leave(member, wake)
-  redis.call('ZREM', queue, member)
-  redis.call('ZREM', deadlines, member)
-  redis.call('DEL', wake)
+  wake(token, message, ttl_ms)
 end
 """
 
-_ACQUIRE_FREE = """
--- KEYS[1] lock (the queue, deadlines and wake lists are its companions).
+_ACQUIRE_FAST = """
+-- ACQUIRE. KEYS[1] lock (the queue, deadlines and wake lists are its companions).
 -- ARGV[1] the caller's waiter member: its ttl in ms, token, fairness ('1': a
 -- free lock goes to the first waiter) and holder description. ARGV[2] what to
 -- do when the lock is busy: 'try' (nothing), 'wait' (join the queue), 'again'
@@ -116,18 +124,18 @@ local member, mode = ARGV[1], ARGV[2]
 local ttl_ms, token, fair, holder = string.match(member, '^(%d+):(%x+):([01]):(.*)$')
 local queued = mode == 'again' or mode == 'last'
 local time = redis.call('TIME')
--- An unqueued first-come attempt, before the helpers are set up: the fence is
--- TIME's seconds and zero-padded microseconds, written out.
+-- An unqueued first-come attempt: the fence is TIME's seconds and zero-padded
+-- microseconds, written out.
 if fair == '0' and not queued then
   local fence = time[1] .. string.rep('0', 6 - #time[2]) .. time[2]
-  if redis.call('SET', KEYS[1], token .. ':' .. fence .. ':' .. holder, 'NX', 'PX', ttl_ms) then
+  if redis.call('SET', lock, token .. ':' .. fence .. ':' .. holder, 'NX', 'PX', ttl_ms) then
     return tonumber(fence)
   end
 end
 """
 
 _ACQUIRE = """
-local wake = wake_prefix .. token
+local wake_list = wake_prefix .. token
 local now_ms, now_us = clock(time)
 local head = nil
 if fair == '1' then
@@ -136,12 +144,12 @@ if fair == '1' then
 end
 if (fair == '1' or queued) and (not head or head == member)
     and redis.call('SET', lock, hold(token, now_us, holder), 'NX', 'PX', ttl_ms) then
-  if queued then leave(member, wake) end
+  if queued then leave(member, wake_list) end
   return now_us
 end
 local current = redis.call('GET', lock)
 if owns(current, token) then  -- handed over while we were away from the wake list
-  leave(member, wake)
+  leave(member, wake_list)
   redis.call('PEXPIRE', lock, ttl_ms)
   return fence_of(current)
 end
@@ -157,13 +165,13 @@ if mode == 'wait' or mode == 'again' then
   redis.call('PEXPIRE', queue, keep)
   redis.call('PEXPIRE', deadlines, keep)
 elseif mode == 'last' then
-  leave(member, wake)
+  leave(member, wake_list)
 end
 return {redis.call('PTTL', lock), holder_of(current) or false}
 """
 
-_RELEASE_OWNED = """
--- KEYS[1] lock (the queue, deadlines and wake lists are its companions).
+_RELEASE_FAST = """
+-- RELEASE. KEYS[1] lock (the queue, deadlines and wake lists are its companions).
 -- ARGV[1] token, ARGV[2] the caller's waiter member (absent or '' when it
 -- never waited).
 -- Returns 1 when the caller owned the lock and it is released (the first
@@ -172,7 +180,7 @@ _RELEASE_OWNED = """
 local token, member = ARGV[1], ARGV[2]
 local current = redis.call('GET', lock)
 local owned = current and string.sub(current, 1, 32) == token
--- The common cases end here, before the helpers are set up.
+-- The common cases end here, before the prelude's functions are set up.
 if owned then
   redis.call('DEL', lock)
   if member and member ~= '' then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unread
@@ -193,14 +201,14 @@ return 1
 """
 
 _RENEW = """
--- KEYS[i] lock i; ARGV[1] the new TTL in ms; ARGV[i + 1] the token owning lock i.
+-- RENEW. KEYS[i] lock i; ARGV[1] the new TTL in ms; ARGV[i + 1] the token owning lock i.
 -- Sets each lock's TTL to ARGV[1] (replacing, never adding) where its token
 -- still owns it. Returns the positions (1-based) of the keys not owned: gone,
 -- held by another token, or not a lock at all (those are left untouched).
 local lost = {}
 for i, key in ipairs(KEYS) do
   local value = redis.pcall('GET', key)  -- pcall: a key of another type is "not owned"
-  if type(value) == 'string' and string.sub(value, 1, 32) == ARGV[i + 1] then
+  if owns(value, ARGV[i + 1]) then
     redis.call('PEXPIRE', key, ARGV[1])
   else
     lost[#lost + 1] = i
@@ -210,15 +218,20 @@ return lost
 """
 
 
-@dataclass(frozen=True)
 class Script:
-    """A Lua script run by EVALSHA, loaded again after NOSCRIPT (a restarted or new server)."""
+    """A Lua script run by EVALSHA, loaded again after NOSCRIPT (a restarted or new server).
 
-    source: str
-    sha: str = field(init=False)
+    Its source is the prelude's names, ``fast`` (the common cases, which end
+    before the prelude's functions are set up), the prelude's functions, then
+    ``body``. The script's KEYS/ARGV/return contract opens its own text
+    (``fast`` where it has one).
+    """
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+    __slots__ = ("sha", "source")
+
+    def __init__(self, body: str, fast: str = "") -> None:
+        self.source = _PRELUDE_NAMES + fast + _PRELUDE_FUNCTIONS + body
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(
         self,
@@ -250,18 +263,27 @@ class Script:
         Celery time limit, even between the send and the read) drops the
         connection, so that its reply is never read by the next user.
         """
-        plain = type(client) is redis.Redis and client.connection is None
-        if not plain or not own_execute_command(client):
-            if type(client) is redis.cluster.RedisCluster and keys and own_execute_command(client):
-                try:  # straight to the node that serves the keys' slot, on that node's own fast path
-                    return self(node_client(client, keys[0]), keys, args, resending)
-                except _REDIRECTED:
-                    pass  # the slot moved, or the node is gone: the Cluster client follows and learns
-            try:
-                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                client.script_load(self.source)
-                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        if type(client) is redis.Redis and client.connection is None and own_execute_command(client):
+            return self._call_pooled(client, keys, args, resending)
+        if type(client) is redis.cluster.RedisCluster and keys and own_execute_command(client):
+            try:  # straight to the node that serves the keys' slot, on that node's own fast path
+                return self(node_client(client, keys[0]), keys, args, resending)
+            except _REDIRECTED:
+                pass  # the slot moved, or the node is gone: the Cluster client follows and learns
+        try:
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.source)
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def _call_pooled(
+        self,
+        client: Any,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        resending: Callable[[], None] | None,
+    ) -> Any:
+        """``__call__`` on a connection of the pool of ``client`` (a plain ``redis.Redis``)."""
         pool = client.connection_pool
         connection: Any = pool.get_connection()
         try:  # as _redis.pooled_connection, written out: this is the hot path
@@ -298,21 +320,17 @@ class Script:
 
         ``keys`` and ``args`` are already RESP bulk strings (``bulk()``), so a
         caller sending many can pack each once; the command is sent in one write.
+        An error reply is raised.
         """
-        command = self.pack(keys, args)
-        connection.send_packed_command([command])
-        return self.reply_on(connection, command)
-
-    def reply_on(self, connection: Any, command: bytes) -> Any:
-        """The reply to ``command`` (from ``pack()``), sent on ``connection``; after NOSCRIPT
-        (a restarted or new server), the script is loaded and ``command`` sent again."""
+        commands = [self.pack(keys, args)]
+        connection.send_packed_command(commands)
         try:
             return connection.read_response()
-        except NoScriptError:
-            connection.send_command("SCRIPT", "LOAD", self.source)
-            connection.read_response()
-            connection.send_packed_command([command])
-            return connection.read_response()
+        except NoScriptError as exc:  # rare: recovered as in every exchange, by read_replies' rule
+            reply = _send_refused_again(connection, self, commands, [exc])[0]
+        if isinstance(reply, redis.exceptions.ResponseError):
+            raise reply
+        return reply
 
     def pack(self, keys: Sequence[bytes], args: Sequence[bytes]) -> bytes:
         """The EVALSHA command as RESP, ``keys`` and ``args`` being bulk strings already (``bulk()``)."""
@@ -325,6 +343,41 @@ class Script:
                 *args,
             )
         )
+
+
+def read_replies(connection: Any, script: Script, commands: Sequence[bytes]) -> list[Any]:
+    """The replies to ``commands`` (calls of ``script``, from ``pack()``) sent on ``connection``, in
+    order; a call's own error reply (e.g. MOVED) is its reply, the others stand.
+
+    After NOSCRIPT (a restarted or new server), the script is loaded and the
+    calls it refused are sent again in one write: the one NOSCRIPT recovery of
+    every exchange on a connection (a single call, the watchdog's batches, a
+    Redlock's servers).
+    """
+    return _send_refused_again(connection, script, commands, [_reply(connection) for _ in commands])
+
+
+def _send_refused_again(
+    connection: Any, script: Script, commands: Sequence[bytes], replies: list[Any]
+) -> list[Any]:
+    """``replies`` (to ``commands``), those that were NOSCRIPT replaced by the replies to the
+    same calls sent again, in one write, once ``script`` is loaded."""
+    again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if again:
+        connection.send_command("SCRIPT", "LOAD", script.source)
+        connection.read_response()
+        connection.send_packed_command([commands[index] for index in again])
+        for index in again:
+            replies[index] = _reply(connection)
+    return replies
+
+
+def _reply(connection: Any) -> Any:
+    """The next reply on ``connection``, or the error it is (a complete error reply)."""
+    try:
+        return connection.read_response()
+    except redis.exceptions.ResponseError as exc:
+        return exc
 
 
 def _redis_py_execute_command(cls: type) -> Any:
@@ -369,6 +422,6 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-ACQUIRE = Script(_ACQUIRE_FREE + _NAMES + _HELPERS + _ACQUIRE)
-RELEASE = Script(_NAMES + _RELEASE_OWNED + _HELPERS + _RELEASE)
+ACQUIRE = Script(_ACQUIRE, fast=_ACQUIRE_FAST)
+RELEASE = Script(_RELEASE, fast=_RELEASE_FAST)
 RENEW = Script(_RENEW)

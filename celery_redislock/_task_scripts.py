@@ -10,21 +10,16 @@ giving it a token of its own and a greater fence. An attempt that retries parks
 its hold (``PARK``) for the token its retry's message carries; the retry adopts
 that. A message's token therefore owns a hold only while it is queued: a copy of
 the message (a redelivery, a stale attempt) can neither adopt a running hold nor
-release it. Lock values are as in ``_scripts``: ``"<token>:<fence>:<holder>"``.
+release it. Lock values are as in ``_scripts``: ``"<token>:<fence>:<holder>"``, read and
+written by the prelude every script opens with (``owns``, ``fence_of``, ``holder_of``, ``hold``).
 """
 
 from __future__ import annotations
 
-from ._scripts import _HELPERS, _NAMES, Script
-
-_HOLDER = """
-local function holder_of(value) return value and string.match(value, '^%x+:%d+:(.*)$') end
-local function fence_of(value) return tonumber(string.match(value, '^%x+:(%d+):')) end
-local function owns(value, token) return value and string.sub(value, 1, 32) == token end
-"""
+from ._scripts import Script
 
 _ADOPT = """
--- KEYS[1] lock; ARGV[1] the token the message carries, ARGV[2] the run's own new token,
+-- ADOPT. KEYS[1] lock; ARGV[1] the token the message carries, ARGV[2] the run's own new token,
 -- ARGV[3] ttl in ms, ARGV[4] the run's holder (state=running).
 -- Adopts the hold queued for the message (its enqueue lock, or the hold its previous
 -- attempt parked for it): re-tokened to ARGV[2], with a fence above its own. A hold
@@ -43,7 +38,7 @@ return {redis.call('PTTL', lock), holder_of(value) or false}
 """
 
 _PARK = """
--- KEYS[1] lock; ARGV[1] the running hold's token, ARGV[2] the holder it must still have,
+-- PARK. KEYS[1] lock; ARGV[1] the running hold's token, ARGV[2] the holder it must still have,
 -- ARGV[3] the token the retry's message carries, ARGV[4] the retry's holder (state=queued),
 -- ARGV[5] ttl in ms.
 -- Hands a running hold to the retry on its way: re-tokened to ARGV[3] (its fence kept),
@@ -57,54 +52,50 @@ if not owns(value, ARGV[1]) or holder_of(value) ~= ARGV[2] then return 0 end
 local fence = fence_of(value)
 redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
-  local ttl_ms, token = string.match(member, '^(%d+):(%x+):')
+  local ttl_ms, token = member_fields(member)
   if token == ARGV[3] then
     redis.call('ZREM', queue, member)
     redis.call('ZREM', deadlines, member)
-    local wake = wake_prefix .. token
-    redis.call('DEL', wake)
-    redis.call('RPUSH', wake, string.format('%.0f', fence))
-    redis.call('PEXPIRE', wake, ttl_ms)
+    wake(token, string.format('%.0f', fence), ttl_ms)
   end
 end
 return 1
 """
 
 _SETTLE = """
--- KEYS[1] lock; ARGV[1] token, ARGV[2] period in ms.
+-- SETTLE. KEYS[1] lock; ARGV[1] token, ARGV[2] period in ms.
 -- Keeps the hold until `period` after it was taken (its fence is the server time
 -- in microseconds at the grant). Returns the ms left (the TTL now set), 0 if the
 -- period is over (the caller releases), -1 if the token does not own the lock.
-local value = redis.call('GET', KEYS[1])
+local value = redis.call('GET', lock)
 if not owns(value, ARGV[1]) then return -1 end
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_ms = clock(redis.call('TIME'))
 local left = math.floor(fence_of(value) / 1000) + tonumber(ARGV[2]) - now_ms
 if left <= 0 then return 0 end
-redis.call('PEXPIRE', KEYS[1], left)
+redis.call('PEXPIRE', lock, left)
 return left
 """
 
 _CLAIM = """
--- KEYS[1] a beat slot's marker; ARGV[1] the token of the message sent for the slot,
+-- CLAIM. KEYS[1] a beat slot's marker; ARGV[1] the token of the message sent for the slot,
 -- ARGV[2] the claimer's holder description, ARGV[3] ttl in ms for a new marker.
 -- The marker is a lock value (fence 0) naming the message that runs the slot.
 -- Claims the slot for the token: sets the marker when there is none, and, when
 -- the token already has it, renames its holder (its TTL kept). Returns 1 when
 -- the token has the slot, else the holder of the marker (another message's).
-local value = redis.call('GET', KEYS[1])
+local value = redis.call('GET', lock)
 if not value then
-  redis.call('SET', KEYS[1], ARGV[1] .. ':0:' .. ARGV[2], 'PX', ARGV[3])
+  redis.call('SET', lock, hold(ARGV[1], 0, ARGV[2]), 'PX', ARGV[3])
   return 1
 end
 if owns(value, ARGV[1]) then
-  redis.call('SET', KEYS[1], ARGV[1] .. ':0:' .. ARGV[2], 'KEEPTTL')
+  redis.call('SET', lock, hold(ARGV[1], 0, ARGV[2]), 'KEEPTTL')
   return 1
 end
 return holder_of(value) or ''
 """
 
-ADOPT = Script(_NAMES + _HELPERS + _ADOPT)
-CLAIM = Script(_HOLDER + _CLAIM)
-PARK = Script(_NAMES + _HELPERS + _PARK)
-SETTLE = Script(_HOLDER + _SETTLE)
+ADOPT = Script(_ADOPT)
+CLAIM = Script(_CLAIM)
+PARK = Script(_PARK)
+SETTLE = Script(_SETTLE)

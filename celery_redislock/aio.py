@@ -26,21 +26,19 @@ import os
 import secrets
 import time as mod_time
 import weakref
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable
 from math import inf
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio
 
-from ._durations import Duration, seconds, to_ms
+from ._durations import Duration, to_ms
 from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
-from .exceptions import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned
-from .lock import _check_holder, _lease_seconds, _lock_name, _member, _sleep_seconds, companion_key
-from .protocol import text
-from .watchdog import Lease, announce_loss, failed_renewal, landing_late, mark_lost, next_due, pick
+from .attempt import Attempt, LockCore, companion_key, lease_seconds, owns
+from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
+from .watchdog import Lease, LeaseSet, announce_loss, failed_renewal, landing_late, mark_lost, renewed
 
 __all__ = ["AsyncRedisLock"]
 
@@ -73,7 +71,7 @@ async def _to_the_end(awaitable: Awaitable[T]) -> T:
     return task.result()
 
 
-class AsyncRedisLock:
+class AsyncRedisLock(LockCore):
     """``RedisLock`` for asyncio: the same arguments, semantics and keys; methods are coroutines.
 
     ``client`` is a ``redis.asyncio.Redis`` (a Sentinel ``master_for`` one
@@ -85,6 +83,8 @@ class AsyncRedisLock:
     Re-entrant per object; share the key, not the object, between tasks that
     must exclude each other. Use the object on one event loop.
     """
+
+    lost: asyncio.Event
 
     def __init__(
         self,
@@ -99,87 +99,56 @@ class AsyncRedisLock:
     ) -> None:
         if not isinstance(client, redis.asyncio.Redis):
             raise LockConfigurationError(f"client must be a redis.asyncio.Redis, got {type(client).__name__}")
-        name = _lock_name(name)
-        self.ttl = _lease_seconds(ttl, watchdog)
-        self.timeout = None if timeout is None else seconds(timeout, "timeout")
-        _check_holder(holder)
+        super().__init__(name, ttl, watchdog=watchdog, fair=fair, timeout=timeout, holder=holder)
         self.client = client
-        self.name = name
-        self.watchdog = bool(watchdog)
-        self.fair = bool(fair)
-        self.holder = holder
-        self.token: str | None = None
-        self.fence: int | None = None
         self.lost = asyncio.Event()
-        self._keys = (name,)
-        self._wake_prefix = companion_key(name, "wake:")
-        self._ttl_ms = to_ms(self.ttl)
-        self._count = 0
-        self._pid = 0
+        self._keys = (self.name,)
+        self._wake_prefix = companion_key(self.name, "wake:")
         self._lease: Lease | None = None
-        self.busy: tuple[str | None, float | None] = (None, None)
-
-    def __repr__(self) -> str:
-        return f"<AsyncRedisLock {self.name!r} ttl={self.ttl} held={self._count}>"
-
-    def held(self) -> bool:
-        return self._count > 0 and self._pid == os.getpid()
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
         """Take the lock; ``True`` once held, ``False`` if not within ``timeout`` (see ``RedisLock``)."""
-        if timeout is not None and not blocking:
-            raise LockConfigurationError("timeout cannot be given with blocking=False")
-        wait = self.timeout if timeout is None else seconds(timeout, "timeout")
-        if self.held():
-            if self.lost.is_set():
-                raise LockLost(self.name)
-            self._count += 1
+        deadline = self._deadline(blocking, timeout)
+        if self._reenter():
             return True
         token = secrets.token_hex(16)
-        member = _member(self._ttl_ms, token, self.fair, self.holder)
-        deadline = None if wait is None else mod_time.monotonic() + wait
-        sent_at, fence = await self._wait_for(token, member, blocking, deadline)
+        attempt = self._attempt(token, blocking, deadline, True)
+        fence = await self._attempts(attempt)
         if fence is None:
             return False
         self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
         self.lost.clear()
         if self.watchdog:
             self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
-            _watchdog().add(self._lease, sent_at)
+            _watchdog().add(self._lease, attempt.sent_at)
         return True
 
-    async def _wait_for(
-        self, token: str, member: str, blocking: bool, deadline: float | None
-    ) -> tuple[float, int | None]:
-        """``RedisLock._wait_for``; cancelled or failing after an attempt was sent, it undoes it."""
-        queued = sent = False
+    async def _attempts(self, attempt: Attempt) -> int | None:
+        """``LeaseLock._attempts`` on this event loop; cancelled or failing after an attempt was
+        sent, it undoes it (see the module docstring)."""
         try:
             while True:
-                sent_at = mod_time.monotonic()
-                waiting = blocking and (deadline is None or sent_at < deadline)
-                mode = ("again" if waiting else "last") if queued else ("wait" if waiting else "try")
-                sent = True
-                reply = await _to_the_end(ACQUIRE.call_async(self.client, self._keys, [member, mode]))
-                if isinstance(reply, int):
-                    return sent_at, reply
-                pttl = int(reply[0])
-                self.busy = (None if reply[1] is None else text(reply[1]), max(pttl, 0) / 1000)
-                if not waiting:
-                    return sent_at, None
-                queued = True
-                message = await self._sleep(token, deadline, pttl)
-                if message not in (None, "retry"):  # handed over after our last attempt was sent
-                    return sent_at, int(message)
+                acquire = ACQUIRE.call_async(self.client, self._keys, [attempt.member, attempt.mode()])
+                fence = attempt.granted(await _to_the_end(acquire))
+                if fence is not None:
+                    return fence
+                self.busy = attempt.busy
+                if not attempt.waiting:
+                    return None
+                fence = attempt.handed(await self._sleep(attempt))
+                if fence is not None:  # handed over after our last attempt was sent
+                    return fence
         except BaseException:
-            if sent:
-                await _to_the_end(self._abandon(token, member))
+            if attempt.sent:
+                await _to_the_end(self._abandon(attempt.token, attempt.member))
             raise
 
-    async def _sleep(self, token: str, deadline: float | None, pttl_ms: int) -> str | None:
-        wait = _sleep_seconds(self.ttl, deadline, pttl_ms)
-        key = self._wake_prefix + token
+    async def _sleep(self, attempt: Attempt) -> Any:
+        """Blocks until woken by a release, the holder's TTL runs out, or the deadline."""
+        wait = attempt.pause()
+        key = self._wake_prefix + attempt.token
         reply = await call_with_timeout_async(self.client, wait + 1.0, "BLPOP", key, f"{wait:.3f}")
-        return None if reply is None else text(reply[1])
+        return None if reply is None else reply[1]
 
     async def _abandon(self, token: str, member: str) -> None:
         try:
@@ -189,12 +158,7 @@ class AsyncRedisLock:
 
     async def release(self) -> None:
         """Lower the hold count; at zero, free the key, owner-checked (see ``RedisLock.release``)."""
-        if not self.held():
-            raise LockNotOwned(self.name)
-        if self._count > 1:
-            self._count -= 1
-            return
-        if not await _to_the_end(self._free(self.token or "", self._lease)):
+        if self._drop_hold() and not await _to_the_end(self._free(self.token or "", self._lease)):
             raise LockNotOwned(self.name)
 
     async def _free(self, token: str, lease: Lease | None) -> bool:
@@ -206,13 +170,13 @@ class AsyncRedisLock:
 
     async def extend(self, ttl: Duration | None = None) -> None:
         """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it (see ``RedisLock.extend``)."""
-        new_ttl = self.ttl if ttl is None else _lease_seconds(ttl, self.watchdog)
+        new_ttl = self.ttl if ttl is None else lease_seconds(ttl, self.watchdog)
         if not self.held():
             raise LockNotOwned(self.name)
         token, lease = self.token or "", self._lease
         async with _watchdog().changing([] if lease is None else [lease]):  # no renewal in flight undoes it
             sent_at = mod_time.monotonic()
-            if await RENEW.call_async(self.client, [self.name], [to_ms(new_ttl), token]):
+            if await RENEW.call_async(self.client, self._keys, [to_ms(new_ttl), token]):
                 self.lost.set()
                 raise LockNotOwned(self.name)
             if lease is not None and lease is self._lease:
@@ -227,8 +191,7 @@ class AsyncRedisLock:
         if not self.held():
             return False
         token = self.token
-        current = await self.client.get(self.name)
-        return current is not None and text(current)[:32] == token
+        return owns(await self.client.get(self.name), token)
 
     async def __aenter__(self) -> AsyncRedisLock:
         if not await self.acquire():
@@ -242,12 +205,11 @@ class AsyncRedisLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
-            await self.release()
-            return
-        try:  # the body's exception is the one to see
+        try:
             await self.release()
         except LockNotOwned:
+            if exc is None:
+                raise
             logger.warning("lock %r was not held any more when its with-block raised", self.name)
 
     def lease_lost(self, lease: Lease) -> bool:
@@ -258,7 +220,7 @@ class AsyncRedisLock:
         return True
 
 
-class _AsyncWatchdog:
+class _AsyncWatchdog(LeaseSet):
     """Renews one event loop's leases on one task; the contract of ``watchdog.Watchdog``.
 
     A renewal is bounded by half the lease's interval (``asyncio.wait_for``),
@@ -266,29 +228,22 @@ class _AsyncWatchdog:
     """
 
     def __init__(self) -> None:
-        self._leases: set[Lease] = set()
+        super().__init__()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        #: when the sleeping task will wake by itself
-        self._wake_at = -inf
         #: notified when renewals land
         self._landed = asyncio.Condition()
 
     def add(self, lease: Lease, sent_at: float) -> None:
-        lease.renewed(lease.ttl, sent_at)
-        self._leases.add(lease)
+        late = self._track(lease, sent_at)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="celery-redislock-watchdog")
-        elif lease.due < self._wake_at:
+        elif late:
             self._wake.set()
 
     async def discard(self, lease: Lease) -> None:
         self._drop(lease)
         await self._await_landing(lease)
-
-    def _drop(self, lease: Lease) -> None:
-        lease.cancelled = True
-        self._leases.discard(lease)
 
     @contextlib.asynccontextmanager
     async def changing(self, leases: list[Lease]) -> AsyncIterator[None]:
@@ -313,20 +268,15 @@ class _AsyncWatchdog:
                 landing_late(lease)
 
     def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
-        if lease in self._leases:
-            lease.renewed(ttl, sent_at)
-            if lease.due < self._wake_at:
-                self._wake.set()
-
-    def __len__(self) -> int:
-        return len(self._leases)
+        if self._retime(lease, ttl, sent_at):
+            self._wake.set()
 
     async def _run(self) -> None:
         try:
             while self._leases:
                 try:
                     now = mod_time.monotonic()
-                    earliest = next_due(self._leases)
+                    earliest = self._next_due()
                     if earliest > now:
                         self._wake.clear()
                         self._wake_at = earliest
@@ -336,7 +286,7 @@ class _AsyncWatchdog:
                             )
                         continue
                     self._wake_at = inf
-                    due = pick(self._leases, now)
+                    due = self._pick(now)
                     try:
                         await self._renew(due)
                     finally:
@@ -348,15 +298,12 @@ class _AsyncWatchdog:
             self._task = None
 
     async def _renew(self, leases: list[Lease]) -> None:
-        groups: dict[tuple[int, int], list[Lease]] = defaultdict(list)
-        for lease in leases:
-            if lease.owner() is None:  # the lock object is gone: let the key expire
-                self._drop(lease)
-                continue
-            groups[id(lease.client), round(lease.ttl * 1000)].append(lease)
-        results = await asyncio.gather(
-            *(self._renew_batch(group, ttl_ms) for (_, ttl_ms), group in groups.items())
-        )
+        renewals = [
+            self._renew_batch(batch, ttl_ms)
+            for (_, _, ttl_ms), batches in self._batches(leases).items()
+            for batch in batches
+        ]
+        results = await asyncio.gather(*renewals)
         await self._land(leases)  # all answered: the losses are reported with no renewal in flight
         for lost in results:
             for lease, reason in lost:
@@ -371,9 +318,7 @@ class _AsyncWatchdog:
         except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
             logger.warning("celery-redislock async watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
             return failed_renewal(batch, exc)
-        for lease in batch:
-            lease.renewed(ttl_ms / 1000, sent_at)
-        return [(batch[position - 1], "not owned") for position in not_owned]
+        return renewed(batch, ttl_ms, sent_at, not_owned)
 
     async def _land(self, leases: list[Lease]) -> None:
         for lease in leases:

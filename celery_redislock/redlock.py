@@ -1,6 +1,6 @@
 """Redlock: one lock over N independent Redis primaries, held while a majority agrees.
 
-``RedisLock([client_or_url, ...], name, ...)`` makes a ``Redlock``. It runs
+``Redlock([client_or_url, ...], name, ...)``, or ``RedisLock`` given such a list, runs
 the single-server scripts (``_scripts``) on every server, multiplexed: the
 commands are sent to all servers first, then the replies read, all within one
 per-server deadline (``ttl / 10``, at least 0.1 s), so N servers cost about
@@ -31,23 +31,23 @@ one round trip, not N.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time as mod_time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
 from ._durations import Duration, to_ms
-from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulk
+from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulk, read_replies
+from .attempt import Attempt, lease_seconds, owns
 from .exceptions import LockConfigurationError
-from .lock import RedisLock, _lease_seconds
+from .primitive import LeaseLock
 from .protocol import text
-from .watchdog import Lease, get_watchdog
+from .watchdog import Lease
 
-__all__ = ["RETRY_DELAY", "Redlock"]
+__all__ = ["RETRY_DELAY", "Quorum", "Redlock"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,9 @@ def _clients(servers: object, timeout: float) -> list[redis.Redis]:
     return clients
 
 
-class Redlock(RedisLock):
-    """``RedisLock`` over several independent primaries; see the module docstring.
+class Redlock(LeaseLock):
+    """A lock over several independent primaries; see the module docstring, and ``RedisLock``
+    for the rest of the contract.
 
     ``clients`` are the servers, ``quorum`` how many must hold the lock,
     ``validity`` the seconds the current hold was valid for when granted
@@ -102,25 +103,110 @@ class Redlock(RedisLock):
         timeout: Duration | None = None,
         holder: str | None = None,
     ) -> None:
-        lease = _lease_seconds(ttl, watchdog)
-        node_timeout = max(lease / 10, 0.1)
+        node_timeout = max(lease_seconds(ttl, watchdog) / 10, 0.1)
         clients = _clients(client, node_timeout)
         if fair:
             raise LockConfigurationError("fair=True needs a single server to queue waiters; not with several")
-        super().__init__(clients[0], name, ttl, watchdog=watchdog, timeout=timeout, holder=holder)
-        self.clients = tuple(clients)
-        self.quorum = len(clients) // 2 + 1
-        self.validity: float | None = None
-        self._node_timeout = node_timeout
-        self._drift = lease * DRIFT_FACTOR + 0.002
-        self._leases: list[Lease] = []
-        #: the servers that granted the current hold (renewed by the watchdog)
-        self._granted: list[redis.Redis] = []
+        super().__init__(name, ttl, watchdog=watchdog, fair=fair, timeout=timeout, holder=holder)
+        self._quorum = self.servers = Quorum(clients, self.name, self.ttl, node_timeout)
+        self.clients = self._quorum.clients
+        self.quorum = self._quorum.needed
+
+    @property
+    def validity(self) -> float | None:
+        """Seconds the current hold was valid for when granted (None: not held)."""
+        return self._quorum.validity if self.held() else None
 
     def __repr__(self) -> str:
         return f"<Redlock {self.name!r} servers={len(self.clients)} ttl={self.ttl} held={self._count}>"
 
-    # -- one script on every server -------------------------------------------
+
+class Quorum:
+    """The servers of a ``Redlock``: each script runs on all of them at once, and a hold counts
+    where a quorum of them agrees (see the module docstring)."""
+
+    queues = False
+    replicas = 0
+
+    def __init__(self, clients: list[redis.Redis], name: str, ttl: float, node_timeout: float) -> None:
+        self.clients, self.name, self.ttl = tuple(clients), name, ttl
+        self.client = clients[0]
+        self.needed = len(clients) // 2 + 1
+        #: seconds the last hold granted was valid for, when granted
+        self.validity = 0.0
+        self._node_timeout = node_timeout
+        self._drift = ttl * DRIFT_FACTOR + 0.002
+        #: the servers that granted the last hold (renewed by the watchdog)
+        self._granted: list[redis.Redis] = []
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def acquire(self, attempt: Attempt, mode: str) -> Any:
+        """The fence when a quorum granted ``attempt`` in time; else what gave back, and
+        [PTTL, holder] that most busy servers report (PTTL None when none answered)."""
+        replies = self._on_all(ACQUIRE, [attempt.member, mode])
+        fences = [reply for reply in replies if isinstance(reply, int)]
+        validity = self.ttl - (mod_time.monotonic() - attempt.sent_at) - self._drift
+        if len(fences) >= self.needed and validity > 0:
+            self.validity = validity
+            granted = zip(self.clients, replies, strict=True)
+            self._granted = [client for client, reply in granted if isinstance(reply, int)]
+            return max(fences)
+        if fences:  # a minority, or too late: give back what was granted
+            self._on_all(RELEASE, [attempt.token])
+        return _busy(replies)
+
+    def sleep(self, attempt: Attempt) -> None:
+        """A random pause (up to ``RETRY_DELAY``, and the deadline): waiters are not woken across
+        servers, as the Redlock algorithm prescribes."""
+        pause = random.uniform(0, RETRY_DELAY)
+        if attempt.deadline is not None:
+            pause = min(pause, max(attempt.deadline - mod_time.monotonic(), 0.0))
+        mod_time.sleep(pause)
+
+    def abandon(self, token: str, member: str) -> None:
+        for reply in self._on_all(RELEASE, [token, member]):
+            if isinstance(reply, Exception):
+                logger.warning("lock %r: could not undo an attempt on a server: %s", self.name, reply)
+
+    def free(self, token: str) -> bool:
+        """Whether a quorum still held the lock; when errors made that unknown, the first error."""
+        replies = self._on_all(RELEASE, [token])
+        if sum(reply == 1 for reply in replies) >= self.needed:
+            return True
+        errors = [reply for reply in replies if isinstance(reply, Exception)]
+        if errors:
+            raise errors[0]
+        return False
+
+    def extend(self, token: str, ttl: float) -> bool:
+        """Set the hold to ``ttl`` on every server; whether a quorum of them still held it."""
+        replies = self._on_all(RENEW, [to_ms(ttl), token])
+        return sum(isinstance(reply, list) and not reply for reply in replies) >= self.needed
+
+    def confirm(self, token: str, member: str) -> None:
+        """Nothing to wait for: a Redlock's servers are primaries without replicas to count."""
+
+    def leases(self, token: str, ttl: float, owner: weakref.ref[LeaseLock]) -> list[Lease]:
+        return [Lease(client, self.name, token, ttl, owner) for client in self._granted]
+
+    def locked(self) -> bool:
+        """Whether a quorum of servers hold the lock (anyone's)."""
+        return self._count_servers(lambda value: value is not None) >= self.needed
+
+    def owned(self, token: str | None) -> bool:
+        """Whether a quorum of servers hold the lock for ``token``, now."""
+        return self._count_servers(lambda value: owns(value, token)) >= self.needed
+
+    def _count_servers(self, test: Callable[[Any], bool]) -> int:
+        count = 0
+        for client in self.clients:
+            try:
+                count += bool(test(client.get(self.name)))
+            except redis.exceptions.RedisError as exc:
+                logger.warning("lock %r: a server could not be read: %s", self.name, exc)
+        return count
 
     def _on_all(self, script: Script, args: Sequence[str | int]) -> list[Any]:
         """Run ``script`` on the lock's key on every server at once; each server's reply,
@@ -151,7 +237,7 @@ class Redlock(RedisLock):
                 try:
                     if not connection.can_read(max(deadline - mod_time.monotonic(), 0.0)):
                         raise redis.exceptions.TimeoutError(f"no reply within {self._node_timeout:.3f}s")
-                    results.append(script.reply_on(connection, command))
+                    results.append(read_replies(connection, script, [command])[0])
                 except redis.exceptions.ResponseError as exc:
                     results.append(exc)  # a complete error reply: the connection is clean
                 except Exception as exc:
@@ -165,127 +251,13 @@ class Redlock(RedisLock):
                     pool.release(connection)
         return results
 
-    # -- acquiring and releasing ---------------------------------------------------
 
-    def _wait_for(
-        self, token: str, member: str, blocking: bool, deadline: float | None
-    ) -> tuple[float, int | None]:
-        sent = False
-        try:
-            while True:
-                sent_at = mod_time.monotonic()
-                waiting = blocking and (deadline is None or sent_at < deadline)
-                sent = True
-                replies = self._on_all(ACQUIRE, [member, "try"])
-                fences = [reply for reply in replies if isinstance(reply, int)]
-                validity = self.ttl - (mod_time.monotonic() - sent_at) - self._drift
-                if len(fences) >= self.quorum and validity > 0:
-                    self.validity = validity
-                    granted = zip(self.clients, replies, strict=True)
-                    self._granted = [client for client, reply in granted if isinstance(reply, int)]
-                    return sent_at, max(fences)
-                if fences:  # a minority, or too late: give back what was granted
-                    self._on_all(RELEASE, [token])
-                self.busy = self._holder(replies)
-                if not waiting:
-                    return sent_at, None
-                pause = random.uniform(0, RETRY_DELAY)
-                if deadline is not None:
-                    pause = min(pause, max(deadline - mod_time.monotonic(), 0.0))
-                mod_time.sleep(pause)
-        except BaseException:
-            if sent:
-                self._abandon(token, member)
-            raise
-
-    def _holder(self, replies: list[Any]) -> tuple[str | None, float | None]:
-        """(holder, ttl in seconds) that most busy servers report, for ``LockNotAcquired``."""
-        busy = [reply for reply in replies if isinstance(reply, list)]
-        if not busy:
-            failed = sum(isinstance(reply, Exception) for reply in replies)
-            return (f"nobody: {failed} of {len(replies)} servers failed", None) if failed else (None, None)
-        holders = [None if reply[1] is None else text(reply[1]) for reply in busy]
-        holder = max(set(holders), key=holders.count)
-        pttl = max(int(reply[0]) for reply in busy)
-        return holder, max(pttl, 0) / 1000
-
-    def _abandon(self, token: str, member: str) -> None:
-        for reply in self._on_all(RELEASE, [token, member]):
-            if isinstance(reply, Exception):
-                logger.warning("lock %r: could not undo an attempt on a server: %s", self.name, reply)
-
-    def _free(self, token: str) -> bool:
-        replies = self._on_all(RELEASE, [token])
-        if sum(reply == 1 for reply in replies) >= self.quorum:
-            return True
-        errors = [reply for reply in replies if isinstance(reply, Exception)]
-        if errors:
-            raise errors[0]
-        return False
-
-    def _extend(self, token: str, ttl: float) -> bool:
-        """Set the hold to ``ttl`` on every server; whether a quorum of them still held it."""
-        replies = self._on_all(RENEW, [to_ms(ttl), token])
-        return sum(isinstance(reply, list) and not reply for reply in replies) >= self.quorum
-
-    def locked(self) -> bool:
-        """Whether a quorum of servers hold the lock (anyone's)."""
-        return self._count_servers(lambda value: value is not None) >= self.quorum
-
-    def owned(self) -> bool:
-        """Whether a quorum of servers hold the lock for this object, now."""
-        with self._state:
-            if not self.held():
-                return False
-            token = self.token
-        mine = self._count_servers(lambda value: value is not None and text(value)[:32] == token)
-        return mine >= self.quorum
-
-    def _count_servers(self, test: Any) -> int:
-        count = 0
-        for client in self.clients:
-            try:
-                count += bool(test(client.get(self.name)))
-            except redis.exceptions.RedisError as exc:
-                logger.warning("lock %r: a server could not be read: %s", self.name, exc)
-        return count
-
-    # -- the watchdog: one lease per server ------------------------------------
-
-    def _hold(self, token: str, fence: int, sent_at: float) -> None:
-        with self._state:
-            self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
-            if self.lost.is_set():
-                self.lost.clear()
-            if self.watchdog:
-                owner = weakref.ref(self)
-                self._leases = [Lease(client, self.name, token, self.ttl, owner) for client in self._granted]
-                for lease in self._leases:
-                    get_watchdog().add(lease, sent_at)
-
-    def _held_leases(self) -> list[Lease]:
-        return list(self._leases)
-
-    def forget(self) -> None:
-        with self._state:
-            self.token, self.fence, self._count, self._leases, self.validity = None, None, 0, [], None
-
-    def lease_lost(self, lease: Lease) -> bool:
-        """A server lost ``lease``: the lock is lost once fewer than a quorum of servers hold it."""
-        with self._state:
-            if lease not in self._leases:
-                return False
-            self._leases.remove(lease)
-            if len(self._leases) >= self.quorum:
-                logger.warning(
-                    "lock %r: lost on one server, still held on %d of %d",
-                    self.name,
-                    len(self._leases),
-                    len(self.clients),
-                )
-                return False
-            rest, self._leases = self._leases, []
-            self.lost.set()
-        for other in rest:
-            get_watchdog().discard(other)
-        return True
+def _busy(replies: list[Any]) -> list[Any]:
+    """[PTTL in ms, holder] that most busy servers report, for ``LockNotAcquired`` (PTTL None
+    when no server said: the holder then tells how many failed)."""
+    busy = [reply for reply in replies if isinstance(reply, list)]
+    if not busy:
+        failed = sum(isinstance(reply, Exception) for reply in replies)
+        return [None, f"nobody: {failed} of {len(replies)} servers failed" if failed else None]
+    holders = [None if reply[1] is None else text(reply[1]) for reply in busy]
+    return [max(int(reply[0]) for reply in busy), max(set(holders), key=holders.count)]

@@ -51,28 +51,27 @@ import math
 import os
 import threading
 import time as mod_time
-import weakref
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import redis.cluster
-from redis.exceptions import NoScriptError
 
 from . import signals
-from ._scripts import RENEW, bulk
+from ._scripts import RENEW, bulk, read_replies
 
 __all__ = [
     "BATCH",
     "Lease",
+    "LeaseOwner",
+    "LeaseSet",
     "Watchdog",
     "announce_loss",
     "failed_renewal",
     "get_watchdog",
     "landing_late",
     "mark_lost",
-    "next_due",
-    "pick",
+    "renewed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,11 +82,20 @@ BATCH = 2000
 _IDLE = 120.0
 
 
+class LeaseOwner(Protocol):
+    """The lock object a lease renews a hold of (``RedisLock``, ``Redlock``, ``AsyncRedisLock``)."""
+
+    def lease_lost(self, lease: Lease) -> bool:
+        """The watchdog found ``lease`` lost and renews it no more: whether that loses the owner's
+        hold (it then set its ``lost``), which the watchdog logs and signals."""
+
+
 class Lease:
     """One hold to renew: ``key`` owned by ``token`` on ``client`` for ``ttl`` seconds.
 
-    ``owner`` refers to the lock object (``RedisLock`` or ``AsyncRedisLock``),
-    whose ``lease_lost(lease)`` says whether a loss of this lease is its loss.
+    ``owner`` refers to the lock object (a ``LeaseOwner``; a weak reference, so
+    None once it is gone), whose ``lease_lost(lease)`` says whether a loss of
+    this lease is its loss.
     """
 
     __slots__ = (
@@ -106,7 +114,9 @@ class Lease:
         "ttl",
     )
 
-    def __init__(self, client: Any, key: str, token: str, ttl: float, owner: weakref.ref[Any]) -> None:
+    def __init__(
+        self, client: Any, key: str, token: str, ttl: float, owner: Callable[[], LeaseOwner | None]
+    ) -> None:
         self.client, self.key, self.token, self.ttl, self.owner = client, key, token, ttl, owner
         #: seconds between renewals (ttl / 3)
         self.interval = 0.0
@@ -137,16 +147,77 @@ class Lease:
         return self.packed
 
 
-class Watchdog:
+class LeaseSet:
+    """The leases one renewer renews (a thread, or an asyncio task), and its choices that do not
+    depend on how it waits: when it must wake, which leases to renew now and together, what a
+    reply means. The renewer guards it (the thread holds its condition's lock)."""
+
+    def __init__(self) -> None:
+        self._leases: set[Lease] = set()
+        #: when the sleeping renewer will wake by itself (-inf while it is busy)
+        self._wake_at = -math.inf
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def _track(self, lease: Lease, sent_at: float) -> bool:
+        """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``; whether the
+        renewer must be woken to renew it on time."""
+        lease.renewed(lease.ttl, sent_at)
+        self._leases.add(lease)
+        return lease.due < self._wake_at
+
+    def _retime(self, lease: Lease, ttl: float, sent_at: float) -> bool:
+        """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now
+        on (if still renewed); whether the renewer must be woken for it."""
+        if lease not in self._leases:
+            return False
+        lease.renewed(ttl, sent_at)
+        return lease.due < self._wake_at
+
+    def _drop(self, lease: Lease) -> None:
+        """Stop renewing ``lease``; the results of a renewal in flight are then ignored."""
+        lease.cancelled = True
+        self._leases.discard(lease)
+
+    def _next_due(self) -> float:
+        """When the first lease that may be picked falls due (monotonic; inf: none may)."""
+        return min((lease.due for lease in self._leases if not lease.changing), default=math.inf)
+
+    def _pick(self, now: float) -> list[Lease]:
+        """The leases to renew at ``now``: due within half their interval, not being changed by
+        their owner. They are marked in flight until the renewer lands them."""
+        batch = [
+            lease for lease in self._leases if not lease.changing and lease.due - lease.interval / 2 <= now
+        ]
+        for lease in batch:
+            lease.in_flight = True
+        return batch
+
+    def _batches(self, leases: list[Lease]) -> dict[tuple[int, int, int], list[list[Lease]]]:
+        """``leases`` in batches one RENEW call renews: one client, Cluster hash slot and lease
+        length (the key), at most ``BATCH`` leases. A lease whose lock object is gone is dropped
+        (left to expire)."""
+        groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
+        for lease in leases:
+            if lease.owner() is None:
+                self._drop(lease)
+                continue
+            groups[lease.group or _group(lease)].append(lease)
+        return {
+            key: [group[start : start + BATCH] for start in range(0, len(group), BATCH)]
+            for key, group in groups.items()
+        }
+
+
+class Watchdog(LeaseSet):
     """Renews leases in batches on a daemon thread; see the module docstring."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._leases: set[Lease] = set()
         self._thread: threading.Thread | None = None
-        #: when the sleeping thread will wake by itself (-inf while it is busy)
-        self._wake_at = -math.inf
         #: losses to log and signal (lock, lease, reason), and the thread doing it
         self._reports: deque[tuple[Any, Lease, str]] = deque()
         self._reporter: threading.Thread | None = None
@@ -156,23 +227,21 @@ class Watchdog:
 
     def add(self, lease: Lease, sent_at: float) -> None:
         """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``."""
-        lease.renewed(lease.ttl, sent_at)
         with self._cond:
-            self._leases.add(lease)
+            late = self._track(lease, sent_at)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redislock-watchdog", daemon=True
                 )
                 self._thread.start()
-            elif lease.due < self._wake_at:  # wake the thread only when it would be late
+            elif late:  # wake the thread only when it would be late
                 self._cond.notify_all()
 
     def discard(self, lease: Lease) -> None:
         """Stop renewing ``lease``, before its owner releases or hands over the hold: returns once
         no renewal of it is in flight."""
         with self._cond:
-            lease.cancelled = True
-            self._leases.discard(lease)
+            self._drop(lease)
             self._await_landing(lease)
 
     @contextlib.contextmanager
@@ -195,13 +264,8 @@ class Watchdog:
     def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
         """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now on."""
         with self._cond:
-            if lease in self._leases:
-                lease.renewed(ttl, sent_at)
-                if lease.due < self._wake_at:
-                    self._cond.notify_all()
-
-    def __len__(self) -> int:
-        return len(self._leases)
+            if self._retime(lease, ttl, sent_at):
+                self._cond.notify_all()
 
     def _await_landing(self, lease: Lease) -> None:
         """Holding ``_cond``: wait until no renewal of ``lease`` is in flight (see the module docstring)."""
@@ -231,7 +295,7 @@ class Watchdog:
                 if not self._leases:
                     self._thread = None
                     return None
-                earliest = next_due(self._leases)
+                earliest = self._next_due()
                 if earliest <= now:
                     break
                 self._wake_at = earliest
@@ -241,7 +305,7 @@ class Watchdog:
                     now = max(now, earliest)
                     break
             self._wake_at = -math.inf
-            return pick(self._leases, now)
+            return self._pick(now)
 
     def _land(self, leases: Iterable[Lease]) -> None:
         """The renewals of ``leases`` are answered (or given up): their owners may go on."""
@@ -251,23 +315,16 @@ class Watchdog:
             self._cond.notify_all()
 
     def _renew(self, leases: list[Lease]) -> None:
-        groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
-        for lease in leases:
-            if lease.owner() is None:  # the lock object is gone: let the key expire
-                self._drop(lease)
-                continue
-            groups[lease.group or _group(lease)].append(lease)
         # Per server and lease length: its batches (one hash slot each, at most BATCH leases).
         nodes: dict[tuple[int, int], tuple[Any, list[list[Lease]]]] = {}
         lost: list[tuple[Lease, str]] = []
-        for (_, slot, ttl_ms), group in groups.items():
+        for (_, slot, ttl_ms), batches in self._batches(leases).items():
             try:
-                node = _node(group[0].client, slot)
+                node = _node(batches[0][0].client, slot)
             except redis.exceptions.RedisError as exc:  # its slot is not covered (a Cluster changing)
-                lost += failed_renewal(group, exc)
+                lost += failed_renewal([lease for batch in batches for lease in batch], exc)
                 continue
-            batches = nodes.setdefault((id(node), ttl_ms), (node, []))[1]
-            batches += [group[start : start + BATCH] for start in range(0, len(group), BATCH)]
+            nodes.setdefault((id(node), ttl_ms), (node, []))[1].extend(batches)
         for (_, ttl_ms), (node, batches) in nodes.items():
             lost += self._renew_node(node, batches, ttl_ms)
             self._land(lease for batch in batches for lease in batch)
@@ -295,12 +352,7 @@ class Watchdog:
             if isinstance(reply, redis.exceptions.ResponseError):  # e.g. MOVED, ASK: a Cluster resharding
                 found += self._renew_through_client(batch, ttl_ms, sent_at, reply)
                 continue
-            # The lost ones are rescheduled too, harmlessly: they are dropped when reported.
-            interval = ttl_ms / 3000
-            due, expires = sent_at + interval, sent_at + ttl_ms / 1000
-            for lease in batch:
-                lease.due, lease.expires = due, expires
-            found += [(batch[position - 1], "not owned") for position in reply]
+            found += renewed(batch, ttl_ms, sent_at, reply)
         return found
 
     def _renew_through_client(
@@ -317,9 +369,7 @@ class Watchdog:
         except Exception as exc:
             logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
             return failed_renewal(batch, exc)
-        for lease in batch:
-            lease.due, lease.expires = sent_at + ttl_ms / 3000, sent_at + ttl_ms / 1000
-        return [(batch[position - 1], "not owned") for position in not_owned]
+        return renewed(batch, ttl_ms, sent_at, not_owned)
 
     def _connection(self, client: Any, timeout: float) -> Any:
         """The thread's connection to the server of ``client``, with ``timeout`` for connect and reads.
@@ -345,8 +395,7 @@ class Watchdog:
     def _drop(self, lease: Lease) -> None:
         """Stop renewing ``lease`` (the watchdog's own ``discard()``, with no wait)."""
         with self._cond:
-            lease.cancelled = True
-            self._leases.discard(lease)
+            super()._drop(lease)
 
     def _report(self, lease: Lease, reason: str) -> None:
         with self._cond:
@@ -378,20 +427,6 @@ class Watchdog:
                 logger.exception("celery-redislock watchdog: reporting a lost lock failed; carrying on")
 
 
-def next_due(leases: Iterable[Lease]) -> float:
-    """When the first of ``leases`` that may be picked falls due (monotonic; inf: none may)."""
-    return min((lease.due for lease in leases if not lease.changing), default=math.inf)
-
-
-def pick(leases: Iterable[Lease], now: float) -> list[Lease]:
-    """The leases to renew at ``now``: due within half their interval, not being changed by their
-    owner. They are marked in flight until the watchdog lands them."""
-    batch = [lease for lease in leases if not lease.changing and lease.due - lease.interval / 2 <= now]
-    for lease in batch:
-        lease.in_flight = True
-    return batch
-
-
 def landing_late(lease: Lease) -> None:
     """An owner waited a whole interval for a renewal of ``lease`` to land, and goes on."""
     logger.warning(
@@ -414,6 +449,16 @@ def announce_loss(lock: Any, lease: Lease, reason: str) -> None:
     signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
 
 
+def renewed(batch: list[Lease], ttl_ms: int, sent_at: float, not_owned: list[int]) -> list[tuple[Lease, str]]:
+    """A RENEW call of ``batch`` sent at ``sent_at`` answered ``not_owned`` (1-based positions):
+    the leases are renewed to ``ttl_ms`` from then; returns those found lost (rescheduled too,
+    harmlessly: they are dropped when reported)."""
+    due, expires = sent_at + ttl_ms / 3000, sent_at + ttl_ms / 1000
+    for lease in batch:
+        lease.due, lease.expires = due, expires
+    return [(batch[position - 1], "not owned") for position in not_owned]
+
+
 def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, str]]:
     """A renewal of ``leases`` failed: retry soon; those past their lease are lost."""
     now = mod_time.monotonic()
@@ -424,8 +469,7 @@ def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, s
 
 def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[Any]:
     """Sends one RENEW call per batch on ``connection`` in one write; returns each call's reply,
-    or its own error (e.g. MOVED); after NOSCRIPT, loads the script and sends those calls again."""
-    replies: list[Any] = []
+    or its own error (e.g. MOVED)."""
     encoder = connection.encoder
     commands = []
     for batch in batches:
@@ -433,22 +477,7 @@ def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[
         keys, tokens = [key for key, _ in packed], [token for _, token in packed]
         commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
     connection.send_packed_command(commands)
-    for _ in commands:
-        try:
-            replies.append(connection.read_response())
-        except redis.exceptions.ResponseError as exc:  # that call's own error; the others stand
-            replies.append(exc)
-    again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if again:  # a new or restarted server: load the script, send those calls again in one write
-        connection.send_command("SCRIPT", "LOAD", RENEW.source)
-        connection.read_response()
-        connection.send_packed_command([commands[index] for index in again])
-        for index in again:
-            try:
-                replies[index] = connection.read_response()
-            except redis.exceptions.ResponseError as exc:
-                replies[index] = exc
-    return replies
+    return read_replies(connection, RENEW, commands)
 
 
 def _node(client: Any, slot: int) -> Any:

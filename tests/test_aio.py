@@ -12,6 +12,7 @@ import redis
 import redis.asyncio
 
 import celery_redislock.aio as aio_module
+import celery_redislock.watchdog as watchdog_module
 from celery_redislock import (
     AsyncRedisLock,
     LockConfigurationError,
@@ -201,6 +202,33 @@ def test_an_extend_is_not_undone_by_a_renewal_in_flight(
 
 async def _either(*conditions: bool) -> bool:
     return any(conditions)
+
+
+def test_the_watchdog_task_renews_at_most_batch_leases_per_call(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the thread's, the task's script calls carry at most ``BATCH`` leases each."""
+    monkeypatch.setattr(watchdog_module, "BATCH", 2)
+    sizes: list[int] = []
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        watchdog = aio_module._watchdog()
+        renew_batch = watchdog._renew_batch
+
+        async def counted(batch: list[Lease], ttl_ms: int) -> Any:
+            sizes.append(len(batch))
+            return await renew_batch(batch, ttl_ms)
+
+        monkeypatch.setattr(watchdog, "_renew_batch", counted)
+        locks = [AsyncRedisLock(client, f"{prefix}:{i}", ttl=LEASE) for i in range(5)]
+        for lock in locks:
+            assert await lock.acquire()
+        await until(lambda: _either(sum(sizes) >= 10), "two rounds of renewals")
+        for lock in locks:
+            await lock.release()
+
+    run(redis_server, body)
+    assert max(sizes) == 2
 
 
 def test_without_watchdog_the_lease_expires(redis_server: RedisServer, prefix: str) -> None:

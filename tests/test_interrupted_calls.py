@@ -137,7 +137,7 @@ def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
     client.script_load(RENEW.source)  # the confirmation's reads: its renewal, then its WAIT
     fired = interrupt_read(at_the_wait)
     mine = RedisLock(client, f"{prefix}:a", ttl=5, replicas=1, replica_timeout=0.5)
-    original_confirm = mine._confirm
+    original_confirm = mine.servers.confirm
 
     def confirm(token: str, member: str) -> None:
         waiting.set()
@@ -146,7 +146,7 @@ def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
         finally:
             waiting.clear()
 
-    monkeypatch.setattr(mine, "_confirm", confirm)
+    monkeypatch.setattr(mine.servers, "confirm", confirm)
     with pytest.raises(Interrupt):
         mine.acquire(blocking=False)
     assert fired

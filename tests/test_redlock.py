@@ -52,7 +52,7 @@ def holders_of(servers: list[RedisServer], name: str) -> list[bytes | None]:
 def test_a_list_makes_a_redlock_holding_every_server(servers: list[RedisServer], prefix: str) -> None:
     name = f"{prefix}:k"
     lock = RedisLock([server.url for server in servers], name, ttl=10)
-    assert isinstance(lock, Redlock) and lock.quorum == len(servers) // 2 + 1
+    assert isinstance(lock, Redlock) and isinstance(lock, RedisLock) and lock.quorum == len(servers) // 2 + 1
     assert lock.acquire(blocking=False)
     assert lock.validity is not None and 0 < lock.validity < 10 - 0.1  # ttl - elapsed - drift
     assert isinstance(lock.fence, int)

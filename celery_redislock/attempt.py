@@ -1,0 +1,274 @@
+"""The lock core, without I/O: what a lock's arguments may be, and what an acquire does next.
+
+An acquire is a run of attempts (the ``ACQUIRE`` script, see ``_scripts``)
+by one waiter member. ``Attempt`` decides each one's mode (``try``, ``wait``,
+``again``, ``last``) from the deadline and whether the waiter is queued,
+reads its reply (a fence: granted; else the holder and its TTL), says how
+long to sleep before the next one and reads a wake message (a fair
+hand-over's fence). The sync lock (``primitive``), the asyncio lock
+(``aio``) and Redlock (``redlock``) drive it, each with its own I/O.
+``LockCore`` is the settings and hold count they all keep.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time as mod_time
+from typing import TYPE_CHECKING, Any
+
+from ._durations import Duration, seconds, to_ms
+from .exceptions import LockConfigurationError, LockLost, LockNotOwned
+from .protocol import parse_value, text
+
+if TYPE_CHECKING:
+    import asyncio
+    import threading
+
+__all__ = [
+    "MAX_TTL",
+    "MIN_WATCHDOG_TTL",
+    "Attempt",
+    "Busy",
+    "LockCore",
+    "busy_reply",
+    "check_holder",
+    "companion_key",
+    "lease_seconds",
+    "lock_name",
+    "owns",
+    "waiter_member",
+]
+
+#: Shortest lease the watchdog renews (every ttl/3, so at least every 0.1 s).
+MIN_WATCHDOG_TTL = 0.3
+#: Longest lease accepted (Redis refuses expiry times past its range).
+MAX_TTL = 365 * 24 * 3600.0
+
+#: (holder description, its TTL in seconds) of a lock an attempt found busy; (None, None) before.
+Busy = tuple[str | None, float | None]
+
+
+def companion_key(name: str, suffix: str) -> str:
+    """A key in ``name``'s Redis Cluster hash slot, for data that belongs to the lock.
+
+    Raises ``LockConfigurationError`` for a name whose slot no companion can
+    share: one with a ``}`` but no hash tag (Redis hashes the first non-empty
+    ``{...}``).
+    """
+    start = name.find("{")
+    if start != -1:
+        end = name.find("}", start + 1)
+        if end > start + 1:  # ``name`` has a hash tag: the companion reuses it
+            return f"{name}:{suffix}"
+    if "}" in name:
+        raise LockConfigurationError(
+            f"name {name!r} has a '}}' but no hash tag; use a name without '}}' or with a {{tag}}"
+        )
+    return f"{{{name}}}:{suffix}"
+
+
+def lease_seconds(ttl: object, watchdog: bool) -> float:
+    """A lease length in seconds, or ``LockConfigurationError`` saying what is allowed."""
+    value = seconds(ttl, "ttl")
+    if not 0 < value <= MAX_TTL:
+        raise LockConfigurationError(f"ttl must be > 0 and <= {MAX_TTL:.0f} seconds, got {ttl!r}")
+    if watchdog and value < MIN_WATCHDOG_TTL:
+        raise LockConfigurationError(
+            f"ttl must be >= {MIN_WATCHDOG_TTL} seconds for the watchdog to renew it "
+            f"(every ttl/3), got {ttl!r}; use a longer ttl or watchdog=False"
+        )
+    return value
+
+
+def lock_name(name: object) -> str:
+    """``name`` as a non-empty str, or ``LockConfigurationError`` saying what is allowed."""
+    if isinstance(name, bytes):
+        try:
+            name = name.decode()
+        except UnicodeDecodeError:
+            raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
+    if not isinstance(name, str) or not name:
+        raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
+    return name
+
+
+def check_holder(holder: object) -> None:
+    """``LockConfigurationError`` unless ``holder`` is a str or None."""
+    if holder is not None and not isinstance(holder, str):
+        raise LockConfigurationError(f"holder must be a str, got {holder!r}")
+
+
+@functools.cache
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def waiter_member(ttl_ms: int, token: str, fair: bool, holder: str | None) -> str:
+    """The waiter member (see ``_scripts``) describing an acquisition by ``token``; the holder
+    is ``"<host>:<pid>"`` by default."""
+    holder = holder if holder is not None else f"{_hostname()}:{os.getpid()}"
+    return f"{ttl_ms}:{token}:{'1' if fair else '0'}:{holder}"
+
+
+def owns(value: Any, token: str | None) -> bool:
+    """Whether the lock stored as ``value`` (a GET reply) is owned by ``token``."""
+    found = parse_value(value)
+    return found is not None and found.token == token
+
+
+def busy_reply(reply: Any) -> tuple[str | None, int | None]:
+    """A script's answer that the lock is someone else's, ``{PTTL in ms, holder or false}``, as
+    (holder, PTTL; -2: the key is gone; None: no server said, as when a Redlock's all failed)."""
+    pttl_ms, holder = reply
+    return None if holder is None else text(holder), None if pttl_ms is None else int(pttl_ms)
+
+
+class Attempt:
+    """One acquire's attempts by ``member`` (for ``token``), until granted or past ``deadline``.
+
+    Call ``mode()`` before sending each attempt, ``granted(reply)`` with its
+    reply; when not granted and ``waiting``, sleep ``pause()`` seconds (on the
+    wake list where waiters ``queue``) and read what woke it with ``handed()``.
+    ``sent_at`` is a monotonic time no later than the grant; ``sent`` whether
+    an attempt may have reached Redis (an interrupted acquire then undoes it);
+    ``busy`` the holder the last reply named.
+    """
+
+    __slots__ = (
+        "blocking",
+        "busy",
+        "deadline",
+        "member",
+        "pttl_ms",
+        "queue",
+        "queued",
+        "sent",
+        "sent_at",
+        "token",
+        "ttl",
+        "waiting",
+    )
+
+    def __init__(
+        self, token: str, member: str, ttl: float, blocking: bool, deadline: float | None, queue: bool = True
+    ) -> None:
+        self.token, self.member, self.ttl = token, member, ttl
+        self.blocking, self.deadline = blocking, deadline
+        #: whether waiters join the server's queue (one server) or just try again (Redlock)
+        self.queue = queue
+        self.queued = self.sent = self.waiting = False
+        self.sent_at = 0.0
+        self.pttl_ms = 0
+        self.busy: Busy = (None, None)
+
+    def mode(self) -> str:
+        """The mode of the attempt about to be sent: ``try`` (once), ``wait`` (join the queue),
+        ``again`` (stay queued) or ``last`` (leave the queue: the deadline is past)."""
+        self.sent_at = mod_time.monotonic()
+        self.waiting = self.blocking and (self.deadline is None or self.sent_at < self.deadline)
+        self.sent = True
+        if not self.queue:
+            return "try"
+        if self.queued:
+            return "again" if self.waiting else "last"
+        return "wait" if self.waiting else "try"
+
+    def granted(self, reply: Any) -> int | None:
+        """The fence if ``reply`` (to ``ACQUIRE``) grants the lock; else None, ``busy`` set."""
+        if isinstance(reply, int):
+            return reply
+        holder, pttl_ms = busy_reply(reply)
+        self.pttl_ms = pttl_ms or 0
+        self.busy = (holder, None if pttl_ms is None else max(pttl_ms, 0) / 1000)
+        self.queued = self.queue and self.waiting
+        return None
+
+    def pause(self) -> float:
+        """How long a waiter sleeps: until the holder's TTL (at most our own ``ttl``) runs out,
+        or until the deadline."""
+        waits = [self.ttl, self.pttl_ms / 1000 if self.pttl_ms > 0 else self.ttl]
+        if self.deadline is not None:
+            waits.append(self.deadline - mod_time.monotonic())
+        return max(min(waits), 0.001)
+
+    def handed(self, message: Any) -> int | None:
+        """The fence a wake ``message`` (None: none came) hands over, sent after the last
+        attempt; None when it only says "retry"."""
+        if message is None:
+            return None
+        found = text(message)
+        return None if found == "retry" else int(found)
+
+
+class LockCore:
+    """A lock's checked settings and its hold count, as every lock (sync, asyncio, Redlock) keeps
+    them; no I/O. A subclass sets ``lost`` (an event the watchdog sets) after ``__init__``."""
+
+    lost: threading.Event | asyncio.Event
+
+    def __init__(
+        self,
+        name: str | bytes,
+        ttl: Duration,
+        *,
+        watchdog: bool,
+        fair: bool,
+        timeout: Duration | None,
+        holder: str | None,
+    ) -> None:
+        self.name = lock_name(name)
+        self.ttl = lease_seconds(ttl, watchdog)
+        self.timeout = None if timeout is None else seconds(timeout, "timeout")
+        check_holder(holder)
+        companion_key(self.name, "wake:")  # raises for a name that can have no companions
+        self.watchdog = bool(watchdog)
+        self.fair = bool(fair)
+        self.holder = holder
+        self.token: str | None = None
+        self.fence: int | None = None
+        self._ttl_ms = to_ms(self.ttl)
+        self._count = 0
+        self._pid = 0
+        #: (holder, ttl in seconds) seen by the last failed attempt
+        self.busy: Busy = (None, None)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} ttl={self.ttl} held={self._count}>"
+
+    def held(self) -> bool:
+        """Held by this object in this process (a forked child holds nothing it inherited)."""
+        return self._count > 0 and self._pid == os.getpid()
+
+    def _deadline(self, blocking: bool, timeout: Duration | None) -> float | None:
+        """The monotonic deadline of an acquire given ``blocking`` and ``timeout`` (None: none)."""
+        if timeout is not None and not blocking:
+            raise LockConfigurationError("timeout cannot be given with blocking=False")
+        wait = self.timeout if timeout is None else seconds(timeout, "timeout")
+        return None if wait is None else mod_time.monotonic() + wait
+
+    def _reenter(self) -> bool:
+        """Whether this object holds the lock already: then held once more (``LockLost`` when the
+        watchdog found the hold lost)."""
+        if not self.held():
+            return False
+        if self.lost.is_set():
+            raise LockLost(self.name)
+        self._count += 1
+        return True
+
+    def _drop_hold(self) -> bool:
+        """Lower the hold count (``LockNotOwned`` when not held); whether it was the last hold,
+        which the caller then frees."""
+        if not self.held():
+            raise LockNotOwned(self.name)
+        if self._count > 1:
+            self._count -= 1
+            return False
+        return True
+
+    def _attempt(self, token: str, blocking: bool, deadline: float | None, queue: bool) -> Attempt:
+        """A new acquire's attempts for ``token``, described by this lock's waiter member."""
+        member = waiter_member(self._ttl_ms, token, self.fair, self.holder)
+        return Attempt(token, member, self.ttl, blocking, deadline, queue)

@@ -1,0 +1,289 @@
+"""What ``RedisLock`` (one server) and ``Redlock`` (a quorum) share: holding a lock over its servers.
+
+``LeaseLock`` takes, keeps and gives back a hold: the acquire loop (driving
+``attempt.Attempt``), re-entry, release, extend, the watchdog's leases and
+the doors the task layer uses (``busy``, ``held()``, ``wait_as()``,
+``take_hold()``, ``stop_renewing()``, ``forget()``, ``renewals_on_time()``,
+``lease_lost()``). Where the key lives is its ``servers`` (a ``Servers``):
+the one server (``lock.OneServer``) or a quorum of several
+(``redlock.Quorum``), which run the scripts and read their replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time as mod_time
+import weakref
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+from ._durations import Duration
+from .attempt import Attempt, LockCore, lease_seconds, waiter_member
+from .exceptions import LockNotAcquired, LockNotOwned
+from .watchdog import Lease, get_watchdog
+
+__all__ = ["LeaseLock", "Servers"]
+
+logger = logging.getLogger(__name__)
+
+_Lock = TypeVar("_Lock", bound="LeaseLock")
+
+
+class Servers(Protocol):
+    """Where a lock's key lives, and how its scripts run there (one server, or a quorum)."""
+
+    #: the client of the (first) server
+    client: Any
+    #: how many servers must hold the lock for it to be held
+    needed: int
+    #: whether waiters queue on the server and are woken there (else they try again)
+    queues: bool
+    #: replicas that must acknowledge a hold (``confirm``); 0: none
+    replicas: int
+
+    def __len__(self) -> int:
+        """How many servers there are."""
+
+    def acquire(self, attempt: Attempt, mode: str) -> Any:
+        """Send ``attempt`` in ``mode``: the fence if granted, else [PTTL in ms or None, holder]."""
+
+    def sleep(self, attempt: Attempt) -> Any:
+        """Block before ``attempt``'s next try; the wake message that ended it (None: none)."""
+
+    def abandon(self, token: str, member: str) -> None:
+        """Leave the queue, and release the lock if it was granted meanwhile; logs a failure."""
+
+    def free(self, token: str) -> bool:
+        """Release ``token``'s hold, owner-checked; whether ``token`` held the lock."""
+
+    def extend(self, token: str, ttl: float) -> bool:
+        """Set ``token``'s hold to ``ttl``, owner-checked; whether ``token`` held the lock."""
+
+    def confirm(self, token: str, member: str) -> None:
+        """Wait until ``replicas`` replicas have ``token``'s hold; else release it and raise."""
+
+    def leases(self, token: str, ttl: float, owner: weakref.ref[LeaseLock]) -> list[Lease]:
+        """The watchdog's leases of the hold just granted to ``token`` (one per server holding it)."""
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock (on enough servers)."""
+
+    def owned(self, token: str | None) -> bool:
+        """Whether ``token`` holds the lock (on enough servers), now."""
+
+
+class LeaseLock(LockCore):
+    """A lock on the key ``name`` over ``servers``: see ``lock.RedisLock`` for the contract.
+
+    A subclass checks its own arguments, calls ``__init__`` and sets ``servers``.
+    """
+
+    servers: Servers
+    lost: threading.Event
+
+    def __init__(self, name: str | bytes, ttl: Duration, **settings: Any) -> None:
+        """``settings``: ``LockCore``'s (``watchdog``, ``fair``, ``timeout``, ``holder``)."""
+        super().__init__(name, ttl, **settings)
+        self.lost = threading.Event()
+        self._leases: list[Lease] = []
+        self._state = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """The client of the lock's (first) server."""
+        return self.servers.client
+
+    # -- acquiring -----------------------------------------------------------
+
+    def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
+        """Take the lock; ``True`` once held, ``False`` if not within ``timeout``.
+
+        ``timeout`` (seconds or timedelta; default: the constructor's, where
+        ``None`` waits without limit) bounds the wait with one monotonic
+        deadline. A waiter sleeps until a release wakes it, or until the
+        holder's TTL runs out (a holder that died), never polling. Free lock:
+        one round trip. Raises ``LockLost`` when re-entering a hold the
+        watchdog found lost.
+        """
+        deadline = self._deadline(blocking, timeout)
+        with self._state:
+            if self._reenter():
+                return True
+        token = secrets.token_hex(16)
+        attempt = self._attempt(token, blocking, deadline, self.servers.queues)
+        fence = self._attempts(attempt)
+        if fence is None:
+            return False
+        self.take_hold(token, fence, attempt.sent_at)
+        return True
+
+    def wait_as(self, token: str, deadline: float) -> int | None:
+        """Queue for the lock as ``token`` until it is granted or handed over to ``token`` (the
+        fence), or until monotonic ``deadline`` (``None``); ``busy`` then names the holder.
+
+        For a hold prepared for a known token (a retry adopting its attempt's parked hold):
+        the caller records it with ``take_hold``.
+        """
+        return self._attempts(self._attempt(token, True, deadline, self.servers.queues))
+
+    def take_hold(self, token: str, fence: int, sent_at: float) -> None:
+        """Record as this object's the hold ``token`` was granted (``fence``) by a request sent at
+        monotonic ``sent_at``: confirmed by ``replicas`` replicas where set (else released and
+        ``LockNotReplicated``), then renewed by the watchdog."""
+        if self.servers.replicas:
+            self.servers.confirm(token, waiter_member(self._ttl_ms, token, self.fair, self.holder))
+        with self._state:
+            self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+            if self.lost.is_set():
+                self.lost.clear()
+            if self.watchdog:
+                self._leases = self.servers.leases(token, self.ttl, weakref.ref(self))
+                for lease in self._leases:
+                    get_watchdog().add(lease, sent_at)
+
+    def _attempts(self, attempt: Attempt) -> int | None:
+        """Drives ``attempt`` until granted (the fence) or past its deadline (None).
+
+        Interrupted (an exception, KeyboardInterrupt or a Celery time limit
+        included) after an attempt may have reached Redis, it leaves the queue
+        and releases the lock if it came.
+        """
+        try:
+            while True:
+                fence = attempt.granted(self.servers.acquire(attempt, attempt.mode()))
+                if fence is not None:
+                    return fence
+                self.busy = attempt.busy
+                if not attempt.waiting:
+                    return None
+                fence = attempt.handed(self.servers.sleep(attempt))
+                if fence is not None:  # handed over after our last attempt was sent
+                    return fence
+        except BaseException:
+            if attempt.sent:
+                self.servers.abandon(attempt.token, attempt.member)
+            raise
+
+    # -- holding -------------------------------------------------------------
+
+    def stop_renewing(self) -> str:
+        """Stop renewing the hold (before the caller frees or parks the key) and return its token;
+        no renewal of it is in flight any more (see ``watchdog``)."""
+        with self._state:
+            if not self.held():
+                raise LockNotOwned(self.name)
+            token, leases = self.token or "", list(self._leases)
+        for lease in leases:
+            get_watchdog().discard(lease)
+        return token
+
+    def forget(self) -> None:
+        """Forget the hold, once the caller has freed or parked the key."""
+        with self._state:
+            self.token, self.fence, self._count, self._leases = None, None, 0, []
+
+    def renewals_on_time(self) -> bool:
+        """Whether the watchdog renews the hold and its last renewal is less than one interval
+        late (a late one means this process was paused or cut off: ask Redis, ``extend()``)."""
+        with self._state:
+            leases = list(self._leases) if self.held() else []
+        return bool(leases) and all(mod_time.monotonic() < lease.expires - lease.interval for lease in leases)
+
+    def release(self) -> None:
+        """Lower the hold count; at zero, free the key (one round trip, owner-checked).
+
+        Raises ``LockNotOwned`` (changing nothing in Redis) when this object
+        does not hold the lock, or no longer does (expired or taken over).
+        Renewal stops before the release is sent. On a Redis error the outcome
+        is unknown: the error propagates and the hold is kept, so ``release()``
+        can be retried; unrenewed, the key expires within ``ttl`` anyway.
+        """
+        with self._state:
+            if not self._drop_hold():
+                return
+        released = self._free(self.stop_renewing())
+        self.forget()
+        if not released:
+            raise LockNotOwned(self.name)
+
+    def _free(self, token: str) -> bool:
+        """Release ``token``'s hold on the servers; whether ``token`` held the lock."""
+        return self.servers.free(token)
+
+    def extend(self, ttl: Duration | None = None) -> None:
+        """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it, never adding.
+
+        Owner-checked in one round trip; raises ``LockNotOwned`` (and sets
+        ``lost``) when this object does not hold the lock. With the watchdog,
+        the hold is renewed to ``ttl`` from then on (every ``ttl/3``); a
+        renewal already under way lands first, so it cannot undo the extension.
+        """
+        new_ttl = self.ttl if ttl is None else lease_seconds(ttl, self.watchdog)
+        with self._state:
+            if not self.held():
+                raise LockNotOwned(self.name)
+            token, leases = self.token or "", list(self._leases)
+        with get_watchdog().changing(leases):  # no renewal in flight can undo it
+            sent_at = mod_time.monotonic()
+            if not self.servers.extend(token, new_ttl):
+                self.lost.set()
+                raise LockNotOwned(self.name)
+            for lease in leases:
+                get_watchdog().reschedule(lease, new_ttl, sent_at)
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock (one round trip)."""
+        return self.servers.locked()
+
+    def owned(self) -> bool:
+        """Whether this object holds the lock, as Redis sees it now (one round trip)."""
+        with self._state:
+            if not self.held():
+                return False
+            token = self.token
+        return self.servers.owned(token)
+
+    # -- context manager -----------------------------------------------------
+
+    def __enter__(self: _Lock) -> _Lock:
+        if not self.acquire():
+            holder, ttl = self.busy
+            raise LockNotAcquired(self.name, holder, ttl)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockNotOwned:
+            if exc is None:
+                raise
+            logger.warning("lock %r was not held any more when its with-block raised", self.name)
+
+    def lease_lost(self, lease: Lease) -> bool:
+        """Called by the watchdog: ``lease`` (one server's) is lost; once fewer than the servers
+        needed still hold the lock, set ``lost`` and say so (``True``)."""
+        with self._state:
+            if lease not in self._leases:
+                return False
+            self._leases.remove(lease)
+            if len(self._leases) >= self.servers.needed:
+                logger.warning(
+                    "lock %r: lost on one server, still held on %d of %d",
+                    self.name,
+                    len(self._leases),
+                    len(self.servers),
+                )
+                return False
+            rest, self._leases = self._leases, []
+            self.lost.set()
+        for other in rest:
+            get_watchdog().discard(other)
+        return True
