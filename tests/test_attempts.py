@@ -1,4 +1,4 @@
-"""A task's attempts and their locks (issue 13, items 3, 4 and 8): every retry runs, each attempt
+"""A task's attempts and their locks: every retry runs, each attempt
 owns its own hold, a resent script is recognised as its own, holders survive odd task ids, and
 the adoption of an enqueue lock waits for replicas.
 
@@ -55,7 +55,7 @@ def closed_port() -> int:
     return port
 
 
-# -- item 3: a retry is never swallowed --------------------------------------------------------------
+# -- a retry is never swallowed ----------------------------------------------------------------------
 
 
 PATHS = [
@@ -117,7 +117,7 @@ def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: 
     assert not recorder(app).client.exists(task_lock_key(task, (x,)))
 
 
-# -- item 4: each attempt owns its own hold -----------------------------------------------------------
+# -- each attempt owns its own hold -------------------------------------------------------------------
 
 
 def test_a_stale_attempt_cannot_adopt_the_hold_parked_for_the_next(
@@ -199,7 +199,7 @@ def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(
         app.close()
 
 
-# -- item 8: a resent script, odd task ids, replicas ---------------------------------------------------
+# -- a resent script, odd task ids, replicas -----------------------------------------------------------
 
 
 @contextmanager

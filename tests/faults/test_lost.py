@@ -1,4 +1,4 @@
-"""A lost lock and ``lock_on_lost`` (issue 13, item 2): the loss always reaches the task, and
+"""A lost lock and ``lock_on_lost``: the loss always reaches the task, and
 nothing in the process breaks.
 
 * ``"raise"``: ``LockLost`` comes only where the package controls the moment

@@ -1,4 +1,6 @@
-"""Regressions from review: mixed fairness, hand-over timing, stalls, poisoned batches, interrupts."""
+"""RedisLock at its edges: fair and unfair waiters of one key still exclude, a late hand-over is
+still held, a stalled server or a foreign key loses only its own lease, an interrupt leaves nothing
+held or queued, and a lost hold fails loudly but does not hide the error of the body."""
 
 from __future__ import annotations
 
