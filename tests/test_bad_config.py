@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import redis
@@ -60,8 +61,9 @@ BAD_OPTIONS = [
 def test_a_bad_option_fails_at_bind_naming_task_option_value_and_allowed(
     app: Celery, client: redis.Redis, prefix: str, option: str, value: object, allowed: str
 ) -> None:
+    options: dict[str, Any] = {option: value}
     with pytest.raises(LockConfigurationError) as raised:
-        define(app, **{option: value})
+        define(app, **options)
     message = str(raised.value)
     assert message.startswith("task 'cfg.add': ")
     assert f"{option}={value!r}" in message

@@ -258,7 +258,7 @@ def test_on_error_run_runs_unlocked_with_a_warning(
 def test_acl_credentials_in_the_url_are_used(prefix: str) -> None:
     with RedisServer() as server:
         admin = server.client()
-        admin.execute_command(
+        admin.execute_command(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             "ACL", "SETUSER", "locker", "on", ">pw", f"~{prefix}*", f"~{{{prefix}*", "+@all", "-@dangerous"
         )
         app = new_app(server.url, prefix, redislock_url=f"redis://locker:pw@127.0.0.1:{server.port}/0")
