@@ -83,7 +83,7 @@ class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
 
     def __init__(
         self,
-        client: redis.Redis | redis.cluster.RedisCluster,
+        client: redis.Redis | redis.cluster.RedisCluster | Sequence[redis.Redis | str],  # a list: see __new__
         name: str | bytes,
         ttl: Duration = 30.0,
         *,

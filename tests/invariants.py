@@ -24,7 +24,7 @@ import redis
 
 from celery_redislock.keys import slot_markers
 
-__all__ = ["Sampler", "check", "keys_of", "keys_without_ttl", "leftover_locks"]
+__all__ = ["Sampler", "check", "keys_of", "keys_without_ttl", "leftover_locks", "stored"]
 
 LOCK_VALUE = re.compile(rb"^[0-9a-f]{32}:\d+:")
 COMPANIONS = (b"}:queue", b"}:waiters", b"}:wake:")
@@ -37,6 +37,13 @@ def keys_of(client: redis.Redis, prefix: str) -> list[bytes]:
         *client.scan_iter(match=f"{{{prefix}*", count=1000),
     }
     return sorted(found)
+
+
+def stored(client: redis.Redis | redis.cluster.RedisCluster, key: str) -> bytes:
+    """The value at ``key``, which must be there (the suite's clients do not decode replies)."""
+    value = client.get(key)
+    assert isinstance(value, bytes), f"{key} holds {value!r}"
+    return value
 
 
 def keys_without_ttl(client: redis.Redis, prefix: str) -> list[bytes]:

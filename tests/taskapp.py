@@ -27,7 +27,7 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Protocol, cast
 
 import redis
 from celery import Celery, Task
@@ -49,6 +49,24 @@ stress_logger = logging.getLogger("celery_redislock.tests.stress")
 LEASE = 2.0
 #: How far this process's beat clock is off (``skewed_now``).
 SKEW = timedelta(seconds=float(os.environ.get("TASKAPP_SKEW", "0")))
+
+
+class LockFields(Protocol):
+    """The fields a ``LockedTask`` adds to its request, for the body to read."""
+
+    lock_key: str
+    lock_fence: int | None
+    lock_lost: bool
+    lock_slot: str | None
+
+
+def lock_fields(task: Task[Any, Any]) -> LockFields:
+    return cast(LockFields, task.request)  # Celery's Context, with the fields LockedTask sets on it
+
+
+def text(value: bytes | str) -> str:
+    """A reply of the recorder's client (bytes: it does not decode), as text."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def skewed_now() -> datetime:
@@ -114,16 +132,16 @@ class Recorder:
         self.push(self.gate_key(x), *["open"] * times)
 
     def events(self) -> list[list[str]]:
-        return [entry.decode().split(" ") for entry in self.client.lrange(self.events_key, 0, -1)]
+        return [text(entry).split(" ") for entry in self.client.lrange(self.events_key, 0, -1)]
 
     def record_run(self, task: Task[Any, Any], x: object, started: float) -> None:
         """A beat job's run: which slot, sent by which beat, from when to now."""
         request, sender = task.request, (request_slot(task.request) or {}).get("beat")
-        entry = f"run {x} {request.lock_slot} {sender} {request.id} {started:.3f} {time.time():.3f}"
+        entry = f"run {x} {lock_fields(task).lock_slot} {sender} {request.id} {started:.3f} {time.time():.3f}"
         self.push(f"{self.prefix}:runs", entry)
 
     def runs(self) -> list[list[str]]:
-        return [entry.decode().split(" ") for entry in self.client.lrange(f"{self.prefix}:runs", 0, -1)]
+        return [text(entry).split(" ") for entry in self.client.lrange(f"{self.prefix}:runs", 0, -1)]
 
 
 #: prefix -> the recorder of the app using it, for the ``lock_lost`` receiver (its sender is a lock)
@@ -267,10 +285,11 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         patch its socket); whether the lock is still this body's at the end."""
         recorder.record("start", self, x)
         recorder.idle(x, LEASE * leases)
-        value = recorder.client.get(self.request.lock_key)
-        owned = value is not None and int(value.split(b":")[1]) == self.request.lock_fence
+        lock = lock_fields(self)
+        value = recorder.client.get(lock.lock_key)
+        owned = isinstance(value, bytes) and int(value.split(b":")[1]) == lock.lock_fence
         recorder.record("end", self, x)
-        return owned and not self.request.lock_lost
+        return owned and not lock.lock_lost
 
     @locked_task(name="taskapp.hog", lock_ttl=LEASE)
     def hog(self: Task[Any, Any], x: object, leases: int) -> bool:
@@ -284,10 +303,10 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         recorder.record("spun", self, x)
         recorder.idle(x, 1)  # yields: the watchdog runs
         recorder.record("end", self, x)
-        return bool(self.request.lock_lost)
+        return bool(lock_fields(self).lock_lost)
 
     @locked_task(name="taskapp.lost", lock_ttl=0.6, lock_on_lost="raise")
-    def lost(self: Task[Any, Any], x: object) -> str:
+    def lost(self: LockedTask, x: object) -> str:
         recorder.record("start", self, x)
         recorder.wait_gate(x, poll=0.05, check=self.check_lock)
         recorder.record("end", self, x)  # only if LockLost did not stop the body
@@ -305,9 +324,9 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
     def lose_own_lock(self: Task[Any, Any], x: object, work: str) -> str:
         """Deletes its own lock, then logs (``work="log"``) or calls Redis (``"redis"``) in a
         tight loop until the watchdog has marked the loss; then returns normally."""
-        recorder.client.delete(self.request.lock_key)
+        recorder.client.delete(lock_fields(self).lock_key)
         deadline = time.monotonic() + GATE_TIMEOUT
-        while not self.request.lock_lost and time.monotonic() < deadline:
+        while not lock_fields(self).lock_lost and time.monotonic() < deadline:
             if work == "log":
                 stress_logger.info("task %s still working on %s", self.request.id, x)
             else:
@@ -317,9 +336,9 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
     @locked_task(name="taskapp.calls_after_loss", lock_ttl=0.6, lock_on_lost="raise")
     def calls_after_loss(self: Task[Any, Any], x: object) -> object:
         """Loses its lock, waits until the watchdog has marked the loss, then calls a locked task."""
-        recorder.client.delete(self.request.lock_key)
+        recorder.client.delete(lock_fields(self).lock_key)
         for _ in range(GATE_TIMEOUT * 20):
-            if self.request.lock_lost:
+            if lock_fields(self).lock_lost:
                 break
             recorder.client.blpop([recorder.gate_key(f"never-{x}")], timeout=0.05)
         return nested(x, 0)
@@ -330,7 +349,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         return gated(self, x, gate)
 
     @locked_task(name="taskapp.terminated_checks", lock_ttl=0.6, lock_on_lost="terminate")
-    def terminated_checks(self: Task[Any, Any], x: object) -> str:
+    def terminated_checks(self: LockedTask, x: object) -> str:
         recorder.record("start", self, x)
         recorder.wait_gate(x, poll=0.05, check=self.check_lock)
         recorder.record("end", self, x)
@@ -350,7 +369,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
     def lost_logged(self: Task[Any, Any], x: object) -> object:
         recorder.record("start", self, x)
         for _ in range(GATE_TIMEOUT * 20):  # until the watchdog marks the request
-            if self.request.lock_lost:
+            if lock_fields(self).lock_lost:
                 break
             recorder.client.blpop([recorder.gate_key(f"never-{x}")], timeout=0.05)
         recorder.record("noticed", self, x)
@@ -363,7 +382,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         return gated(self, x, gate)
 
     @locked_task(name="taskapp.fenced", lock_on_lost="raise")
-    def fenced(self: Task[Any, Any], x: object, gate: bool = True) -> object:
+    def fenced(self: LockedTask, x: object, gate: bool = True) -> object:
         """Holds its lock (``redislock_ttl``) until its gate opens; a lost lock stops it (``LockLost``)."""
         recorder.record("start", self, x)
         if gate:
@@ -374,7 +393,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
     @locked_task(name="taskapp.nested", lock_on=("x",))
     def nested(self: Task[Any, Any], x: object, depth: int) -> object:
         recorder.record(f"depth{depth}", self, x)
-        return [depth, self.request.lock_fence, *([] if depth == 0 else nested(x, depth - 1))]
+        return [depth, lock_fields(self).lock_fence, *([] if depth == 0 else nested(x, depth - 1))]
 
     def beat_job(self: Task[Any, Any], x: object, seconds: float = 0) -> object:
         started = time.time()
@@ -383,12 +402,13 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         recorder.record_run(self, x, started)
         return x
 
-    for name, options in {
+    beat_jobs: dict[str, dict[str, object]] = {
         "beat_job": {},
         "beat_fallback": {},  # left out of the beat processes: sent by beat's send_task fallback
         "beat_wait": {"lock_busy": "wait", "lock_wait_timeout": 60},
         "beat_off": {"lock_beat": False},  # opted in by its schedule entry only
-    }.items():
+    }
+    for name, options in beat_jobs.items():
         if f"taskapp.{name}" not in without:
             locked_task(name=f"taskapp.{name}", **{"lock_beat": True, **options})(beat_job)
 
@@ -408,7 +428,7 @@ def running(pid: int) -> bool:
 def _announce_ready(sender: Any = None, **_: Any) -> None:
     """A worker subprocess tells the test it consumes (``{prefix}:ready``)."""
     if app is not None:
-        app.recorder.push(f"{app.recorder.prefix}:ready", sender.hostname)
+        recorder(app).push(f"{recorder(app).prefix}:ready", sender.hostname)
 
 
 @signals.lock_busy.connect

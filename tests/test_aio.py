@@ -333,7 +333,7 @@ def test_cancelled_after_a_fair_hand_over_releases_it(
         await until(lambda: _queued(client, name), "the waiter queued")
         await holder.release()  # hands the lock to the waiter
         value = await client.get(name)
-        assert value is not None and value.endswith(b":the waiter")
+        assert isinstance(value, bytes) and value.endswith(b":the waiter")
         attempt.cancel()
         with pytest.raises(asyncio.CancelledError):
             await attempt

@@ -1,4 +1,4 @@
-"""A task's attempts and their locks (issue 13, items 3, 4 and 8): every retry runs, each attempt
+"""A task's attempts and their locks: every retry runs, each attempt
 owns its own hold, a resent script is recognised as its own, holders survive odd task ids, and
 the adoption of an enqueue lock waits for replicas.
 
@@ -30,6 +30,7 @@ from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder
 from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer
+from tests.invariants import stored
 from tests.taskapp import make_app, recorder
 from tests.workers import threads_worker, wait_for
 
@@ -56,7 +57,7 @@ def closed_port() -> int:
     return port
 
 
-# -- item 3: a retry is never swallowed --------------------------------------------------------------
+# -- a retry is never swallowed ----------------------------------------------------------------------
 
 
 PATHS = [
@@ -111,14 +112,15 @@ def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: 
         elif path == "chord":
             result = chord([task.s(x)])(app.tasks["taskapp.collect"].s())
         else:
-            result = group([task.s(x).set(lock_in_canvas=True)]).apply_async()
+            # celery-types lists only Celery's own options; Signature.set passes on any other
+            result = group([task.s(x).set(lock_in_canvas=True)]).apply_async()  # type: ignore[call-arg]
         outcome = result.get(timeout=RESULT_TIMEOUT)
     assert outcome == ([x] if path in ("group", "chord", "in_canvas") else x)
     assert attempts(app, x) == ["attempt@0", "attempt@1"]
     assert not recorder(app).client.exists(task_lock_key(task, (x,)))
 
 
-# -- item 4: each attempt owns its own hold -----------------------------------------------------------
+# -- each attempt owns its own hold -------------------------------------------------------------------
 
 
 def test_a_stale_attempt_cannot_adopt_the_hold_parked_for_the_next(
@@ -133,18 +135,18 @@ def test_a_stale_attempt_cannot_adopt_the_hold_parked_for_the_next(
     key = task_lock_key(task, (x,), {"countdown": 60})
     client = recorder(app).client
     first = task.delay(x, countdown=60)
-    enqueue_token = client.get(key)[:32].decode()
+    enqueue_token = stored(client, key)[:32].decode()
     with threads_worker(app):
-        wait_for(lambda: parse_holder(client.get(key).decode().split(":", 2)[2]).get("try") == "1")
-        task.apply_async(
-            (x,), {"countdown": 60}, task_id=first.id, headers={HEADER: {"key": key, "token": enqueue_token}}
-        )
+        wait_for(lambda: parse_holder(stored(client, key).decode().split(":", 2)[2]).get("try") == "1")
+        # celery-types types headers as str to str; Celery sends any JSON value
+        header = {HEADER: {"key": key, "token": enqueue_token}}
+        task.apply_async((x,), {"countdown": 60}, task_id=first.id, headers=header)  # type: ignore[arg-type]
         wait_for(
             lambda: "this stale copy is ignored" in caplog.text,
             what=lambda: f"the stale copy to be ignored; events {events(app, x)}",
         )
     assert attempts(app, x) == ["attempt@0"]
-    value = client.get(key).decode()
+    value = stored(client, key).decode()
     assert value[:32] != enqueue_token  # parked for attempt 1, under its own token
     client.delete(key)  # attempt 1 waits out its countdown; let it go
 
@@ -200,7 +202,7 @@ def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(
         app.close()
 
 
-# -- item 8: a resent script, odd task ids, replicas ---------------------------------------------------
+# -- a resent script, odd task ids, replicas -----------------------------------------------------------
 
 
 @contextmanager
@@ -209,14 +211,16 @@ def first_reply_lost(script: Script) -> Iterator[list[Any]]:
     then fails as a dropped connection does, so that the client's retry policy (redis-py 6+
     retries by default) sends the script again. Yields the lost replies."""
     send, read = AbstractConnection.send_packed_command, AbstractConnection.read_response
-    guard, pending, lost = threading.Lock(), set(), []  # pending: connections awaiting the doomed reply
+    guard = threading.Lock()
+    pending: set[AbstractConnection] = set()  # connections awaiting the doomed reply
+    lost: list[Any] = []
 
     def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
         packed = b"".join(command) if isinstance(command, list) else command
         with guard:
             if not lost and not pending and script.sha.encode() in packed:
                 pending.add(self)
-        send(self, command, check_health)
+        send(self, command, check_health)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
         reply = read(self, *args, **kwargs)
@@ -242,7 +246,7 @@ def test_a_resent_adopt_is_recognised_as_its_own(redis_server: RedisServer, pref
     # The lock client retries as redis-py 6+ clients built with redis.Redis(...) do by default
     # (a client from a URL does not): this in-process worker uses it.
     retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)
-    assert retrying.get_retry() is not None and retrying.get_retry().get_retries() > 0
+    assert (retry := retrying.get_retry()) is not None and retry.get_retries() > 0
     app_state(app).client = (os.getpid(), retrying, redis_server.url)
     x, task = fresh(), app.tasks["taskapp.until_executed"]
     result = task.delay(x)

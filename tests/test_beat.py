@@ -15,13 +15,15 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from celery_redislock.testing import RedisServer
 from tests.taskapp import Recorder
 from tests.workers import BeatProcess, WorkerProcess, _Subprocess, wait_for
+
+P = TypeVar("P", bound=_Subprocess)
 
 #: the jobs' interval, seconds
 INTERVAL = 1.0
@@ -56,7 +58,7 @@ class Cluster:
     def worker(self, concurrency: int = 4) -> WorkerProcess:
         return self._start(WorkerProcess(self.url, self.prefix, self.queue, "threads", concurrency, "w"))
 
-    def _start(self, process: Any) -> Any:
+    def _start(self, process: P) -> P:
         process.start()
         self.started.append(process)
         return process

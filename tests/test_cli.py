@@ -30,7 +30,7 @@ from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from examples._support import QUEUE, ROOT, Worker
 from tests.conftest import calls_since, command_calls
-from tests.invariants import keys_without_ttl
+from tests.invariants import keys_without_ttl, stored
 from tests.taskapp import Recorder, make_app
 from tests.workers import WorkerProcess, wait_for
 
@@ -69,7 +69,7 @@ class Setup:
     def started(self, x: str) -> list[str]:
         """The start event of the body called with ``x``, once it has started."""
         return wait_for(
-            lambda: next((e for e in self.recorder.events() if e[0] == "start" and e[2] == x), None),
+            lambda: next((e for e in self.recorder.events() if e[0] == "start" and e[2] == x), []),
             what=f"the body of {x} to start",
         )
 
@@ -109,8 +109,7 @@ def test_list_shows_a_running_tasks_lock_with_its_holder(setup: Setup) -> None:
     result = task.delay(x, gate=True)
     child_pid = int(setup.started(x)[4])
     key = task_lock_key(task, (x, True))
-    value = setup.recorder.client.get(key)
-    assert value is not None
+    value = stored(setup.recorder.client, key)
     [row] = [row for row in setup.listed() if row["key"] == key]
     assert 0 < row.pop("ttl") <= 30
     assert row.pop("node").startswith("prefork@")
@@ -183,8 +182,7 @@ def test_release_key_frees_a_running_tasks_lock_and_its_watchdog_reports_the_los
     result = task.delay(x)
     setup.started(x)
     key = task_lock_key(task, (x,))
-    value = setup.recorder.client.get(key)
-    assert value is not None
+    value = stored(setup.recorder.client, key)
     _, fence, holder = value.decode().split(":", 2)
     with caplog.at_level(logging.WARNING, logger="celery_redislock.inventory"):
         released = setup.cli("release", key)

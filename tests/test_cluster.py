@@ -14,12 +14,13 @@ import redis
 import redis.cluster
 import redis.connection
 from celery import Celery
+from redis.crc import key_slot
 
 from celery_redislock import LockedTask, RedisLock
 from celery_redislock.connection import client_for
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisClusterServers, RedisServer
-from tests.taskapp import LEASE
+from tests.taskapp import LEASE, lock_fields
 from tests.workers import wait_for
 
 
@@ -31,7 +32,7 @@ def client(cluster: RedisClusterServers) -> Iterator[redis.cluster.RedisCluster]
 
 
 def node_of(cluster: RedisClusterServers, client: redis.cluster.RedisCluster, key: str) -> RedisServer:
-    port = client.get_node_from_key(key).port
+    port = client.get_node_from_key(key).port  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     return next(server for server in cluster.servers if server.port == port)
 
 
@@ -43,7 +44,10 @@ def test_redislock_url_names_a_cluster(cluster: RedisClusterServers, prefix: str
     @app.task(base=LockedTask, bind=True, name="cluster.work")
     def work(self: LockedTask, n: int) -> int:
         lock_client, _ = client_for(app)
-        seen["fence"], seen["held"] = self.request.lock_fence, lock_client.exists(self.request.lock_key)
+        seen["fence"], seen["held"] = (
+            lock_fields(self).lock_fence,
+            lock_client.exists(lock_fields(self).lock_key),
+        )
         return n
 
     assert isinstance(client_for(app)[0], redis.cluster.RedisCluster)
@@ -68,7 +72,7 @@ def test_every_key_of_a_lock_lives_in_its_slot(
         assert time.monotonic() < deadline, "the waiters never queued"
     keys = [key for server in cluster.servers for key in server.client().scan_iter(match=f"*{prefix}*")]
     assert len(keys) >= 3  # the lock, its queue and its waiters' deadlines
-    assert {client.keyslot(key) for key in keys} == {client.keyslot(name)}
+    assert {key_slot(key) for key in keys} == {key_slot(name.encode())}
     holder.release()  # hands over to the first queued waiter (not necessarily the first started)
     for _ in waiters:
         granted.get(timeout=30).release()  # ... who hands over to the other
@@ -86,13 +90,13 @@ def test_the_watchdog_renews_each_node_in_one_round_trip(
     def counted(self: redis.connection.Connection, command: Any, check_health: bool = True) -> None:
         if threading.current_thread().name == "celery-redislock-watchdog":
             writes.append((id(self), len(command)))
-        real_send(self, command, check_health)
+        real_send(self, command, check_health)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
     locks = [RedisLock(client, f"{prefix}:{i}", ttl=1.5) for i in range(300)]  # ~100 slots per node
     for lock in locks:
         lock.acquire()
-    assert len({client.keyslot(lock.name) for lock in locks}) > 250
+    assert len({key_slot(lock.name.encode()) for lock in locks}) > 250
     threading.Event().wait(2.0)  # four renewal intervals of 0.5 s
     renewed = list(writes)
     assert all(not lock.lost.is_set() for lock in locks)
@@ -110,14 +114,14 @@ def _move_slot(cluster: RedisClusterServers, slot: int, source: RedisServer, fin
     (clients then get MOVED), else the slot stays migrating (clients get ASK for moved keys)."""
     target = next(server for server in cluster.servers if server is not source)
     src, dst = source.client(), target.client()
-    src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
-    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
-    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
-    for key in src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000):
-        src.execute_command("MIGRATE", "127.0.0.1", target.port, key, 0, 5000)
+    src_id, dst_id = src.cluster("MYID"), dst.cluster("MYID")
+    dst.cluster("SETSLOT", slot, "IMPORTING", src_id)
+    src.cluster("SETSLOT", slot, "MIGRATING", dst_id)
+    for key in src.cluster("GETKEYSINSLOT", slot, 1000):
+        src.migrate("127.0.0.1", target.port, key, 0, 5000)
     if finish:
         for server in cluster.servers:
-            server.client().execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+            server.client().cluster("SETSLOT", slot, "NODE", dst_id)
     return target
 
 
@@ -140,7 +144,7 @@ def test_a_reshard_is_followed_with_ask_and_moved(
     name = f"{{{prefix}}}:k"
     lock = RedisLock(client, name, ttl=LEASE)
     lock.acquire()
-    slot, source = client.keyslot(name), node_of(cluster, client, name)
+    slot, source = key_slot(name.encode()), node_of(cluster, client, name)
     _move_slot(cluster, slot, source, finish=False)  # the key moved, the slot is migrating: ASK
     assert lock.owned()
     logged(caplog, "AskError")  # renewals redirected by ASK, followed by the client
@@ -153,9 +157,9 @@ def test_a_reshard_is_followed_with_ask_and_moved(
     lock.release()
     assert client.exists(name) == 0
     with target.client() as node:
-        node_id = node.execute_command("CLUSTER MYID")
+        node_id = node.cluster("MYID")
     with source.client() as node:
-        source_id = node.execute_command("CLUSTER MYID")
+        source_id = node.cluster("MYID")
     for server in cluster.servers:  # and back, for the tests that follow
-        server.client().execute_command("CLUSTER SETSLOT", slot, "NODE", source_id)
+        server.client().cluster("SETSLOT", slot, "NODE", source_id)
     assert node_id != source_id

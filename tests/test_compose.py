@@ -121,6 +121,7 @@ def test_every_job_the_beats_send_runs_once_per_slot() -> None:
         opted = (entry.get("options") or {}).get("lock_beat")
         if opted is None:
             assert isinstance(task, LockedTask), f"{name}: {entry['task']} is not a LockedTask"
+            assert task.lock_options is not None
             opted = task.lock_options.beat
         assert opted is True, f"{name}: not opted in to once-per-slot (lock_beat)"
         assert entry["schedule"] == 10.0 and name == "digest-every-10s"

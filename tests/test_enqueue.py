@@ -7,6 +7,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, task_lock_key
 from celery_redislock.protocol import HEADER
+from tests.invariants import stored
 from tests.taskapp import recorder
 from tests.workers import threads_worker, wait_for
 
@@ -27,6 +29,10 @@ def queued(app: Celery) -> int:
 
 def starts(app: Celery, x: object) -> list[list[str]]:
     return [event for event in recorder(app).events() if event[0] == "start" and event[2] == str(x)]
+
+
+def attempts_started(app: Celery, attempt: int) -> list[list[str]]:
+    return [event for event in recorder(app).events() if event[0] == f"attempt@{attempt}"]
 
 
 @contextmanager
@@ -161,7 +167,7 @@ def test_until_executed_keeps_the_lock_across_its_retries(app: Celery) -> None:
     with worker(app):
         result = task.delay(x)
         for attempt in range(2):
-            wait_for(lambda a=attempt: [e for e in recorder(app).events() if e[0] == f"attempt@{a}"])
+            wait_for(partial(attempts_started, app, attempt))
             assert task.delay(x).id == result.id  # refused between the retries
             recorder(app).open_gate(x)
         assert result.get(timeout=RESULT_TIMEOUT) == x
@@ -220,7 +226,8 @@ def test_a_chord_of_identical_signatures_runs_every_member(app: Celery) -> None:
 
 def test_group_members_opted_in_are_deduplicated_at_enqueue(app: Celery) -> None:
     x, task = fresh(), app.tasks["taskapp.until_executed"]
-    group([task.s(x).set(lock_in_canvas=True) for _ in range(3)]).apply_async()
+    # celery-types lists only Celery's own options; Signature.set passes on any other
+    group([task.s(x).set(lock_in_canvas=True) for _ in range(3)]).apply_async()  # type: ignore[call-arg]
     assert queued(app) == 1
     with worker(app):
         wait_for(
@@ -235,12 +242,12 @@ def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run(app: C
     x, task = fresh(), app.tasks["taskapp.acks_late"]
     key = task_lock_key(task, (x,), {"gate": True})
     first = task.delay(x, gate=True)
-    token = recorder(app).client.get(key)[:32].decode()  # the message's: the run adopts under its own
+    token = stored(recorder(app).client, key)[:32].decode()  # the message's: the run adopts under its own
     with worker(app):
         wait_for(lambda: starts(app, x))
-        task.apply_async(
-            (x,), {"gate": True}, task_id=first.id, headers={HEADER: {"key": key, "token": token}}
-        )
+        # celery-types types headers as str to str; Celery sends any JSON value
+        header = {HEADER: {"key": key, "token": token}}
+        task.apply_async((x,), {"gate": True}, task_id=first.id, headers=header)  # type: ignore[arg-type]
         wait_for(lambda: [e for e in recorder(app).events() if e[0] == "busy" and e[3] == first.id])
         recorder(app).open_gate(x)
         assert first.get(timeout=RESULT_TIMEOUT) == x

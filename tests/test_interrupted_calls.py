@@ -29,6 +29,7 @@ from celery_redislock import AsyncRedisLock, LockNotOwned, RedisLock
 from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
+from tests.invariants import stored
 from tests.workers import wait_for
 
 
@@ -100,14 +101,18 @@ def test_an_interrupted_script_call_leaves_the_client_giving_right_answers(
     assert theirs.acquire(blocking=False)
     if step != "acquire":
         assert mine.acquire(blocking=False)
-    calls = {"release": mine.release, "acquire": lambda: mine.acquire(blocking=False), "extend": mine.extend}
+    calls: dict[str, Callable[[], object]] = {
+        "release": mine.release,
+        "acquire": lambda: mine.acquire(blocking=False),
+        "extend": mine.extend,
+    }
     fired = interrupt_read(on_this_thread())
     with pytest.raises(Interrupt):
         calls[step]()
     assert fired
     probe = assert_right_answers(client, prefix)
     assert probe.fence is None
-    assert other.get(f"{prefix}:b").decode().startswith(theirs.token or "-")
+    assert stored(other, f"{prefix}:b").decode().startswith(theirs.token or "-")
     assert not client.exists(f"{prefix}:c")
     theirs.release()
     client.delete(f"{prefix}:a")  # whatever the interrupted call left (it may have acquired)
@@ -179,7 +184,7 @@ def test_an_interrupted_redlock_call_leaves_its_servers_giving_right_answers(
         original = redis.connection.AbstractConnection.send_packed_command
 
         def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
+            original(self, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             if not fired:
                 fired.append(1)
                 raise Interrupt

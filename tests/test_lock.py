@@ -1,11 +1,19 @@
-"""RedisLock on a real redis-server: ownership, TTLs, waiting, fairness, re-entry, restarts."""
+"""RedisLock on real redis-servers: ownership, TTLs, waiting, fairness, re-entry, restarts.
+
+What a lock promises whatever it runs on (acquire, release, extend, owned, locked, re-entry,
+the context manager, fences, a lost hold) is tested on each topology: one server, Redlock over
+three, a Cluster, a Sentinel-watched primary. What is about one server (waiting, fairness,
+scripts, restarts, argument checks) is tested on one.
+"""
 
 from __future__ import annotations
 
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
@@ -14,7 +22,8 @@ import redis
 from celery_redislock import LockConfigurationError, LockLost, LockNotAcquired, LockNotOwned, RedisLock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
-from tests.conftest import calls_since, command_calls
+from tests.conftest import Topology, calls_since, command_calls
+from tests.invariants import stored
 from tests.taskapp import LEASE
 
 MakeLock = Callable[..., RedisLock]
@@ -38,8 +47,9 @@ def locks(client: redis.Redis, name: str) -> Iterator[list[RedisLock]]:
                 break
 
 
-@pytest.fixture
-def make(client: redis.Redis, name: str, locks: list[RedisLock]) -> MakeLock:
+def lock_maker(client: object, name: str, locks: list[RedisLock]) -> MakeLock:
+    """``make(**kwargs)``: a ``RedisLock`` on ``client`` named ``name`` (10 s ttl unless told)."""
+
     def make(**kwargs: object) -> RedisLock:
         kwargs.setdefault("ttl", 10)
         lock = RedisLock(kwargs.pop("client", client), kwargs.pop("name", name), **kwargs)  # type: ignore[arg-type]
@@ -49,24 +59,88 @@ def make(client: redis.Redis, name: str, locks: list[RedisLock]) -> MakeLock:
     return make
 
 
-def test_acquire_release_locked_owned(client: redis.Redis, name: str, make: MakeLock) -> None:
-    lock, other = make(), make()
+@pytest.fixture
+def make(client: redis.Redis, name: str, locks: list[RedisLock]) -> MakeLock:
+    return lock_maker(client, name, locks)
+
+
+DataClient = redis.Redis | redis.cluster.RedisCluster
+#: Commands a deployment's own processes send its servers: sentinels (PING, PUBLISH), replicas (REPLCONF).
+BACKGROUND = ("ping", "publish", "replconf")
+
+
+@dataclass
+class Deployed:
+    """A test's locks on one topology: ``make`` builds them, ``clients`` read and write their
+    keys (each Redlock server, else the one client), ``servers`` count the commands of every
+    server (a Cluster's three primaries)."""
+
+    kind: str
+    make: MakeLock
+    clients: list[DataClient]
+    servers: list[redis.Redis]
+
+    def pttls(self, name: str) -> list[int]:
+        return [client.pttl(name) for client in self.clients]
+
+    def hold(self, name: str) -> tuple[str, int, str]:
+        """(token, fence, holder) stored at ``name``: one token and holder on every server, and
+        the largest fence (each Redlock server gives its own; the lock's is the largest)."""
+        values = [stored(client, name).decode().split(":", 2) for client in self.clients]
+        assert len({(token, holder) for token, _, holder in values}) == 1, values
+        return values[0][0], max(int(fence) for _, fence, _ in values), values[0][2]
+
+    def values(self, name: str) -> list[object]:
+        return [client.get(name) for client in self.clients]
+
+    def exists(self, name: str) -> int:
+        return sum(client.exists(name) for client in self.clients)
+
+    def delete(self, name: str) -> None:
+        for client in self.clients:
+            client.delete(name)
+
+    def calls(self) -> Counter[str]:
+        """Calls per command so far over every server, less the deployment's own (``BACKGROUND``)."""
+        calls = sum((Counter(command_calls(server)) for server in self.servers), Counter[str]())
+        for name in BACKGROUND:
+            del calls[name]
+        return calls
+
+
+@pytest.fixture
+def on(
+    topology: Topology, name: str, locks: list[RedisLock], request: pytest.FixtureRequest
+) -> Iterator[Deployed]:
+    """Each topology in turn, its locks named ``name``."""
+    clients: list[DataClient] = topology.data_clients()
+    if topology.kind == "cluster":
+        servers = [server.client() for server in request.getfixturevalue("cluster").servers]
+    else:
+        servers = [client for client in clients if isinstance(client, redis.Redis)]
+    yield Deployed(topology.kind, lock_maker(topology.lock_client(), name, locks), clients, servers)
+    for client in {*clients, *servers}:
+        client.close()
+
+
+def test_acquire_release_locked_owned(on: Deployed, name: str) -> None:
+    lock, other = on.make(), on.make()
     assert not lock.locked() and not lock.owned()
     assert lock.acquire(blocking=False)
     assert re.fullmatch(r"[0-9a-f]{32}", lock.token or "")
     assert isinstance(lock.fence, int)
     assert lock.locked() and lock.owned()
     assert other.locked() and not other.owned()
-    assert 0 < client.pttl(name) <= 10_000
+    assert all(0 < pttl <= 10_000 for pttl in on.pttls(name))
     assert not other.acquire(blocking=False)
     lock.release()
     assert lock.token is None and lock.fence is None
     assert not lock.locked()
-    assert client.exists(name) == 0
+    assert on.exists(name) == 0
 
 
-def test_tokens_are_fresh_per_acquisition(make: MakeLock) -> None:
-    lock = make()
+def test_tokens_are_fresh_per_acquisition(on: Deployed) -> None:
+    lock = on.make()
     tokens = set()
     for _ in range(20):
         lock.acquire()
@@ -75,11 +149,12 @@ def test_tokens_are_fresh_per_acquisition(make: MakeLock) -> None:
     assert len(tokens) == 20
 
 
-def test_fences_strictly_increase_across_holders(make: MakeLock) -> None:
-    first, second = make(), make()
-    fences = []
+def test_fences_strictly_increase_across_holders(on: Deployed) -> None:
+    first, second = on.make(), on.make()
+    fences: list[int] = []
     for lock in [first, second] * 10:
         lock.acquire()
+        assert lock.fence is not None
         fences.append(lock.fence)
         lock.release()
     assert fences == sorted(fences) and len(set(fences)) == len(fences)
@@ -106,17 +181,17 @@ def test_fence_grows_after_expiry_and_restart(fresh_server: RedisServer, prefix:
     assert client.keys("*") == []
 
 
-def test_context_manager(client: redis.Redis, name: str, make: MakeLock) -> None:
-    with make(holder="me") as lock:
+def test_context_manager(on: Deployed, name: str) -> None:
+    with on.make(holder="me") as lock:
         assert lock.owned()
-        assert client.get(name) == f"{lock.token}:{lock.fence}:{lock.holder}".encode()
-    assert client.exists(name) == 0
+        assert on.hold(name) == (lock.token, lock.fence, "me")
+    assert on.exists(name) == 0
 
 
-def test_context_manager_raises_lock_not_acquired_on_timeout(make: MakeLock) -> None:
-    holder = make(holder="the-holder")
+def test_context_manager_raises_lock_not_acquired_on_timeout(on: Deployed) -> None:
+    holder = on.make(holder="the-holder")
     holder.acquire()
-    with pytest.raises(LockNotAcquired) as info, make(timeout=0.2):
+    with pytest.raises(LockNotAcquired) as info, on.make(timeout=0.2):
         pytest.fail("entered a held lock")
     assert info.value.key == holder.name
     assert info.value.holder == "the-holder"
@@ -134,12 +209,10 @@ def test_acquire_timeout_returns_false_and_leaves_no_waiter(
     assert client.exists(companion_key(name, "queue"), companion_key(name, "waiters")) == 0
 
 
-def test_release_of_a_lock_taken_over_raises_and_leaves_the_new_owner(
-    client: redis.Redis, name: str, make: MakeLock
-) -> None:
-    lock, thief = make(watchdog=False), make()
+def test_release_of_a_lock_taken_over_raises_and_leaves_the_new_owner(on: Deployed, name: str) -> None:
+    lock, thief = on.make(watchdog=False), on.make()
     lock.acquire()
-    client.delete(name)
+    on.delete(name)
     thief.acquire()
     with pytest.raises(LockNotOwned) as info:
         lock.extend()
@@ -147,67 +220,63 @@ def test_release_of_a_lock_taken_over_raises_and_leaves_the_new_owner(
     with pytest.raises(LockNotOwned):
         lock.release()
     assert thief.owned()
-    assert (client.get(name) or b"").startswith(f"{thief.token}:{thief.fence}:".encode())
+    assert on.hold(name)[:2] == (thief.token, thief.fence)
 
 
-def test_release_or_extend_without_holding_raises_and_changes_nothing(
-    client: redis.Redis, name: str, make: MakeLock
-) -> None:
-    holder, stranger = make(), make()
+def test_release_or_extend_without_holding_raises_and_changes_nothing(on: Deployed, name: str) -> None:
+    holder, stranger = on.make(), on.make()
     holder.acquire()
-    before = client.get(name)
-    before_calls = command_calls(client)
+    before = on.values(name)
+    before_calls = on.calls()
     with pytest.raises(LockNotOwned):
         stranger.release()
     with pytest.raises(LockNotOwned):
         stranger.extend(5)
-    assert calls_since(client, before_calls) == {}
-    assert client.get(name) == before
+    assert on.calls() == before_calls
+    assert on.values(name) == before
 
 
-def test_extend_replaces_the_ttl_never_adds(client: redis.Redis, name: str, make: MakeLock) -> None:
-    lock = make(ttl=10, watchdog=False)
+def test_extend_replaces_the_ttl_never_adds(on: Deployed, name: str) -> None:
+    lock = on.make(ttl=10, watchdog=False)
     lock.acquire()
     lock.extend(2)
-    assert 0 < client.pttl(name) <= 2000
+    assert all(0 < pttl <= 2000 for pttl in on.pttls(name))
     lock.extend(timedelta(seconds=20))
-    assert 10_000 < client.pttl(name) <= 20_000
+    assert all(10_000 < pttl <= 20_000 for pttl in on.pttls(name))
     lock.extend()
-    assert 0 < client.pttl(name) <= 10_000
+    assert all(0 < pttl <= 10_000 for pttl in on.pttls(name))
 
 
-def test_reentrant_per_object(client: redis.Redis, name: str, make: MakeLock) -> None:
-    lock = make()
+def test_reentrant_per_object(on: Deployed, name: str) -> None:
+    lock = on.make()
     lock.acquire()
     token, fence = lock.token, lock.fence
-    before = command_calls(client)
+    before = on.calls()
     assert lock.acquire(blocking=False)
     with lock:
         assert lock.token == token and lock.fence == fence
     lock.release()
-    assert calls_since(client, before) == {}  # re-entry and inner releases cost no round trip
+    assert on.calls() == before  # re-entry and inner releases cost no round trip
     assert lock.owned()
     lock.release()
-    assert client.exists(name) == 0
+    assert on.exists(name) == 0
     with pytest.raises(LockNotOwned):
         lock.release()
 
 
-def test_reentering_a_lost_hold_raises_lock_lost(client: redis.Redis, name: str, make: MakeLock) -> None:
-    lock = make(ttl=0.6)
+def test_reentering_a_lost_hold_raises_lock_lost(on: Deployed, name: str) -> None:
+    lock = on.make(ttl=0.6)
     lock.acquire()
-    client.delete(name)
+    on.delete(name)
     assert lock.lost.wait(5)
     with pytest.raises(LockLost):
         lock.acquire()
 
 
-def test_without_watchdog_the_lock_expires_and_a_waiter_gets_it(
-    client: redis.Redis, name: str, make: MakeLock
-) -> None:
-    holder = make(ttl=0.3, watchdog=False)
+def test_without_watchdog_the_lock_expires_and_a_waiter_gets_it(on: Deployed) -> None:
+    holder = on.make(ttl=0.3, watchdog=False)
     holder.acquire()
-    waiter = make()
+    waiter = on.make()
     assert waiter.acquire(timeout=10)  # noticed at the holder's TTL expiry
     assert waiter.owned()
     with pytest.raises(LockNotOwned):
@@ -313,7 +382,12 @@ def test_fair_lock_skips_a_waiter_that_gave_up(client: redis.Redis, name: str, m
     assert not make(fair=True).acquire(timeout=0.1)  # gave up and left the queue
     got = threading.Event()
     late = make(fair=True)
-    thread = threading.Thread(target=lambda: late.acquire(timeout=30) and got.set())
+
+    def take() -> None:
+        if late.acquire(timeout=30):
+            got.set()
+
+    thread = threading.Thread(target=take)
     thread.start()
     deadline = time.monotonic() + 10
     while client.zcard(companion_key(name, "queue")) == 0:

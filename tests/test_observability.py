@@ -44,7 +44,7 @@ def evalsha_spans(exporter: InMemorySpanExporter) -> int:
     return sum(span.name == "EVALSHA" for span in exporter.get_finished_spans())
 
 
-def lock_round(client: redis.Redis, key: str) -> None:
+def lock_round(client: redis.Redis | redis.cluster.RedisCluster, key: str) -> None:
     """acquire, extend, release: one EVALSHA each."""
     lock = RedisLock(client, key, ttl=10, watchdog=False)
     assert lock.acquire(blocking=False)
@@ -137,11 +137,11 @@ def test_uninstrumenting_restores_the_fast_path(
     RedisInstrumentor().instrument(tracer_provider=TracerProvider())
     RedisInstrumentor().uninstrument()
     layered: list[Any] = []
-    command_layer = redis.Redis._execute_command  # type: ignore[attr-defined]
+    command_layer = redis.Redis._execute_command
 
     def spy(self: redis.Redis, *args: Any, **options: Any) -> Any:
         layered.append(args[0])
-        return command_layer(self, *args, **options)
+        return command_layer(self, *args, **options)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     monkeypatch.setattr(redis.Redis, "_execute_command", spy)
     client = fresh_server.client()

@@ -115,7 +115,7 @@ def test_every_link_leads_to_a_file_and_a_heading_that_exist(page: Path) -> None
     """The README links into the repository by absolute URL, the docs pages link to each other
     relatively and to the rest of the repository by absolute URL (mkdocs builds docs/ alone);
     every file named exists, and every ``#anchor`` is a heading of the page it names."""
-    targets = []
+    targets: list[Path] = []
     for target in links(page):
         inside = [target.removeprefix(base) for base in BASES if target.startswith(base)]
         if inside:
@@ -124,12 +124,12 @@ def test_every_link_leads_to_a_file_and_a_heading_that_exist(page: Path) -> None
             assert page.parent == DOCS or target.startswith("#"), target
             targets.append(page if target.startswith("#") else page.parent / target)
     assert targets
-    for target in targets:
-        path, _, anchor = str(target).partition("#")
-        assert Path(path).exists(), f"{page.name}: {target}"
+    for linked in targets:
+        path, _, anchor = str(linked).partition("#")
+        assert Path(path).exists(), f"{page.name}: {linked}"
         if anchor:
             anchors = {slug(title) for title in headings(Path(path))}
-            assert anchor in anchors, f"{page.name}: {target}"
+            assert anchor in anchors, f"{page.name}: {linked}"
 
 
 def test_the_loggers_table_names_every_logger_of_the_package() -> None:

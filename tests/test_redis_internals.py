@@ -62,6 +62,7 @@ def spies(monkeypatch: pytest.MonkeyPatch, client: redis.Redis, *names: str) -> 
     ``"encoder.encode"``, ``"retry.call_with_retry"``...) of the classes ``client`` uses."""
     pool = client.connection_pool
     connection = pool.make_connection()
+    assert isinstance(connection, redis.connection.AbstractConnection)
     owners = {
         "pool": type(pool),
         "connection": type(connection),
@@ -142,7 +143,7 @@ def test_cluster_nodes_found_by_key_and_by_slot(
     client = cluster.client()
     by_key = Spy(monkeypatch, redis.cluster.RedisCluster, "get_node_from_key")
     by_slot = Spy(monkeypatch, redis.cluster.NodesManager, "get_node_from_slot")
-    node = client.get_node_from_key(f"{prefix}:k").redis_connection
+    node = client.get_node_from_key(f"{prefix}:k").redis_connection  # type: ignore[no-untyped-call]  # unannotated
     found = spies(monkeypatch, node, "pool.get_connection", "connection.send_packed_command")
     name = f"{prefix}:k"
     lock = RedisLock(client, name, ttl=LEASE)

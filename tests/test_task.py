@@ -42,7 +42,7 @@ class Pool:
     def started(self, x: object, n: int = 1) -> list[list[str]]:
         """Wait until ``n`` bodies called with ``x`` have started; their start events."""
         return wait_for(
-            lambda: (starts := self.events("start", x)) and len(starts) >= n and starts,
+            lambda: starts if len(starts := self.events("start", x)) >= n else [],
             what=f"{n} start(s) of {x}",
         )
 

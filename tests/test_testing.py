@@ -21,11 +21,8 @@ NOWHERE = "redis://127.0.0.1:9/0"  # the discard port: nothing answers there
 
 
 def docs_pytest_example() -> str:
-    (block,) = [
-        block
-        for block in re.findall(r"```python\n(.*?)```", TESTING_PAGE.read_text(), flags=re.DOTALL)
-        if "def test_" in block and "redislock_url" in block
-    ]
+    blocks: list[str] = re.findall(r"```python\n(.*?)```", TESTING_PAGE.read_text(), flags=re.DOTALL)
+    (block,) = [block for block in blocks if "def test_" in block and "redislock_url" in block]
     return block
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
@@ -35,7 +36,7 @@ def wait_for(check: Callable[[], T], timeout: float = 60.0, what: str | Callable
         time.sleep(0.01)  # a polling step with a deadline, not a synchronisation
 
 
-def renewed(client: Any, key: str, timeout: float = 60.0) -> None:
+def renewed(client: redis.Redis | redis.cluster.RedisCluster, key: str, timeout: float = 60.0) -> None:
     """Wait until a watchdog renews ``key``: its PTTL, which otherwise only falls, goes up."""
     lowest = client.pttl(key)
     assert lowest > 0, f"{key} is not held (PTTL {lowest})"

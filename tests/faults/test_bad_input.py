@@ -1,11 +1,7 @@
-"""Bad input (issue item 10): each case fails with a clear error naming the culprit, and leaves
-nothing in Redis (no key under the test's prefix) and nothing in the queue.
-
-``tests/test_task_config.py`` holds the first cases (``BAD_OPTIONS``: mode, busy, duplicate,
-on_lost, ttl, queue_ttl, retry_delay, wait_timeout, period, lock_on; bad app settings; an
-unkeyable keyword argument; a raising ``lock_on``); the cases here are others: more option
-values, malformed URLs, arguments that cannot be keyed, connection and permission errors, and
-the primitive's own arguments.
+"""Bad input at run time fails with a clear error naming the culprit, and leaves nothing in
+Redis (no key under the test's prefix) and nothing in the queue: arguments that cannot be keyed,
+connection and permission errors, and the primitive's own arguments. Bad task options and app
+settings, refused when the task is bound, are in ``tests/test_bad_config.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -112,67 +107,6 @@ def raising_lock_on(a: Any, b: Any = 2) -> Any:
 Action = Callable[[Env], object]
 
 CASES = [
-    # -- options and settings, refused when the task is bound
-    pytest.param(
-        lambda env: env.task(lock_ttl=timedelta(days=400)),
-        LockConfigurationError,
-        ["task 'bad.add'", "lock_ttl=datetime.timedelta(days=400)", "<= 31536000"],
-        id="ttl-beyond-a-year",
-    ),
-    pytest.param(
-        lambda env: env.task(lock_wait_timeout=-1),
-        LockConfigurationError,
-        ["lock_wait_timeout=-1", ">= 0"],
-        id="negative-wait-timeout",
-    ),
-    pytest.param(
-        lambda env: env.task(lock_queue_ttl=0),
-        LockConfigurationError,
-        ["lock_queue_ttl=0", ">= 0.001"],
-        id="zero-queue-ttl",
-    ),
-    pytest.param(
-        lambda env: env.task(lock_on=("a", "b ")),
-        LockConfigurationError,
-        ["lock_on=('a', 'b ')", "'b ' is not a parameter of the task (a, b)"],
-        id="lock-on-names-a-missing-parameter",
-    ),
-    pytest.param(
-        lambda env: env.task(lock_on=42),
-        LockConfigurationError,
-        ["lock_on=42", "a tuple of the task's parameter names"],
-        id="lock-on-a-number",
-    ),
-    pytest.param(
-        lambda env: env.task(env.app(redislock_url=f"redis://:{SECRET}@127.0.0.1:notaport/0")),
-        LockConfigurationError,
-        ["redislock_url='redis://:**@127.0.0.1:notaport/0'", "Port could not be cast"],
-        id="url-port-not-a-number",
-    ),
-    pytest.param(
-        lambda env: env.task(env.app(redislock_url="rediss://127.0.0.1:70000/0")),
-        LockConfigurationError,
-        ["redislock_url='rediss://127.0.0.1:70000/0'", "Port out of range"],
-        id="url-port-out-of-range",
-    ),
-    pytest.param(
-        lambda env: env.task(env.app(redislock_url="redis://127.0.0.1:6379/locks")),
-        LockConfigurationError,
-        ["redislock_url='redis://127.0.0.1:6379/locks'", "the database 'locks' is not a number"],
-        id="url-database-not-a-number",
-    ),
-    pytest.param(
-        lambda env: env.task(env.app(redislock_prefix=5)),
-        LockConfigurationError,
-        ["redislock_prefix=5"],
-        id="prefix-not-a-string",
-    ),
-    pytest.param(
-        lambda env: env.task(env.app(redislock_key_secret=SECRET.encode()[:0])),
-        LockConfigurationError,
-        ["app 'bad'", "redislock_key_secret must be a non-empty str or bytes, got an empty one"],
-        id="key-secret-empty",
-    ),
     # -- arguments that cannot be keyed, refused at apply_async before anything is sent
     pytest.param(
         lambda env: env.task().delay(object()),

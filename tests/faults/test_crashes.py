@@ -1,5 +1,5 @@
-"""Crashes mid-task (issue items 1, 2 and 8): a pool child killed, the whole worker killed,
-``revoke(terminate=True)``, hard and soft time limits.
+"""A crash mid-task frees the lock, at once or within ``lock_ttl``: a pool child killed, the whole
+worker killed, ``revoke(terminate=True)``, hard and soft time limits.
 
 What frees the lock, and when:
 

@@ -1,4 +1,4 @@
-"""A lost lock and ``lock_on_lost`` (issue 13, item 2): the loss always reaches the task, and
+"""A lost lock and ``lock_on_lost``: the loss always reaches the task, and
 nothing in the process breaks.
 
 * ``"raise"``: ``LockLost`` comes only where the package controls the moment
@@ -27,7 +27,6 @@ import pytest
 import redis
 from billiard.exceptions import WorkerLostError
 
-import celery_redislock.run_lock
 from celery_redislock import LockLost, RedisLock, task_lock_key
 from celery_redislock.config import app_settings
 from celery_redislock.run_lock import ExecutionLock
@@ -106,7 +105,7 @@ def test_losses_while_logging_or_in_redis_calls_reach_the_task_and_never_stop_th
             assert late.acquire(blocking=False)
             assert renewed(client, late, time.monotonic() + 3.0), "the watchdog thread no longer renews"
             late.release()
-        assert get_watchdog()._thread is not None and get_watchdog()._thread.is_alive()
+        assert (thread := get_watchdog()._thread) is not None and thread.is_alive()
         assert "lost (not owned)" in shared_handler.getvalue()
     finally:
         for lock in others:
@@ -195,7 +194,7 @@ def test_terminate_stops_only_a_child_whose_body_still_runs(
     stops nothing; a loss while the body runs stops the child (``os.kill``, recorded here)."""
     app = make_app(redis_server.url, prefix, f"q-{prefix}")
     kills: list[tuple[int, int]] = []
-    monkeypatch.setattr(celery_redislock.run_lock.os, "kill", lambda pid, signum: kills.append((pid, signum)))
+    monkeypatch.setattr(os, "kill", lambda pid, signum: kills.append((pid, signum)))
     client = redis_server.client()
     try:
         for in_body in (False, True):

@@ -1,5 +1,5 @@
-"""Redis going away: restarted without persistence mid-task (issue item 4), unreachable at
-enqueue and at execution (item 5), gone when a task releases.
+"""Redis going away leaves no lock held past ``lock_ttl`` and no duplicate running: restarted
+without persistence mid-task, unreachable at enqueue and at execution, gone when a task releases.
 
 The locks live on a server of their own here (``locks``), so that it can be
 stopped and restarted while the broker, on the stage's server, stays up.

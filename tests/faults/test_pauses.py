@@ -1,5 +1,5 @@
-"""A holder paused (SIGSTOP, issue item 3) or cut off from Redis (a TCP proxy, item 6) for longer
-than ``lock_ttl``, while a second worker takes the lock.
+"""A holder paused (SIGSTOP) or cut off from Redis (a TCP proxy) for longer than ``lock_ttl``
+learns of the loss and leaves the next holder alone, while a second worker takes the lock.
 
 The guarantees under test, from the README's "When things go wrong":
 

@@ -1,4 +1,4 @@
-"""A real redelivery by kombu's Redis transport while the first delivery still runs (issue item 7).
+"""A message redelivered by kombu's Redis transport while its first delivery still runs does not run.
 
 With ``acks_late``, a message stays in kombu's ``unacked`` hash while its task
 runs; ``restore_visible`` puts it back in the queue once it has been there

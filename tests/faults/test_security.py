@@ -1,4 +1,4 @@
-"""Security (issue item 11): argument values never reach Redis, no pickle, TLS with a test CA,
+"""Security: argument values never reach Redis, no pickle, TLS with a test CA,
 and the ACL command list of the README ("Redis permissions"): enough, and minimal.
 """
 

@@ -1,4 +1,4 @@
-"""A Redis error at any step of a run never leaves a lock held (issue 13, item 7).
+"""A Redis error at any step of a run never leaves a lock held.
 
 A run takes its execution lock (or adopts its enqueue lock), may free the
 message's enqueue lock, runs the body, then releases or keeps the lock as the

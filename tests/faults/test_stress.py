@@ -1,4 +1,5 @@
-"""Stress (issue item 9): 32 processes, 50,000+ acquisitions of 4 keys, pauses injected into holders.
+"""No two holders that kept their lock overlap, and fences grow in hold order, under stress: 32
+processes, 50,000+ acquisitions of 4 keys, pauses injected into holders.
 
 Each process acquires a random key (two first-come keys, two fair ones) with
 the watchdog on, writes to a resource that accepts a write only with a fence

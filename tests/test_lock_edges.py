@@ -1,4 +1,6 @@
-"""Regressions from review: mixed fairness, hand-over timing, stalls, poisoned batches, interrupts."""
+"""RedisLock at its edges: fair and unfair waiters of one key still exclude, a late hand-over is
+still held, a stalled server or a foreign key loses only its own lease, an interrupt leaves nothing
+held or queued, and a lost hold fails loudly but does not hide the error of the body."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import redis
 
 import celery_redislock.lock as lock_module
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock
+from celery_redislock._redis import call_with_timeout
+from celery_redislock._scripts import ACQUIRE
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from tests.taskapp import LEASE
@@ -55,12 +59,11 @@ def test_a_handover_received_late_is_still_held(
     client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pause between the failed attempt and BLPOP must not make the watchdog miss the lease."""
-    real_call = lock_module.call_with_timeout
     resume = threading.Event()
 
     def paused_call(*args: Any) -> Any:
         resume.wait(30)  # an injected pause (GC, scheduling) before the BLPOP is sent
-        return real_call(*args)
+        return call_with_timeout(*args)
 
     monkeypatch.setattr(lock_module, "call_with_timeout", paused_call)
     name = f"{prefix}:k"
@@ -115,10 +118,8 @@ def test_a_key_of_another_type_loses_only_its_own_lease(client: redis.Redis, pre
 def test_an_interrupt_after_the_attempt_leaves_nothing_held(
     client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_acquire = lock_module.ACQUIRE
-
     def interrupted(*args: Any, **kwargs: Any) -> Any:
-        real_acquire(*args, **kwargs)  # the attempt reached Redis...
+        ACQUIRE(*args, **kwargs)  # the attempt reached Redis...
         raise KeyboardInterrupt  # ...and the caller was interrupted before it saw the reply
 
     monkeypatch.setattr(lock_module, "ACQUIRE", interrupted)
@@ -178,7 +179,7 @@ def test_waiting_with_decode_responses(redis_server: RedisServer, prefix: str) -
         holder.acquire()
         thread = threading.Thread(target=waiter.acquire)
         thread.start()
-        wait_until_queued(client, f"{prefix}:k")  # type: ignore[arg-type]
+        wait_until_queued(client, f"{prefix}:k")
         holder.release()
         thread.join()
         assert waiter.owned()

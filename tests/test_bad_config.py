@@ -1,0 +1,151 @@
+"""Bad configuration is refused when the task is bound: a task option or an app setting that is
+mistyped, of the wrong type or out of range fails with ``LockConfigurationError`` naming the task
+(or app), the option or setting, the value and what is allowed, and never shows a secret.
+Nothing reaches Redis or the queue.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import LockConfigurationError
+from celery_redislock.config import app_settings
+from celery_redislock.testing import RedisServer
+from tests.test_task_config import define, new_app, nothing_under
+
+SECRET = "s3cret-pw"
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
+    app = new_app(redis_server.url, prefix)
+    yield app
+    app.close()
+
+
+BAD_OPTIONS = [
+    ("lock_mode", "sometimes", "allowed: 'while_executing', 'until_executing'"),
+    ("lock_busy", "later", "allowed: 'skip', 'retry', 'wait', 'raise'"),
+    ("lock_duplicate", "ignore", "allowed: 'return', 'raise'"),
+    ("lock_on_lost", "panic", "allowed: 'log', 'raise', 'terminate'"),
+    ("lock_ttl", 0, ">= 0.3"),
+    ("lock_ttl", 0.1, ">= 0.3"),
+    ("lock_ttl", -5, ">= 0.3"),
+    ("lock_ttl", "30", "seconds (int/float) or a timedelta"),
+    ("lock_ttl", True, "seconds (int/float) or a timedelta"),
+    ("lock_ttl", float("nan"), "seconds (int/float) or a timedelta"),
+    ("lock_ttl", 10**9, "<= 31536000"),
+    ("lock_queue_ttl", timedelta(seconds=-1), ">= 0.001"),
+    ("lock_retry_delay", -1, ">= 0"),
+    ("lock_wait_timeout", "forever", "seconds"),
+    ("lock_period", 0, ">= 0.001"),
+    ("lock_on", "a", "a tuple of the task's parameter names"),
+    ("lock_on", ("a", 3), "a tuple of the task's parameter names"),
+    ("lock_on", ("user",), "'user' is not a parameter of the task (a, b)"),
+    ("lock_on", ("a", "b "), "'b ' is not a parameter of the task (a, b)"),
+    ("lock_on", 42, "a tuple of the task's parameter names"),
+    ("lock_ttl", timedelta(days=400), "<= 31536000"),
+    ("lock_wait_timeout", -1, ">= 0"),
+    ("lock_queue_ttl", 0, ">= 0.001"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "allowed"), BAD_OPTIONS)
+def test_a_bad_option_fails_at_bind_naming_task_option_value_and_allowed(
+    app: Celery, client: redis.Redis, prefix: str, option: str, value: object, allowed: str
+) -> None:
+    options: dict[str, Any] = {option: value}
+    with pytest.raises(LockConfigurationError) as raised:
+        define(app, **options)
+    message = str(raised.value)
+    assert message.startswith("task 'cfg.add': ")
+    assert f"{option}={value!r}" in message
+    assert allowed in message
+    assert isinstance(raised.value, ValueError)
+    assert nothing_under(client, prefix)
+
+
+def test_a_mistyped_option_is_refused_with_a_suggestion(app: Celery) -> None:
+    with pytest.raises(
+        LockConfigurationError, match="unknown task option 'lock_tll'; did you mean 'lock_ttl'"
+    ):
+        define(app, lock_tll=5)
+
+
+def test_until_expired_needs_a_period(app: Celery) -> None:
+    with pytest.raises(LockConfigurationError, match="lock_period=None is not valid; until_expired needs it"):
+        define(app, lock_mode="until_expired")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "culprits"),
+    [
+        ("redislock_url", "http://localhost", ["redislock_url='http://localhost' is not valid"]),
+        ("redislock_url", 6379, ["redislock_url=6379 is not valid"]),
+        (
+            "redislock_url",
+            f"redis://:{SECRET}@127.0.0.1:notaport/0",
+            ["redislock_url='redis://:**@127.0.0.1:notaport/0'", "Port could not be cast"],
+        ),
+        (
+            "redislock_url",
+            "rediss://127.0.0.1:70000/0",
+            ["redislock_url='rediss://127.0.0.1:70000/0'", "Port out of range"],
+        ),
+        (
+            "redislock_url",
+            "redis://127.0.0.1:6379/locks",
+            ["redislock_url='redis://127.0.0.1:6379/locks'", "the database 'locks' is not a number"],
+        ),
+        ("redislock_prefix", "a{b}", ["redislock_prefix='a{b}' is not valid"]),
+        ("redislock_prefix", 5, ["redislock_prefix=5"]),
+        (
+            "redislock_on_error",
+            "ignore",
+            ["redislock_on_error='ignore' is not valid; allowed: 'fail', 'run'"],
+        ),
+        ("redislock_busy", "never", ["redislock_busy='never' is not valid"]),
+        ("redislock_tll", 3, ["unknown setting 'redislock_tll'; did you mean 'redislock_ttl'"]),
+    ],
+)
+def test_bad_app_settings_fail_at_bind(
+    redis_server: RedisServer, prefix: str, setting: str, value: object, culprits: list[str]
+) -> None:
+    # Raised where the first LockedTask is bound: by define(), or by finalize() for shared tasks.
+    with pytest.raises(LockConfigurationError) as raised:
+        define(new_app(redis_server.url, prefix, **{setting: value}))
+    message = str(raised.value)
+    for culprit in culprits:
+        assert culprit in message, f"{culprit!r} not in {message!r}"
+    assert SECRET not in message
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [("", "an empty one"), (b"", "an empty one"), (12345, "int"), (["k3y-in-a-list"], "list")],
+)
+def test_a_bad_key_secret_fails_at_bind_without_showing_it(
+    redis_server: RedisServer, prefix: str, value: object, got: str
+) -> None:
+    """An empty or mistyped ``redislock_key_secret`` is refused at bind, naming the setting
+    and the type, never the value."""
+    with pytest.raises(LockConfigurationError) as raised:
+        define(new_app(redis_server.url, prefix, redislock_key_secret=value))
+    message = str(raised.value)
+    assert message.startswith("app 'cfg': ")
+    assert f"redislock_key_secret must be a non-empty str or bytes, got {got}" in message
+    assert "12345" not in message and "k3y" not in message
+
+
+def test_the_key_secret_is_not_in_the_settings_repr(redis_server: RedisServer, prefix: str) -> None:
+    secret = f"k3y-{uuid.uuid4().hex}"
+    settings = app_settings(new_app(redis_server.url, prefix, redislock_key_secret=secret))
+    assert settings.key_secret == secret.encode()
+    assert secret not in repr(settings)
