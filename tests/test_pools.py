@@ -6,7 +6,7 @@ watchdog's thread is a green thread: it renews only while the running task
 yields to the hub (cooperative I/O, ``gevent.sleep``). A task that holds the hub
 without yielding (a CPU loop, a C call) starves it: its lease expires
 meanwhile, another worker may take the lock, and the loss is reported once the
-task yields again (README, "Pools").
+task yields again (docs/tasks.md, "gevent and eventlet").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A holder paused (SIGSTOP) or cut off from Redis (a TCP proxy) for longer than ``lock_ttl``
 learns of the loss and leaves the next holder alone, while a second worker takes the lock.
 
-The guarantees under test, from the README's "When things go wrong":
+The guarantees under test, from docs/design.md, "When things go wrong":
 
 * the lease expires and another worker may take the lock, with a greater fence;
 * the stale holder learns of the loss within one renewal interval (``lock_ttl/3``)

@@ -1,5 +1,5 @@
 """Security: argument values never reach Redis, no pickle, TLS with a test CA,
-and the ACL command list of the README ("Redis permissions"): enough, and minimal.
+and the ACL command list of docs/operations.md ("Redis permissions"): enough, and minimal.
 """
 
 from __future__ import annotations
