@@ -28,7 +28,6 @@ import time as mod_time
 import weakref
 from collections.abc import AsyncIterator, Awaitable
 from math import inf
-from types import TracebackType
 from typing import Any, TypeVar
 
 import redis.asyncio
@@ -36,7 +35,7 @@ import redis.asyncio
 from ._durations import Duration, to_ms
 from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
-from .attempt import Attempt, LockCore, companion_key, lease_seconds, owns
+from .attempt import Attempt, LockCore, companion_key, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
 from .watchdog import Lease, LeaseSet, announce_loss, failed_renewal, landing_late, mark_lost, renewed
 
@@ -199,18 +198,9 @@ class AsyncRedisLock(LockCore):
             raise LockNotAcquired(self.name, holder, ttl)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        with ending_block(self.name, exc):
             await self.release()
-        except LockNotOwned:
-            if exc is None:
-                raise
-            logger.warning("lock %r was not held any more when its with-block raised", self.name)
 
     def lease_lost(self, lease: Lease) -> bool:
         """Called by the watchdog: set ``lost`` if ``lease`` is still this object's hold."""

@@ -12,10 +12,13 @@ hand-over's fence). The sync lock (``primitive``), the asyncio lock
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import socket
 import time as mod_time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._durations import Duration, seconds, to_ms
@@ -25,6 +28,8 @@ from .protocol import parse_value, text
 if TYPE_CHECKING:
     import asyncio
     import threading
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_TTL",
@@ -200,6 +205,19 @@ class Attempt:
             return None
         found = text(message)
         return None if found == "retry" else int(found)
+
+
+@contextlib.contextmanager
+def ending_block(name: str, exc: BaseException | None) -> Iterator[None]:
+    """Around the release that ends a lock's ``with`` block: a ``LockNotOwned`` propagates after
+    a block that ended normally, and is logged after one that raised (its exception is the one
+    to see)."""
+    try:
+        yield
+    except LockNotOwned:
+        if exc is None:
+            raise
+        logger.warning("lock %r was not held any more when its with-block raised", name)
 
 
 class LockCore:

@@ -17,11 +17,10 @@ import secrets
 import threading
 import time as mod_time
 import weakref
-from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 from ._durations import Duration
-from .attempt import Attempt, LockCore, lease_seconds, waiter_member
+from .attempt import Attempt, LockCore, ending_block, lease_seconds, waiter_member
 from .exceptions import LockNotAcquired, LockNotOwned
 from .watchdog import Lease, get_watchdog
 
@@ -254,18 +253,9 @@ class LeaseLock(LockCore):
             raise LockNotAcquired(self.name, holder, ttl)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        with ending_block(self.name, exc):
             self.release()
-        except LockNotOwned:
-            if exc is None:
-                raise
-            logger.warning("lock %r was not held any more when its with-block raised", self.name)
 
     def lease_lost(self, lease: Lease) -> bool:
         """Called by the watchdog: ``lease`` (one server's) is lost; once fewer than the servers

@@ -22,11 +22,11 @@ import redis
 from . import signals
 from ._durations import to_ms
 from ._task_scripts import ADOPT
+from .attempt import busy_reply
 from .config import AppSettings
 from .connection import Client
 from .exceptions import LockLost, LockNotOwned
 from .lock import RedisLock
-from .protocol import text
 from .watchdog import Lease
 
 __all__ = ["ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
@@ -124,7 +124,8 @@ def adopt(lock: RedisLock, token: str) -> tuple[str | None, int] | None:
     sent_at = time.monotonic()
     reply = ADOPT(lock.client, [lock.name], [token, own, to_ms(lock.ttl), lock.holder or ""])
     if not isinstance(reply, int):
-        return (None if reply[1] is None else text(reply[1])), int(reply[0])
+        holder, pttl_ms = busy_reply(reply)
+        return holder, -2 if pttl_ms is None else pttl_ms
     lock.take_hold(own, reply, sent_at)
     return None
 
