@@ -67,6 +67,7 @@ import logging
 import os
 import secrets
 import socket
+import weakref
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
@@ -423,12 +424,16 @@ class BeatGuard:
             self.scheduler.reserve(entry)
 
 
+#: Scheduler -> its guard, held weakly: one guard per scheduler, whatever wraps its methods later.
+_GUARDS: weakref.WeakKeyDictionary[Any, BeatGuard] = weakref.WeakKeyDictionary()
+
+
 def guard(scheduler: Any) -> BeatGuard:
     """Install slot claims (and the leader, if configured) on ``scheduler``; idempotent."""
-    existing = getattr(scheduler.__dict__.get("apply_async"), "__self__", None)
-    if isinstance(existing, BeatGuard):  # its apply_async is a guard's already
-        return existing
-    return BeatGuard(scheduler)
+    existing = _GUARDS.get(scheduler)
+    if existing is None:
+        existing = _GUARDS[scheduler] = BeatGuard(scheduler)
+    return existing
 
 
 def _guard_service(sender: Any = None, **_: Any) -> None:
