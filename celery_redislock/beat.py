@@ -79,7 +79,7 @@ from celery.utils.time import maybe_make_aware
 
 from ._durations import to_ms
 from ._task_scripts import CLAIM
-from .config import app_settings
+from .config import app_settings, bound_options
 from .connection import client_for
 from .exceptions import LockConfigurationError, LockNotOwned, RedisLockError
 from .inventory import free_ticket
@@ -376,7 +376,7 @@ class BeatGuard:
         task = self.app.tasks.get(entry.task)
         if task is None:
             return None
-        lock_options = getattr(task, "lock_options", None)
+        lock_options = bound_options(task)
         return bool(lock_options is not None and lock_options.beat)
 
     def _claim(self, header: dict[str, Any]) -> bool:
