@@ -1,13 +1,15 @@
-"""The lock core, without I/O: what a lock's arguments may be, and what an acquire does next.
+"""The lock core: what a lock's arguments may be, and what an acquire does next, without I/O.
 
 An acquire is a run of attempts (the ``ACQUIRE`` script, see ``_scripts``)
 by one waiter member. ``Attempt`` decides each one's mode (``try``, ``wait``,
 ``again``, ``last``) from the deadline and whether the waiter is queued,
 reads its reply (a fence: granted; else the holder and its TTL), says how
 long to sleep before the next one and reads a wake message (a fair
-hand-over's fence). The sync lock (``primitive``), the asyncio lock
-(``aio``) and Redlock (``redlock``) drive it, each with its own I/O.
-``LockCore`` is the settings and hold count they all keep.
+hand-over's fence). The sync lock (``primitive``, over one server or a
+Redlock's quorum) and the asyncio lock (``aio``) drive it, each with its
+own I/O. ``LockCore`` is the settings and hold count they all keep; the
+argument checks, ``companion_key`` and ``ending_block`` (the release that
+ends a ``with`` block) are shared by both.
 """
 
 from __future__ import annotations

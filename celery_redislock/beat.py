@@ -67,6 +67,7 @@ import logging
 import os
 import secrets
 import socket
+import weakref
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
@@ -78,7 +79,7 @@ from celery.utils.time import maybe_make_aware
 
 from ._durations import to_ms
 from ._task_scripts import CLAIM
-from .config import app_settings
+from .config import app_settings, bound_options
 from .connection import client_for
 from .exceptions import LockConfigurationError, LockNotOwned, RedisLockError
 from .inventory import free_ticket
@@ -375,7 +376,7 @@ class BeatGuard:
         task = self.app.tasks.get(entry.task)
         if task is None:
             return None
-        lock_options = getattr(task, "lock_options", None)
+        lock_options = bound_options(task)
         return bool(lock_options is not None and lock_options.beat)
 
     def _claim(self, header: dict[str, Any]) -> bool:
@@ -423,12 +424,16 @@ class BeatGuard:
             self.scheduler.reserve(entry)
 
 
+#: Scheduler -> its guard, held weakly: one guard per scheduler, whatever wraps its methods later.
+_GUARDS: weakref.WeakKeyDictionary[Any, BeatGuard] = weakref.WeakKeyDictionary()
+
+
 def guard(scheduler: Any) -> BeatGuard:
     """Install slot claims (and the leader, if configured) on ``scheduler``; idempotent."""
-    existing = getattr(scheduler.__dict__.get("apply_async"), "__self__", None)
-    if isinstance(existing, BeatGuard):  # its apply_async is a guard's already
-        return existing
-    return BeatGuard(scheduler)
+    existing = _GUARDS.get(scheduler)
+    if existing is None:
+        existing = _GUARDS[scheduler] = BeatGuard(scheduler)
+    return existing
 
 
 def _guard_service(sender: Any = None, **_: Any) -> None:

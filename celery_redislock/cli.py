@@ -32,7 +32,7 @@ from typing import Any
 import click
 import redis
 
-from .config import app_settings
+from .config import app_settings, bound_options
 from .connection import Client, client_for
 from .exceptions import RedisLockError
 from .inventory import HeldLock, force_release, held_locks, read_lock, read_locks
@@ -40,7 +40,8 @@ from .lock import companion_key
 from .modes import QUEUED_SUFFIXES
 from .task import LockedTask, task_lock_key
 
-__all__ = ["redislock"]
+#: The inventory names stay importable from here, as in 0.1.0 (they live in ``inventory``).
+__all__ = ["HeldLock", "force_release", "held_locks", "read_lock", "redislock"]
 
 
 class _Group(click.Group):
@@ -68,7 +69,7 @@ class _Context:
 
     def mode(self, task: str | None) -> str | None:
         """``task``'s ``lock_mode``, if the app has that LockedTask."""
-        options = getattr(self.locked_tasks.get(task or ""), "lock_options", None)
+        options = bound_options(self.locked_tasks.get(task or ""))
         return None if options is None else str(options.mode)
 
     def unknown_task(self, name: str) -> click.ClickException:

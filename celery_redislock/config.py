@@ -21,9 +21,9 @@ from urllib.parse import urlsplit
 from redis.connection import parse_url
 
 from ._durations import seconds
+from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
 from .keys import LockOn
-from .lock import MAX_TTL, MIN_WATCHDOG_TTL
 from .modes import MODE_RULES, ModeRules
 
 __all__ = [
@@ -43,6 +43,14 @@ ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
 #: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
 RESOLVED = frozenset({"lock_options", "lock_settings"})
+
+
+def bound_options(task: object) -> LockOptions | None:
+    """``task``'s resolved lock options if it is a ``LockedTask`` bound to an app, else ``None``."""
+    options = getattr(task, "lock_options", None)
+    return options if isinstance(options, LockOptions) else None
+
+
 URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis-cluster", "rediss-cluster")
 
 #: Option name (without ``lock_``) -> library default; ``lock_busy`` and

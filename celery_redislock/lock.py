@@ -66,7 +66,7 @@ class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
     counts as a ``RedisLock`` (``isinstance``) while built over other servers.
     """
 
-    @overload  # a Redlock is no RedisLock: both are LeaseLocks, over other servers
+    @overload  # a Redlock: a LeaseLock of its own (registered as a RedisLock, see below)
     def __new__(  # type: ignore[misc]
         cls, client: Sequence[redis.Redis | str], *args: Any, **kwargs: Any
     ) -> Redlock: ...

@@ -36,6 +36,22 @@ class ModeRules:
     #: ``lock_busy`` when neither the task nor the app sets it
     default_busy: str
 
+    def __post_init__(self) -> None:
+        """Some fields follow from others: a row that contradicts them is a mistake in the table."""
+        one_key = self.enqueue_lock and self.execution_lock and not self.queued_suffix
+        rules = {
+            "adopts_ticket: exactly when the enqueue lock is the execution lock": self.adopts_ticket
+            == one_key,
+            "frees_ticket: exactly when an enqueue lock is not adopted": (
+                self.frees_ticket == (self.enqueue_lock and not self.adopts_ticket)
+            ),
+            "parks_for_retry: only with an adopted ticket": self.adopts_ticket or not self.parks_for_retry,
+            "settles: only with an execution lock": self.execution_lock or not self.settles,
+        }
+        broken = [rule for rule, holds in rules.items() if not holds]
+        if broken:
+            raise ValueError(f"inconsistent mode rules {self}: {'; '.join(broken)}")
+
 
 #: ``lock_mode`` -> its rules, in the order the docs list the modes.
 # fmt: off

@@ -123,8 +123,9 @@ class LeaseLock(LockCore):
         """Queue for the lock as ``token`` until it is granted or handed over to ``token`` (the
         fence), or until monotonic ``deadline`` (``None``); ``busy`` then names the holder.
 
-        For a hold prepared for a known token (a retry adopting its attempt's parked hold):
-        the caller records it with ``take_hold``.
+        For a hold prepared for a known token (a retry waiting for its previous attempt to
+        park the hold for it): the caller then makes it its own (e.g. ``ADOPT`` re-tokens it,
+        and ``take_hold`` records the result).
         """
         return self._attempts(self._attempt(token, True, deadline, self.servers.queues))
 

@@ -8,8 +8,7 @@ plugin ``celery_redislock``, so installing the package makes them available):
   that no test sees another's locks.
 
 Point an app's locks at it with ``celery_redislock.testing.use_redis`` and
-check what a test left with ``assert_no_locks`` (see the README's "Testing
-your own tasks").
+check what a test left with ``assert_no_locks`` (see docs/testing.md).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 from celery import signals as celery_signals
 
 from .beat import connect as connect_beat
-from .config import LockOptions, app_settings
+from .config import app_settings, bound_options
 from .connection import client_for
 from .inventory import free_ticket
 from .protocol import message_ticket, request_ticket
@@ -90,8 +90,7 @@ def _free_revoked(
     frees its enqueue lock. A terminated run's lock is freed once its child is gone
     (``LockedRequest``)."""
     ticket = request_ticket(request)
-    # a bound LockedTask: its lock options are resolved
-    if ticket is None or terminated or not isinstance(getattr(sender, "lock_options", None), LockOptions):
+    if ticket is None or terminated or bound_options(sender) is None:
         return
     _free_ticket_logged(
         sender.app, ticket, f"task {sender.name}[{request.id}] {'expired' if expired else 'revoked'}"

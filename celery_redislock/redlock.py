@@ -111,6 +111,8 @@ class Redlock(LeaseLock):
         self._quorum = self.servers = Quorum(clients, self.name, self.ttl, node_timeout)
         self.clients = self._quorum.clients
         self.quorum = self._quorum.needed
+        #: as a ``RedisLock``'s: a Redlock waits for no replicas (each server is a primary)
+        self.replicas, self.replica_timeout = 0, 1.0
 
     @property
     def validity(self) -> float | None:
@@ -143,8 +145,8 @@ class Quorum:
         return len(self.clients)
 
     def acquire(self, attempt: Attempt, mode: str) -> Any:
-        """The fence when a quorum granted ``attempt`` in time; else what gave back, and
-        [PTTL, holder] that most busy servers report (PTTL None when none answered)."""
+        """The fence when a quorum granted ``attempt`` in time; else (after undoing the grants of
+        a minority) the [PTTL, holder] that most busy servers report (PTTL None when none answered)."""
         replies = self._on_all(ACQUIRE, [attempt.member, mode])
         fences = [reply for reply in replies if isinstance(reply, int)]
         validity = self.ttl - (mod_time.monotonic() - attempt.sent_at) - self._drift

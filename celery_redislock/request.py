@@ -27,6 +27,7 @@ from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
+from .config import bound_options
 from .connection import client_for
 from .inventory import release_held_by
 from .protocol import holder_for
@@ -64,7 +65,7 @@ class LockedRequest(Request):
 
     def _locking_pid(self) -> int | None:
         """The pid of the process that ran the task under an execution lock (``None``: no such lock)."""
-        options = getattr(self.task, "lock_options", None)
+        options = bound_options(self.task)
         if options is None or not options.rules.execution_lock or self.worker_pid is None:
             return None
         return int(self.worker_pid)

