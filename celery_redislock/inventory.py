@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._scripts import RELEASE
+import redis.cluster
+from redis.crc import key_slot
+
+from ._scripts import RELEASE, Script
+from .attempt import companion_key
 from .connection import Client
+from .exceptions import LockConfigurationError
 from .modes import QUEUED_SUFFIXES
 from .protocol import parse_holder, parse_value, text
 
@@ -41,8 +46,28 @@ _TASK_KEY = re.compile(
 )
 #: The default holder of a ``RedisLock``: ``"<host>:<pid>"``.
 _HOST_PID = re.compile(r"(.+):(\d+)", re.DOTALL)
-#: Keys read per round trip while listing.
+#: Keys read per ``READ`` call.
 _BATCH = 500
+
+#: Kept here, by the one function that runs it, rather than in ``_scripts`` with the lock's
+#: scripts: it reads, never writes, and no lock operation uses it.
+_READ = """
+-- READ. KEYS[2i - 1] a key; KEYS[2i] its waiters' deadlines (``attempt.companion_key(key,
+-- 'waiters')``, in the key's hash slot). Reads, never writes.
+-- Returns one string per key: "<PTTL in ms> <live waiters> <value>", the value empty when
+-- the key holds no string (PTTL -2: no such key); a waiter is live until its deadline.
+local now_ms = clock(redis.call('TIME'))
+local read = {}
+for i = 1, #KEYS, 2 do
+  local value = redis.pcall('GET', KEYS[i])
+  if type(value) ~= 'string' then value = '' end
+  local waiting = redis.pcall('ZCOUNT', KEYS[i + 1], '(' .. now_ms, '+inf')
+  if type(waiting) ~= 'number' then waiting = 0 end
+  read[#read + 1] = redis.call('PTTL', KEYS[i]) .. ' ' .. waiting .. ' ' .. value
+end
+return read
+"""
+READ = Script(_READ)
 
 
 @dataclass(frozen=True)
@@ -62,9 +87,14 @@ class HeldLock:
     pid: int | None
     #: seconds left (``None``: no TTL, which this package never leaves)
     ttl: float | None
+    #: the fencing token: the Redis server clock in microseconds when the hold was granted
+    #: (taken, adopted by its run or handed over; 0 for a beat slot marker)
     fence: int
     #: the holder description as stored
     holder: str
+    #: blocking acquires queued for it (a waiter counts until its deadline: its ttl + 2 s
+    #: after its last call)
+    waiters: int
     token: str = field(repr=False)
 
     def as_dict(self, mode: str | None) -> dict[str, Any]:
@@ -81,18 +111,20 @@ class HeldLock:
             "ttl": self.ttl,
             "fence": self.fence,
             "holder": self.holder,
+            "waiters": self.waiters,
         }
 
 
-def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | None:
-    """The lock at ``key`` from its value and PTTL; ``None`` if the value is not a lock."""
+def _parse(key: str, read: str, prefix: str) -> HeldLock | None:
+    """The lock at ``key`` from what ``READ`` read of it; ``None`` if the value is not a lock."""
+    pttl, waiters, value = read.split(" ", 2)
     lock = parse_value(value)
-    if lock is None or not isinstance(pttl, int) or pttl == -2:
+    if lock is None or pttl == "-2":
         return None
     token, fence, holder = lock
     task = None
     if key.startswith(prefix + ":"):
-        task_match = _TASK_KEY.fullmatch(key[len(prefix) + 1 :])
+        task_match = _TASK_KEY.fullmatch(key, len(prefix) + 1)
         task = task_match.group(1) if task_match else None
     fields = parse_holder(holder)
     node, pid = fields.get("node"), fields.get("pid")
@@ -107,26 +139,46 @@ def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | Non
         state=fields.get("state"),
         node=node,
         pid=int(pid) if pid and pid.isdigit() else None,
-        ttl=None if pttl < 0 else pttl / 1000,
-        fence=int(fence),
+        ttl=None if pttl == "-1" else int(pttl) / 1000,
+        fence=fence,
         holder=holder,
+        waiters=int(waiters),
         token=token,
     )
 
 
 def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
-    """The locks among ``keys`` (GET and PTTL of each, in one round trip), in their order."""
-    with client.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.get(key)
-            pipe.pttl(key)
-        replies = pipe.execute(raise_on_error=False)  # GET of a key of another type fails: not a lock
-    found = []
-    for key, value, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
-        lock = _parse(key, value, pttl, prefix)
-        if lock is not None:
-            found.append(lock)
-    return found
+    """The locks among ``keys``, in their order, each with its waiters.
+
+    Read by ``READ``, a read-only script: one round trip per 500 keys (in a
+    Cluster, per hash slot).
+    """
+    pairs = []
+    for key in keys:
+        try:
+            pairs.append((key, companion_key(key, "waiters")))
+        except LockConfigurationError:
+            continue  # a name no lock can have
+    batches = _slot_batches(client, pairs)
+    found = {}
+    for batch in batches:
+        reads = READ(client, batch, [])
+        for key, read in zip(batch[::2], reads, strict=True):
+            lock = _parse(key, text(read), prefix)
+            if lock is not None:
+                found[key] = lock
+    return [found[key] for key in keys if key in found]
+
+
+def _slot_batches(client: Client, pairs: Sequence[tuple[str, str]]) -> list[list[str]]:
+    """``READ``'s KEYS for ``pairs`` (key, its waiters' deadlines): up to ``_BATCH`` pairs a call,
+    of one hash slot in a Cluster."""
+    groups: dict[int, list[str]] = {}
+    cluster = isinstance(client, redis.cluster.RedisCluster)
+    for key, deadlines in pairs:
+        group = groups.setdefault(key_slot(key.encode()) if cluster else 0, [])
+        group += (key, deadlines)
+    return [keys[i : i + 2 * _BATCH] for keys in groups.values() for i in range(0, len(keys), 2 * _BATCH)]
 
 
 def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:
@@ -142,28 +194,17 @@ def _glob_escape(text: str) -> str:
 def held_locks(client: Client, prefix: str, task: str | None = None) -> list[HeldLock]:
     """Every lock under ``{prefix}:`` (only ``task``'s, if given), sorted by key.
 
-    Keys are found with SCAN, so a large keyspace is walked without blocking
-    Redis; a lock taken or freed during the walk may be missed or included.
-    Companion keys (a lock's waiter queue and wake lists) are not locks.
+    Keys are found with SCAN (in a Cluster, on each primary), so a large
+    keyspace is walked without blocking Redis; a lock taken or freed during the
+    walk may be missed or included. Companion keys (a lock's waiter queue and
+    wake lists) are not locks.
     """
     pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
-    found: list[HeldLock] = []
-    for batch in _batches(client.scan_iter(match=pattern, count=1000), _BATCH):
-        found.extend(read_locks(client, batch, prefix))
+    keys = sorted({text(key) for key in client.scan_iter(match=pattern, count=1000)})
+    found = read_locks(client, keys, prefix)
     if task is not None:
         found = [lock for lock in found if lock.task == task]
-    return sorted(found, key=lambda lock: lock.key)
-
-
-def _batches(keys: Iterator[Any], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for key in keys:
-        batch.append(text(key))
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    return found
 
 
 def force_release(client: Client, lock: HeldLock, why: str) -> bool:

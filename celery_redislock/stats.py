@@ -1,0 +1,176 @@
+"""A summary of an app's locks from Redis alone, for ``celery redislock stats``.
+
+One walk of the keys under the prefix (``inventory.held_locks``: SCAN, then a
+read-only script per 500 keys) and the server clock (``TIME``) give:
+
+* **held locks per task**: *execution* locks (held by a run, or kept through
+  an ``until_expired`` period after it) and *enqueue* locks (holder
+  ``state=queued``: a message waits for its run; the ``…:queued`` key of
+  ``until_and_while_executing``, the enqueue lock of the other ``until_*``
+  modes, or a hold parked for a retry); the beat leader and plain
+  ``RedisLock`` names under the prefix are counted apart;
+* **waiters**: blocking acquires queued for each lock;
+* **the oldest holds**. A lock's value records no acquisition time, but its
+  fence is the Redis server clock in microseconds when the hold was granted
+  (taken, adopted by its run, or handed over to a waiter), so its *age* is
+  the server time now less its fence. A hold parked for a retry keeps its
+  fence: its age counts from the grant of the run that parked it. The TTL
+  left says nothing of age: a renewed lease is back to full every third of it;
+* **expiring**: renewed locks whose TTL left is under a third of their lease.
+  The watchdog renews every third of the lease, so a lock it keeps up with
+  has between two thirds and all of it left: under a third, two renewals are
+  late. The lease is known for the app's own tasks (``lock_ttl``; not in a
+  mode that settles, whose period is not renewed) and for the beat leader
+  (``redislock_beat_leader_ttl``); other locks are not judged;
+* **orphans**: enqueue locks older than an hour, a message waiting that long
+  or one lost with its lock left behind (it expires with ``lock_queue_ttl``);
+* **beat**: the leader lock, and the slot markers per schedule entry.
+
+A lock taken or freed during the walk may be missed or counted. In a Redis
+Cluster, ages are measured against the clock of the node that answers
+``TIME``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .config import AppSettings, LockOptions
+from .connection import Client
+from .inventory import HeldLock, held_locks
+from .keys import leader_key, slot_markers
+
+__all__ = ["ORPHAN_AGE", "summary"]
+
+#: Seconds after which an enqueue lock counts as an orphan.
+ORPHAN_AGE = 3600.0
+#: A renewed lock with less than this part of its lease left is expiring.
+LATE_PART = 1 / 3
+#: What ends a slot marker's key: the slot id, ``beat.Slot.id`` (ISO 8601, UTC, ``Z``).
+_SLOT_ID = re.compile(r"(.*):(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z)", re.DOTALL)
+
+
+class _Walk:
+    """The locks read in one walk, each with its kind, lease and age; rows built on demand."""
+
+    def __init__(
+        self, locks: list[HeldLock], now_us: int, settings: AppSettings, tasks: Mapping[str, LockOptions]
+    ) -> None:
+        self.now_us, self.settings, self.tasks = now_us, settings, tasks
+        markers, leader = slot_markers(settings.prefix), leader_key(settings.prefix)
+        self.markers = [lock for lock in locks if lock.key.startswith(markers)]
+        self.leader = next((lock for lock in locks if lock.key == leader), None)
+        self.locks = [lock for lock in locks if not lock.key.startswith(markers)]
+
+    def kind(self, lock: HeldLock) -> str:
+        if lock.task is None:
+            return "leader" if lock is self.leader else "other"
+        return "enqueue" if lock.state == "queued" else "execution"
+
+    def lease(self, lock: HeldLock) -> float | None:
+        """Seconds of the lease its watchdog renews, where known (see the module docstring)."""
+        if lock is self.leader:
+            return self.settings.beat_leader_ttl
+        options = self.tasks.get(lock.task or "")
+        if options is None or options.rules.settles or self.kind(lock) != "execution":
+            return None
+        return options.ttl
+
+    def age(self, lock: HeldLock) -> float | None:
+        """Seconds since the hold was granted, from its fence (``None``: a marker's fence 0)."""
+        return max(self.now_us - lock.fence, 0) / 1e6 if lock.fence else None
+
+    def left(self, lock: HeldLock) -> float:
+        """The part of its renewed lease ``lock`` has left (1.0 where the lease is not known)."""
+        lease = self.lease(lock)
+        return 1.0 if lease is None or lock.ttl is None else lock.ttl / lease
+
+    def orphan(self, lock: HeldLock) -> bool:
+        return self.kind(lock) == "enqueue" and (self.age(lock) or 0.0) > ORPHAN_AGE
+
+    def row(self, lock: HeldLock) -> dict[str, Any]:
+        options = self.tasks.get(lock.task or "")
+        mode = None if options is None else options.mode
+        return {
+            **lock.as_dict(mode),
+            "kind": self.kind(lock),
+            "age": self.age(lock),
+            "lease": self.lease(lock),
+        }
+
+    def section(self, locks: list[HeldLock], order: Callable[[HeldLock], Any], limit: int) -> dict[str, Any]:
+        """``{"count": n, "locks": rows}``: the first ``limit`` (0: all) of ``locks`` by ``order``."""
+        first = heapq.nsmallest(limit, locks, key=order) if limit else sorted(locks, key=order)
+        return {"count": len(locks), "locks": [self.row(lock) for lock in first]}
+
+
+def _tasks(walk: _Walk) -> list[dict[str, Any]]:
+    """Held locks and waiters per task name, most locks first."""
+    counts: dict[str, dict[str, int]] = {}
+    for lock in walk.locks:
+        if lock.task is not None:
+            task = counts.setdefault(lock.task, {"execution": 0, "enqueue": 0, "waiters": 0})
+            task[walk.kind(lock)] += 1
+            task["waiters"] += lock.waiters
+    rows = []
+    for name, task in counts.items():
+        options = walk.tasks.get(name)
+        rows.append({"task": name, "mode": None if options is None else options.mode, **task})
+    return sorted(rows, key=lambda row: (-row["execution"] - row["enqueue"], row["task"]))
+
+
+def _beat(walk: _Walk) -> dict[str, Any]:
+    """The leader lock and the slot markers per entry (the latest slot, who claimed it)."""
+    start = len(slot_markers(walk.settings.prefix))
+    entries: dict[str, list[tuple[str, HeldLock]]] = {}
+    for marker in walk.markers:
+        named = _SLOT_ID.fullmatch(marker.key, start)
+        entry, slot = named.groups() if named else (marker.key[start:], "")
+        entries.setdefault(entry, []).append((slot, marker))
+    rows = []
+    for entry, slots in sorted(entries.items()):
+        slot, latest = max(slots, key=lambda found: found[0])
+        rows.append(
+            {
+                "entry": entry,
+                "markers": len(slots),
+                "slot": slot or None,
+                "holder": latest.holder,
+                "ttl": latest.ttl,
+            }
+        )
+    leader = None if walk.leader is None else walk.row(walk.leader)
+    return {"leader": leader, "markers": len(walk.markers), "entries": rows}
+
+
+def summary(
+    client: Client, settings: AppSettings, tasks: Mapping[str, LockOptions], limit: int = 10
+) -> dict[str, Any]:
+    """The summary of the locks under ``settings.prefix`` (see the module docstring), as the
+    JSON object ``celery redislock stats --json`` prints; lists of locks hold their first
+    ``limit`` (0: all), each with its ``count``. ``tasks``: the app's LockedTasks' options."""
+    locks = held_locks(client, settings.prefix)
+    seconds, micros = client.time()
+    walk = _Walk(locks, int(seconds) * 1_000_000 + int(micros), settings, tasks)
+    held = {"execution": 0, "enqueue": 0, "leader": 0, "other": 0}
+    for lock in walk.locks:
+        held[walk.kind(lock)] += 1
+    by_age = lambda lock: (lock.fence, lock.key)  # noqa: E731
+    return {
+        "prefix": settings.prefix,
+        "time": walk.now_us / 1e6,
+        "held": {**held, "waiters": sum(lock.waiters for lock in walk.locks)},
+        "tasks": _tasks(walk),
+        "waited_for": walk.section(
+            [lock for lock in walk.locks if lock.waiters], lambda lock: (-lock.waiters, lock.key), limit
+        ),
+        "oldest": walk.section(walk.locks, by_age, limit),
+        "expiring": walk.section(
+            [lock for lock in walk.locks if walk.left(lock) < LATE_PART], lambda lock: walk.left(lock), limit
+        ),
+        "orphans": walk.section([lock for lock in walk.locks if walk.orphan(lock)], by_age, limit),
+        "beat": _beat(walk),
+    }
