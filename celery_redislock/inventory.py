@@ -17,10 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from ._scripts import RELEASE, Script
+from ._redis import pooled_connection
+from ._scripts import RELEASE, Script, bulk, own_execute_command, read_replies
 from .attempt import companion_key
 from .connection import Client
 from .exceptions import LockConfigurationError
@@ -161,8 +163,7 @@ def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLoc
             continue  # a name no lock can have
     batches = _slot_batches(client, pairs)
     found = {}
-    for batch in batches:
-        reads = READ(client, batch, [])
+    for batch, reads in zip(batches, _reads(client, batches), strict=True):
         for key, read in zip(batch[::2], reads, strict=True):
             lock = _parse(key, text(read), prefix)
             if lock is not None:
@@ -179,6 +180,23 @@ def _slot_batches(client: Client, pairs: Sequence[tuple[str, str]]) -> list[list
         group = groups.setdefault(key_slot(key.encode()) if cluster else 0, [])
         group += (key, deadlines)
     return [keys[i : i + 2 * _BATCH] for keys in groups.values() for i in range(0, len(keys), 2 * _BATCH)]
+
+
+def _reads(client: Client, batches: Sequence[Sequence[str]]) -> list[Any]:
+    """``READ``'s reply to each of ``batches``. A plain ``redis.Redis`` gets every call in one
+    write on one connection, so that the server runs the next call while this side reads a
+    reply; any other client (a Cluster: its nodes; an instrumented one) one call at a time."""
+    if not (type(client) is redis.Redis and client.connection is None and own_execute_command(client)):
+        return [READ(client, batch, []) for batch in batches]
+    with pooled_connection(client) as connection:
+        encode = connection.encoder.encode
+        commands = [READ.pack([bulk(encode(key)) for key in batch], []) for batch in batches]
+        connection.send_packed_command(commands)
+        replies = read_replies(connection, READ, commands)
+    failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
+    if failed is not None:
+        raise failed
+    return replies
 
 
 def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:

@@ -54,16 +54,24 @@ _SLOT_ID = re.compile(r"(.*):(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z)", re.DO
 
 
 class _Walk:
-    """The locks read in one walk, each with its kind, lease and age; rows built on demand."""
+    """The locks read in one walk, sorted by kind; rows built only for the locks shown."""
 
     def __init__(
         self, locks: list[HeldLock], now_us: int, settings: AppSettings, tasks: Mapping[str, LockOptions]
     ) -> None:
         self.now_us, self.settings, self.tasks = now_us, settings, tasks
         markers, leader = slot_markers(settings.prefix), leader_key(settings.prefix)
-        self.markers = [lock for lock in locks if lock.key.startswith(markers)]
-        self.leader = next((lock for lock in locks if lock.key == leader), None)
-        self.locks = [lock for lock in locks if not lock.key.startswith(markers)]
+        self.markers: list[HeldLock] = []
+        self.kinds: dict[str, list[HeldLock]] = {"execution": [], "enqueue": [], "leader": [], "other": []}
+        for lock in locks:
+            if lock.key.startswith(markers):
+                self.markers.append(lock)
+            elif lock.task is not None:
+                self.kinds["enqueue" if lock.state == "queued" else "execution"].append(lock)
+            else:
+                self.kinds["leader" if lock.key == leader else "other"].append(lock)
+        self.locks = [lock for kind in self.kinds.values() for lock in kind]
+        self.leader = self.kinds["leader"][0] if self.kinds["leader"] else None
 
     def kind(self, lock: HeldLock) -> str:
         if lock.task is None:
@@ -83,13 +91,20 @@ class _Walk:
         """Seconds since the hold was granted, from its fence (``None``: a marker's fence 0)."""
         return max(self.now_us - lock.fence, 0) / 1e6 if lock.fence else None
 
-    def left(self, lock: HeldLock) -> float:
-        """The part of its renewed lease ``lock`` has left (1.0 where the lease is not known)."""
-        lease = self.lease(lock)
-        return 1.0 if lease is None or lock.ttl is None else lock.ttl / lease
+    def expiring(self) -> list[HeldLock]:
+        """The renewed locks with under ``LATE_PART`` of their lease left."""
+        renewed = [*self.kinds["execution"], *self.kinds["leader"]]
+        late = []
+        for lock in renewed:
+            lease = self.lease(lock)
+            if lease is not None and lock.ttl is not None and lock.ttl < lease * LATE_PART:
+                late.append(lock)
+        return late
 
-    def orphan(self, lock: HeldLock) -> bool:
-        return self.kind(lock) == "enqueue" and (self.age(lock) or 0.0) > ORPHAN_AGE
+    def orphans(self) -> list[HeldLock]:
+        """The enqueue locks older than ``ORPHAN_AGE``."""
+        granted_before = self.now_us - ORPHAN_AGE * 1e6
+        return [lock for lock in self.kinds["enqueue"] if lock.fence < granted_before]
 
     def row(self, lock: HeldLock) -> dict[str, Any]:
         options = self.tasks.get(lock.task or "")
@@ -110,10 +125,12 @@ class _Walk:
 def _tasks(walk: _Walk) -> list[dict[str, Any]]:
     """Held locks and waiters per task name, most locks first."""
     counts: dict[str, dict[str, int]] = {}
-    for lock in walk.locks:
-        if lock.task is not None:
-            task = counts.setdefault(lock.task, {"execution": 0, "enqueue": 0, "waiters": 0})
-            task[walk.kind(lock)] += 1
+    for kind in ("execution", "enqueue"):
+        for lock in walk.kinds[kind]:
+            task = counts.get(lock.task or "")
+            if task is None:
+                task = counts[lock.task or ""] = {"execution": 0, "enqueue": 0, "waiters": 0}
+            task[kind] += 1
             task["waiters"] += lock.waiters
     rows = []
     for name, task in counts.items():
@@ -155,22 +172,21 @@ def summary(
     locks = held_locks(client, settings.prefix)
     seconds, micros = client.time()
     walk = _Walk(locks, int(seconds) * 1_000_000 + int(micros), settings, tasks)
-    held = {"execution": 0, "enqueue": 0, "leader": 0, "other": 0}
-    for lock in walk.locks:
-        held[walk.kind(lock)] += 1
     by_age = lambda lock: (lock.fence, lock.key)  # noqa: E731
+    waited = [lock for lock in walk.locks if lock.waiters]
     return {
         "prefix": settings.prefix,
         "time": walk.now_us / 1e6,
-        "held": {**held, "waiters": sum(lock.waiters for lock in walk.locks)},
+        "held": {
+            **{kind: len(locks) for kind, locks in walk.kinds.items()},
+            "waiters": sum(lock.waiters for lock in waited),
+        },
         "tasks": _tasks(walk),
-        "waited_for": walk.section(
-            [lock for lock in walk.locks if lock.waiters], lambda lock: (-lock.waiters, lock.key), limit
-        ),
+        "waited_for": walk.section(waited, lambda lock: (-lock.waiters, lock.key), limit),
         "oldest": walk.section(walk.locks, by_age, limit),
         "expiring": walk.section(
-            [lock for lock in walk.locks if walk.left(lock) < LATE_PART], lambda lock: walk.left(lock), limit
+            walk.expiring(), lambda lock: (lock.ttl or 0) / (walk.lease(lock) or 1), limit
         ),
-        "orphans": walk.section([lock for lock in walk.locks if walk.orphan(lock)], by_age, limit),
+        "orphans": walk.section(walk.orphans(), by_age, limit),
         "beat": _beat(walk),
     }

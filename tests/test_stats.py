@@ -305,7 +305,7 @@ def test_many_keys_are_read_in_batches_alike_with_decode_responses(
         assert lock.acquire(blocking=False)
     raw.set("elsewhere", "x", px=60_000)
     settings, options = app_settings(app), {task.name: task.lock_options}
-    summary(raw, settings, options)  # loads the script
+    summary(raw, settings, options)  # a new server: NOSCRIPT, then the script is loaded and sent again
     before = command_calls(raw)
     read = summary(raw, settings, options, limit=0)
     calls = calls_since(raw, before)
