@@ -118,15 +118,24 @@ def fill(server: RedisServer, app: Celery, keys: int, foreign: int) -> None:
     client.close()
 
 
-def timed(app: Celery, *args: str) -> tuple[float, str]:
-    """Seconds ``celery redislock stats ARGS`` took, in this process, and what it printed."""
+def timed(app: Celery, server: RedisServer, *args: str) -> tuple[dict[str, float], str]:
+    """Wall and CPU seconds (this process's, the server's) of ``celery redislock stats ARGS``,
+    run in this process, and what it printed."""
     obj = CLIContext(app=app, no_color=True, workdir=None)
-    start = time.perf_counter()
+    client = server.client()
+
+    def server_cpu() -> float:
+        cpu = client.info("cpu")
+        return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+    before, cpu, start = server_cpu(), time.process_time(), time.perf_counter()
     result = CliRunner().invoke(redislock, ["stats", *args], obj=obj)
-    elapsed = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    server_seconds = server_cpu() - before
+    client.close()
     if result.exit_code != 0:
         raise SystemExit(f"stats failed: {result.output}")
-    return elapsed, result.stdout
+    return {"wall": wall, "cpu": cpu, "server_cpu": server_seconds}, result.stdout
 
 
 def main() -> None:
@@ -140,8 +149,8 @@ def main() -> None:
         client = server.client()
         print(f"redis-server {client.info()['redis_version']}, {client.dbsize()} keys in all")
         client.close()
-        table_s, table = timed(app)
-        json_s, printed = timed(app, "--json")
+        table_times, table = timed(app, server)
+        json_times, printed = timed(app, server, "--json")
         found: dict[str, Any] = json.loads(printed)
         print(table)
         print()
@@ -149,7 +158,11 @@ def main() -> None:
         for name in ("waited_for", "oldest", "expiring", "orphans"):
             print(f"{name}: {found[name]['count']}")
         print(f"beat: {found['beat']['markers']} slot markers, leader {found['beat']['leader'] is not None}")
-        print(f"stats (table): {table_s:.2f} s; stats --json: {json_s:.2f} s (target < 2 s)")
+        for what, times in (("stats", table_times), ("stats --json", json_times)):
+            print(
+                f"{what}: {times['wall']:.2f} s wall (target < 2 s); CPU {times['cpu']:.2f} s here, "
+                f"{times['server_cpu']:.2f} s in redis-server"
+            )
         print(f"load average: {' '.join(f'{load:.2f}' for load in os.getloadavg())} on {os.cpu_count()} CPUs")
 
 

@@ -7,6 +7,9 @@ Installed through Celery's ``celery.commands`` entry point:
   (``queued``: an enqueue lock whose message waits; ``running``), the task's
   ``lock_mode``, the node and pid that took it, TTL left and fence;
 * ``show KEY``: one lock, and how many wait for it;
+* ``stats [--json] [--limit N]``: a summary of every lock under the prefix
+  (``celery_redislock.stats``): held locks per task, waiters, the oldest holds,
+  renewals late, orphan enqueue locks, beat leader and slot markers;
 * ``release KEY`` or ``release --task NAME --args JSON --kwargs JSON``: free a
   lock whoever holds it (the key of a call is computed as the worker does);
 * ``purge --task NAME``: free every lock of one task, after a confirmation
@@ -277,7 +280,7 @@ def stats(ctx: click.Context, as_json: bool, limit: int) -> None:
     click.echo(
         f"locks under prefix {found['prefix']!r} in Redis at {context.url}: "
         f"{held['execution']} execution, {held['enqueue']} enqueue, {held['leader']} beat leader, "
-        f"{held['other']} other; {held['waiters']} waiters"
+        f"{held['other']} other; {held['waiters']} waiting"
     )
     if found["tasks"]:
         click.echo("\n" + _table(found["tasks"], ("task", "mode", "execution", "enqueue", "waiters")))

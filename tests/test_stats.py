@@ -250,7 +250,7 @@ def test_the_tables_show_each_section_and_limit_cuts_the_lists(
     assert shown.exit_code == 0, shown.output
     lines = shown.stdout.splitlines()
     assert lines[0].startswith(f"locks under prefix {prefix!r} in Redis at redis://127.0.0.1:")
-    assert lines[0].endswith(": 2 execution, 3 enqueue, 1 beat leader, 1 other; 2 waiters")
+    assert lines[0].endswith(": 2 execution, 3 enqueue, 1 beat leader, 1 other; 2 waiting")
     header = next(n for n, line in enumerate(lines) if line.startswith("TASK "))
     assert lines[header].split() == ["TASK", "MODE", "EXECUTION", "ENQUEUE", "WAITERS"]
     assert lines[header + 1].split() == ["taskapp.hold_skip", "while_executing", "2", "0", "2"]
@@ -285,7 +285,7 @@ def test_an_empty_prefix_gives_zeros_and_empty_lists(app: Celery, prefix: str) -
     }
     assert abs(found["time"] - time.time()) < 60
     shown = run(app, "stats").stdout
-    assert ": 0 execution, 0 enqueue, 0 beat leader, 0 other; 0 waiters" in shown
+    assert ": 0 execution, 0 enqueue, 0 beat leader, 0 other; 0 waiting" in shown
     assert "oldest holds (none)" in shown and "beat: no leader; 0 slot markers" in shown
 
 
