@@ -11,9 +11,10 @@ owner's own release.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ import redis.cluster
 from redis.crc import key_slot
 
 from ._redis import pooled_connection
-from ._scripts import RELEASE, Script, bulk, own_execute_command, read_replies
+from ._scripts import RELEASE, Script, bulk, own_execute_command
 from .attempt import companion_key
 from .connection import Client
 from .exceptions import LockConfigurationError
@@ -56,18 +57,21 @@ _BATCH = 500
 _READ = """
 -- READ. KEYS[2i - 1] a key; KEYS[2i] its waiters' deadlines (``attempt.companion_key(key,
 -- 'waiters')``, in the key's hash slot). Reads, never writes.
--- Returns one string per key: "<PTTL in ms> <live waiters> <value>", the value empty when
--- the key holds no string (PTTL -2: no such key); a waiter is live until its deadline.
-local now_ms = clock(redis.call('TIME'))
+-- Returns one JSON array (one reply element, however many keys) holding, per key,
+-- [its PTTL in ms, its live waiters, its value]: the value "" unless it is a lock value
+-- (PTTL -2: no such key); a waiter is live until its deadline.
+local after = '(' .. clock(redis.call('TIME'))
 local read = {}
 for i = 1, #KEYS, 2 do
-  local value = redis.pcall('GET', KEYS[i])
-  if type(value) ~= 'string' then value = '' end
-  local waiting = redis.pcall('ZCOUNT', KEYS[i + 1], '(' .. now_ms, '+inf')
-  if type(waiting) ~= 'number' then waiting = 0 end
-  read[#read + 1] = redis.call('PTTL', KEYS[i]) .. ' ' .. waiting .. ' ' .. value
+  local value, waiting = redis.pcall('GET', KEYS[i]), 0  -- pcall: a key of another type is no lock
+  if type(value) == 'string' and fence_of(value) then
+    waiting = redis.call('ZCOUNT', KEYS[i + 1], after, '+inf')
+  else
+    value = ''
+  end
+  read[#read + 1] = {redis.call('PTTL', KEYS[i]), waiting, value}
 end
-return read
+return cjson.encode(read)
 """
 READ = Script(_READ)
 
@@ -117,11 +121,10 @@ class HeldLock:
         }
 
 
-def _parse(key: str, read: str, prefix: str) -> HeldLock | None:
+def _parse(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLock | None:
     """The lock at ``key`` from what ``READ`` read of it; ``None`` if the value is not a lock."""
-    pttl, waiters, value = read.split(" ", 2)
     lock = parse_value(value)
-    if lock is None or pttl == "-2":
+    if lock is None or pttl == -2:
         return None
     token, fence, holder = lock
     task = None
@@ -141,10 +144,10 @@ def _parse(key: str, read: str, prefix: str) -> HeldLock | None:
         state=fields.get("state"),
         node=node,
         pid=int(pid) if pid and pid.isdigit() else None,
-        ttl=None if pttl == "-1" else int(pttl) / 1000,
+        ttl=None if pttl == -1 else pttl / 1000,
         fence=fence,
         holder=holder,
-        waiters=int(waiters),
+        waiters=waiters,
         token=token,
     )
 
@@ -152,8 +155,8 @@ def _parse(key: str, read: str, prefix: str) -> HeldLock | None:
 def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
     """The locks among ``keys``, in their order, each with its waiters.
 
-    Read by ``READ``, a read-only script: one round trip per 500 keys (in a
-    Cluster, per hash slot).
+    Read by ``READ``, a read-only script, 500 keys a call (in a Cluster, per
+    hash slot).
     """
     pairs = []
     for key in keys:
@@ -163,9 +166,11 @@ def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLoc
             continue  # a name no lock can have
     batches = _slot_batches(client, pairs)
     found = {}
-    for batch, reads in zip(batches, _reads(client, batches), strict=True):
-        for key, read in zip(batch[::2], reads, strict=True):
-            lock = _parse(key, text(read), prefix)
+    for batch, reply in zip(batches, _reads(client, batches), strict=True):
+        # a holder not in UTF-8 (a value written by hand) shows U+FFFD where it is not
+        reads = json.loads(reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply)
+        for key, (pttl, waiters, value) in zip(batch[::2], reads, strict=True):
+            lock = _parse(key, pttl, waiters, value, prefix)
             if lock is not None:
                 found[key] = lock
     return [found[key] for key in keys if key in found]
@@ -182,21 +187,28 @@ def _slot_batches(client: Client, pairs: Sequence[tuple[str, str]]) -> list[list
     return [keys[i : i + 2 * _BATCH] for keys in groups.values() for i in range(0, len(keys), 2 * _BATCH)]
 
 
-def _reads(client: Client, batches: Sequence[Sequence[str]]) -> list[Any]:
-    """``READ``'s reply to each of ``batches``. A plain ``redis.Redis`` gets every call in one
-    write on one connection, so that the server runs the next call while this side reads a
-    reply; any other client (a Cluster: its nodes; an instrumented one) one call at a time."""
+def _reads(client: Client, batches: Sequence[Sequence[str]]) -> Iterator[Any]:
+    """``READ``'s reply to each of ``batches``, in order. A plain ``redis.Redis`` gets the
+    script's ``SCRIPT LOAD`` and every call in one write on one connection, and each reply is
+    yielded as it comes: the server runs the next calls while the caller reads this one. Any
+    other client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
     if not (type(client) is redis.Redis and client.connection is None and own_execute_command(client)):
-        return [READ(client, batch, []) for batch in batches]
+        for batch in batches:
+            yield READ(client, batch, [])
+        return
     with pooled_connection(client) as connection:
         encode = connection.encoder.encode
-        commands = [READ.pack([bulk(encode(key)) for key in batch], []) for batch in batches]
-        connection.send_packed_command(commands)
-        replies = read_replies(connection, READ, commands)
-    failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
-    if failed is not None:
-        raise failed
-    return replies
+        load = connection.pack_command("SCRIPT", "LOAD", READ.source)
+        connection.send_packed_command(
+            [*load, *(READ.pack([bulk(encode(key)) for key in batch], []) for batch in batches)]
+        )
+        try:
+            connection.read_response()  # the script is loaded: no call can be refused with NOSCRIPT
+            for _ in batches:
+                yield connection.read_response()
+        except redis.exceptions.ResponseError:
+            connection.disconnect()  # the replies to the later calls are left unread
+            raise
 
 
 def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,12 +33,13 @@ from celery_redislock._task_scripts import CLAIM
 from celery_redislock.attempt import companion_key
 from celery_redislock.beat import slot_of
 from celery_redislock.config import app_settings
-from celery_redislock.connection import redis_client
+from celery_redislock.connection import client_for, redis_client
 from celery_redislock.keys import leader_key, slot_key
 from celery_redislock.protocol import holder_for
 from celery_redislock.stats import summary
 from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests.conftest import calls_since, command_calls
+from tests.faults.test_security import COMMANDS, acl_url
 from tests.taskapp import make_app, recorder
 from tests.test_cli import run
 from tests.workers import threads_worker, wait_for
@@ -65,6 +67,7 @@ SECTIONS = ("waited_for", "oldest", "expiring", "orphans")
 #: ``lock_ttl`` of the tests' tasks (``redislock_ttl``'s default).
 LEASE = 30.0
 TWO_HOURS = 7200.0
+PAGES = Path(__file__).resolve().parent.parent / "docs"
 
 
 def stats(app: Celery, *args: str) -> dict[str, Any]:
@@ -352,3 +355,37 @@ def test_a_cluster_is_read_on_each_primary(cluster: RedisClusterServers, prefix:
         thread.join(timeout=30)
         app.close()
         client.close()
+
+
+#: What the user running ``celery redislock`` needs beyond the lock user's commands.
+CLI_COMMANDS = ["scan", "zcount"]
+
+
+def test_the_documented_permissions_suffice_and_a_refusal_is_one_line(
+    fresh_server: RedisServer, prefix: str
+) -> None:
+    """With the lock user's commands and ``+scan +zcount`` (docs/operations.md), ``stats``
+    reads 1,200 locks (three script calls); without ``+zcount`` the first call is refused:
+    a one-line error, and the connection, with the later calls' replies unread, is dropped."""
+    assert f"`celery redislock`, `{' '.join('+' + command for command in CLI_COMMANDS)}`" in (
+        (PAGES / "operations.md").read_text()
+    )
+    admin = fresh_server.client()
+    locks = [RedisLock(admin, f"{prefix}:{n}", ttl=60) for n in range(1200)]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    allowed = make_app(acl_url(fresh_server, prefix, [*COMMANDS, *CLI_COMMANDS]), prefix, f"q-{prefix}")
+    refused = make_app(acl_url(fresh_server, prefix, [*COMMANDS, "scan"]), prefix, f"q-{prefix}")
+    try:
+        assert stats(allowed)["held"]["other"] == 1200
+        ran = run(refused, "stats")
+        assert (ran.exit_code, len(ran.output.splitlines())) == (1, 1)
+        assert "ResponseError: The user executing the script can't run this command" in ran.output
+        client, _ = client_for(refused)
+        assert client.time()[0] > 0  # a clean connection: not the reply to a call of the refused walk
+    finally:
+        for lock in locks:
+            lock.release()
+        for app in (allowed, refused):
+            app.close()
+    admin.close()
