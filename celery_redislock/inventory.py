@@ -11,6 +11,7 @@ owner's own release.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -49,27 +50,31 @@ _TASK_KEY = re.compile(
 )
 #: The default holder of a ``RedisLock``: ``"<host>:<pid>"``.
 _HOST_PID = re.compile(r"(.+):(\d+)", re.DOTALL)
-#: Keys read per ``READ`` call.
+#: Keys read per ``READ`` call, and calls sent before the first reply is read.
 _BATCH = 500
+_AHEAD = 4
 
 #: Kept here, by the one function that runs it, rather than in ``_scripts`` with the lock's
 #: scripts: it reads, never writes, and no lock operation uses it.
 _READ = """
--- READ. KEYS[2i - 1] a key; KEYS[2i] its waiters' deadlines (``attempt.companion_key(key,
--- 'waiters')``, in the key's hash slot). Reads, never writes.
+-- READ. KEYS[i] a key (its waiters' deadlines named from it as the prelude names those of
+-- KEYS[1], in its hash slot). Reads, never writes.
 -- Returns one JSON array (one reply element, however many keys) holding, per key,
 -- [its PTTL in ms, its live waiters, its value]: the value "" unless it is a lock value
 -- (PTTL -2: no such key); a waiter is live until its deadline.
 local after = '(' .. clock(redis.call('TIME'))
 local read = {}
-for i = 1, #KEYS, 2 do
-  local value, waiting = redis.pcall('GET', KEYS[i]), 0  -- pcall: a key of another type is no lock
+for _, key in ipairs(KEYS) do
+  local value, waiting = redis.pcall('GET', key), 0  -- pcall: a key of another type is no lock
   if type(value) == 'string' and fence_of(value) then
-    waiting = redis.call('ZCOUNT', KEYS[i + 1], after, '+inf')
+    local open = string.find(key, '{', 1, true)
+    local close = open and string.find(key, '}', open + 1, true)
+    local named = (close and close > open + 1) and key .. ':' or '{' .. key .. '}:'
+    waiting = redis.call('ZCOUNT', named .. 'waiters', after, '+inf')
   else
     value = ''
   end
-  read[#read + 1] = {redis.call('PTTL', KEYS[i]), waiting, value}
+  read[#read + 1] = {redis.call('PTTL', key), waiting, value}
 end
 return cjson.encode(read)
 """
@@ -158,54 +163,59 @@ def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLoc
     Read by ``READ``, a read-only script, 500 keys a call (in a Cluster, per
     hash slot).
     """
-    pairs = []
-    for key in keys:
-        try:
-            pairs.append((key, companion_key(key, "waiters")))
-        except LockConfigurationError:
-            continue  # a name no lock can have
-    batches = _slot_batches(client, pairs)
+    batches = _slot_batches(client, [key for key in keys if _has_companions(key)])
     found = {}
     for batch, reply in zip(batches, _reads(client, batches), strict=True):
         # a holder not in UTF-8 (a value written by hand) shows U+FFFD where it is not
         reads = json.loads(reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply)
-        for key, (pttl, waiters, value) in zip(batch[::2], reads, strict=True):
+        for key, (pttl, waiters, value) in zip(batch, reads, strict=True):
             lock = _parse(key, pttl, waiters, value, prefix)
             if lock is not None:
                 found[key] = lock
     return [found[key] for key in keys if key in found]
 
 
-def _slot_batches(client: Client, pairs: Sequence[tuple[str, str]]) -> list[list[str]]:
-    """``READ``'s KEYS for ``pairs`` (key, its waiters' deadlines): up to ``_BATCH`` pairs a call,
-    of one hash slot in a Cluster."""
+def _has_companions(key: str) -> bool:
+    """Whether ``key`` can be a lock: its companions can share its hash slot (``companion_key``)."""
+    if "}" not in key:
+        return True
+    try:
+        companion_key(key, "waiters")
+    except LockConfigurationError:
+        return False
+    return True
+
+
+def _slot_batches(client: Client, keys: Sequence[str]) -> list[list[str]]:
+    """``keys`` in ``READ`` calls of up to ``_BATCH`` keys, of one hash slot in a Cluster."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return [list(keys[i : i + _BATCH]) for i in range(0, len(keys), _BATCH)]
     groups: dict[int, list[str]] = {}
-    cluster = isinstance(client, redis.cluster.RedisCluster)
-    for key, deadlines in pairs:
-        group = groups.setdefault(key_slot(key.encode()) if cluster else 0, [])
-        group += (key, deadlines)
-    return [keys[i : i + 2 * _BATCH] for keys in groups.values() for i in range(0, len(keys), 2 * _BATCH)]
+    for key in keys:
+        groups.setdefault(key_slot(key.encode()), []).append(key)
+    return [group[i : i + _BATCH] for group in groups.values() for i in range(0, len(group), _BATCH)]
 
 
 def _reads(client: Client, batches: Sequence[Sequence[str]]) -> Iterator[Any]:
     """``READ``'s reply to each of ``batches``, in order. A plain ``redis.Redis`` gets the
-    script's ``SCRIPT LOAD`` and every call in one write on one connection, and each reply is
-    yielded as it comes: the server runs the next calls while the caller reads this one. Any
-    other client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
+    script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent before
+    their replies are read: the server runs those while the caller reads this one. Any other
+    client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
     if not (type(client) is redis.Redis and client.connection is None and own_execute_command(client)):
         for batch in batches:
             yield READ(client, batch, [])
         return
     with pooled_connection(client) as connection:
-        encode = connection.encoder.encode
-        load = connection.pack_command("SCRIPT", "LOAD", READ.source)
-        connection.send_packed_command(
-            [*load, *(READ.pack([bulk(encode(key)) for key in batch], []) for batch in batches)]
-        )
+        encoding, errors = connection.encoder.encoding, connection.encoder.encoding_errors
+        calls = (READ.pack([bulk(key.encode(encoding, errors)) for key in batch], []) for batch in batches)
+        connection.send_packed_command(connection.pack_command("SCRIPT", "LOAD", READ.source))
+        connection.send_packed_command(list(itertools.islice(calls, _AHEAD)))
         try:
             connection.read_response()  # the script is loaded: no call can be refused with NOSCRIPT
             for _ in batches:
-                yield connection.read_response()
+                reply = connection.read_response()
+                connection.send_packed_command(list(itertools.islice(calls, 1)))
+                yield reply
         except redis.exceptions.ResponseError:
             connection.disconnect()  # the replies to the later calls are left unread
             raise

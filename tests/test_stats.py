@@ -295,8 +295,9 @@ def test_an_empty_prefix_gives_zeros_and_empty_lists(app: Celery, prefix: str) -
 def test_many_keys_are_read_in_batches_alike_with_decode_responses(
     fresh_server: RedisServer, prefix: str
 ) -> None:
-    """1,200 locks (three script calls of 500 keys), beside keys outside the prefix: SCAN,
-    never KEYS; the same figures through a client that decodes replies."""
+    """1,200 locks (three script calls of 500 keys), beside keys outside the prefix and keys
+    under it that are no lock (a list; a name no lock can have): SCAN, never KEYS; the same
+    figures through a client that decodes replies."""
     raw, decoding = fresh_server.client(), fresh_server.client(decode_responses=True)
     app = make_app(fresh_server.url, prefix, f"q-{prefix}")
     task: Any = app.tasks["taskapp.until_executed"]
@@ -307,6 +308,9 @@ def test_many_keys_are_read_in_batches_alike_with_decode_responses(
     for lock in locks:
         assert lock.acquire(blocking=False)
     raw.set("elsewhere", "x", px=60_000)
+    raw.set(f"{prefix}:odd}}", f"{uuid.uuid4().hex}:1:{prefix}", px=60_000)  # no lock has such a name
+    raw.rpush(f"{prefix}:list", "not a lock")
+    raw.pexpire(f"{prefix}:list", 60_000)
     settings, options = app_settings(app), {task.name: task.lock_options}
     summary(raw, settings, options)  # a new server: NOSCRIPT, then the script is loaded and sent again
     before = command_calls(raw)
@@ -324,6 +328,7 @@ def test_many_keys_are_read_in_batches_alike_with_decode_responses(
     ]
     for lock in locks:
         lock.release()
+    raw.delete(f"{prefix}:odd}}", f"{prefix}:list")
     app.close()
     raw.close()
     decoding.close()
