@@ -163,6 +163,11 @@ def _beat(walk: _Walk) -> dict[str, Any]:
     return {"leader": leader, "markers": len(walk.markers), "entries": rows}
 
 
+def _by_age(lock: HeldLock) -> tuple[int, str]:
+    """Oldest first: by the fence, the server time of the grant."""
+    return lock.fence, lock.key
+
+
 def summary(
     client: Client, settings: AppSettings, tasks: Mapping[str, LockOptions], limit: int = 10
 ) -> dict[str, Any]:
@@ -172,7 +177,6 @@ def summary(
     locks = held_locks(client, settings.prefix)
     seconds, micros = client.time()
     walk = _Walk(locks, int(seconds) * 1_000_000 + int(micros), settings, tasks)
-    by_age = lambda lock: (lock.fence, lock.key)  # noqa: E731
     waited = [lock for lock in walk.locks if lock.waiters]
     return {
         "prefix": settings.prefix,
@@ -183,10 +187,10 @@ def summary(
         },
         "tasks": _tasks(walk),
         "waited_for": walk.section(waited, lambda lock: (-lock.waiters, lock.key), limit),
-        "oldest": walk.section(walk.locks, by_age, limit),
+        "oldest": walk.section(walk.locks, _by_age, limit),
         "expiring": walk.section(
             walk.expiring(), lambda lock: (lock.ttl or 0) / (walk.lease(lock) or 1), limit
         ),
-        "orphans": walk.section(walk.orphans(), by_age, limit),
+        "orphans": walk.section(walk.orphans(), _by_age, limit),
         "beat": _beat(walk),
     }
