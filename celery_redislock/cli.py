@@ -7,6 +7,9 @@ Installed through Celery's ``celery.commands`` entry point:
   (``queued``: an enqueue lock whose message waits; ``running``), the task's
   ``lock_mode``, the node and pid that took it, TTL left and fence;
 * ``show KEY``: one lock, and how many wait for it;
+* ``stats [--json] [--limit N]``: a summary of every lock under the prefix
+  (``celery_redislock.stats``): held locks per task, waiters, the oldest holds,
+  renewals late, orphan enqueue locks, beat leader and slot markers;
 * ``release KEY`` or ``release --task NAME --args JSON --kwargs JSON``: free a
   lock whoever holds it (the key of a call is computed as the worker does);
 * ``purge --task NAME``: free every lock of one task, after a confirmation
@@ -36,8 +39,8 @@ from .config import app_settings, bound_options
 from .connection import Client, client_for
 from .exceptions import RedisLockError
 from .inventory import HeldLock, force_release, held_locks, read_lock, read_locks
-from .lock import companion_key
 from .modes import QUEUED_SUFFIXES
+from .stats import ORPHAN_AGE, summary
 from .task import LockedTask, task_lock_key
 
 #: The inventory names stay importable from here, as in 0.1.0 (they live in ``inventory``).
@@ -95,20 +98,23 @@ def _context(ctx: click.Context) -> _Context:
 
 
 _COLUMNS = ("task", "task_id", "attempt", "state", "mode", "node", "pid", "ttl", "fence", "key")
+#: Columns in seconds.
+_SECONDS = frozenset({"ttl", "age", "lease"})
 
 
 def _cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
-    if column == "ttl":
+    if column in _SECONDS:
         return f"{value:.1f}s"
     return str(value)
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    cells = [[column.upper().replace("_", " ") for column in _COLUMNS]]
-    cells += [[_cell(column, row[column]) for column in _COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS) - 1)]
+def _table(rows: list[dict[str, Any]], columns: tuple[str, ...] = _COLUMNS) -> str:
+    """``rows`` as aligned ``columns``, under a header; the last column is not padded."""
+    cells = [[column.upper().replace("_", " ") for column in columns]]
+    cells += [[_cell(column, row[column]) for column in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns) - 1)]
     return "\n".join(
         "  ".join([*(cell.ljust(width) for cell, width in zip(line, widths, strict=False)), line[-1]])
         for line in cells
@@ -145,8 +151,7 @@ def show(ctx: click.Context, key: str) -> None:
     """Show the lock at KEY and how many wait for it."""
     context = _context(ctx)
     lock = _existing(context, key)
-    waiting = context.client.zcard(companion_key(key, "queue"))
-    fields = {**lock.as_dict(context.mode(lock.task)), "waiters": waiting}
+    fields = lock.as_dict(context.mode(lock.task))
     width = max(len(name) for name in fields)
     for name, value in fields.items():
         click.echo(f"{name.ljust(width)}  {_cell(name, value)}")
@@ -237,3 +242,61 @@ def purge(ctx: click.Context, task_name: str, yes: bool) -> None:
     why = f"by hand, celery redislock purge --task {task_name}"
     freed = sum(_released(context, lock, why) for lock in locks)
     click.echo(f"released {freed} of {len(locks)} lock(s) of task {task_name!r}")
+
+
+#: ``stats``' lists of locks: (JSON key, title, columns).
+_SECTIONS = (
+    ("waited_for", "waited for, most waiters first", ("waiters", "kind", "task", "task_id", "age", "key")),
+    ("oldest", "oldest holds", ("age", "kind", "task", "task_id", "node", "pid", "ttl", "key")),
+    (
+        "expiring",
+        "expiring: under a third of the lease left, renewals late",
+        ("ttl", "lease", "task", "task_id", "node", "pid", "key"),
+    ),
+    (
+        "orphans",
+        f"orphans: enqueue locks older than {ORPHAN_AGE / 3600:g}h",
+        ("age", "task", "task_id", "ttl", "key"),
+    ),
+)
+
+
+@redislock.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of tables.")
+@click.option(
+    "--limit", default=10, show_default=True, metavar="N", help="Locks listed per section (0: all)."
+)
+@click.pass_context
+def stats(ctx: click.Context, as_json: bool, limit: int) -> None:
+    """Summarise the locks under the app's prefix, from Redis alone."""
+    if limit < 0:
+        raise click.BadParameter(f"must be 0 (all) or more, got {limit}", param_hint="--limit")
+    context = _context(ctx)
+    options = {name: task.lock_options for name, task in context.locked_tasks.items() if task.lock_options}
+    found = {"redis": context.url, **summary(context.client, app_settings(context.app), options, limit)}
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    held = found["held"]
+    click.echo(
+        f"locks under prefix {found['prefix']!r} in Redis at {context.url}: "
+        f"{held['execution']} execution, {held['enqueue']} enqueue, {held['leader']} beat leader, "
+        f"{held['other']} other; {held['waiters']} waiting"
+    )
+    if found["tasks"]:
+        click.echo("\n" + _table(found["tasks"], ("task", "mode", "execution", "enqueue", "waiters")))
+    for name, title, columns in _SECTIONS:
+        section = found[name]
+        shown = f"{len(section['locks'])} of {section['count']}" if section["count"] else "none"
+        click.echo(f"\n{title} ({shown})")
+        if section["locks"]:
+            click.echo(_table(section["locks"], columns))
+    _echo_beat(found["beat"])
+
+
+def _echo_beat(beat: dict[str, Any]) -> None:
+    leader = beat["leader"]
+    led = "no leader" if leader is None else f"leader {leader['holder']} (ttl {_cell('ttl', leader['ttl'])})"
+    click.echo(f"\nbeat: {led}; {beat['markers']} slot markers")
+    if beat["entries"]:
+        click.echo(_table(beat["entries"], ("entry", "markers", "slot", "ttl", "holder")))

@@ -11,14 +11,23 @@ owner's own release.
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._scripts import RELEASE
+import redis
+import redis.cluster
+from redis.crc import key_slot
+
+from ._redis import pooled_connection
+from ._scripts import RELEASE, Script, bulk, own_execute_command
+from .attempt import companion_key
 from .connection import Client
+from .exceptions import LockConfigurationError
 from .modes import QUEUED_SUFFIXES
 from .protocol import parse_holder, parse_value, text
 
@@ -41,8 +50,35 @@ _TASK_KEY = re.compile(
 )
 #: The default holder of a ``RedisLock``: ``"<host>:<pid>"``.
 _HOST_PID = re.compile(r"(.+):(\d+)", re.DOTALL)
-#: Keys read per round trip while listing.
+#: Keys read per ``READ`` call, and calls sent before the first reply is read.
 _BATCH = 500
+_AHEAD = 4
+
+#: Kept here, by the one function that runs it, rather than in ``_scripts`` with the lock's
+#: scripts: it reads, never writes, and no lock operation uses it.
+_READ = """
+-- READ. KEYS[i] a key (its waiters' deadlines named from it as the prelude names those of
+-- KEYS[1], in its hash slot). Reads, never writes.
+-- Returns one JSON array (one reply element, however many keys) holding, per key,
+-- [its PTTL in ms, its live waiters, its value]: the value "" unless it is a lock value
+-- (PTTL -2: no such key); a waiter is live until its deadline.
+local after = '(' .. clock(redis.call('TIME'))
+local read = {}
+for _, key in ipairs(KEYS) do
+  local value, waiting = redis.pcall('GET', key), 0  -- pcall: a key of another type is no lock
+  if type(value) == 'string' and fence_of(value) then
+    local open = string.find(key, '{', 1, true)
+    local close = open and string.find(key, '}', open + 1, true)
+    local named = (close and close > open + 1) and key .. ':' or '{' .. key .. '}:'
+    waiting = redis.call('ZCOUNT', named .. 'waiters', after, '+inf')
+  else
+    value = ''
+  end
+  read[#read + 1] = {redis.call('PTTL', key), waiting, value}
+end
+return cjson.encode(read)
+"""
+READ = Script(_READ)
 
 
 @dataclass(frozen=True)
@@ -62,9 +98,14 @@ class HeldLock:
     pid: int | None
     #: seconds left (``None``: no TTL, which this package never leaves)
     ttl: float | None
+    #: the fencing token: the Redis server clock in microseconds when the hold was granted
+    #: (taken, adopted by its run or handed over; 0 for a beat slot marker)
     fence: int
     #: the holder description as stored
     holder: str
+    #: blocking acquires queued for it (a waiter counts until its deadline: its ttl + 2 s
+    #: after its last call)
+    waiters: int
     token: str = field(repr=False)
 
     def as_dict(self, mode: str | None) -> dict[str, Any]:
@@ -81,18 +122,19 @@ class HeldLock:
             "ttl": self.ttl,
             "fence": self.fence,
             "holder": self.holder,
+            "waiters": self.waiters,
         }
 
 
-def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | None:
-    """The lock at ``key`` from its value and PTTL; ``None`` if the value is not a lock."""
+def _parse(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLock | None:
+    """The lock at ``key`` from what ``READ`` read of it; ``None`` if the value is not a lock."""
     lock = parse_value(value)
-    if lock is None or not isinstance(pttl, int) or pttl == -2:
+    if lock is None or pttl == -2:
         return None
     token, fence, holder = lock
     task = None
     if key.startswith(prefix + ":"):
-        task_match = _TASK_KEY.fullmatch(key[len(prefix) + 1 :])
+        task_match = _TASK_KEY.fullmatch(key, len(prefix) + 1)
         task = task_match.group(1) if task_match else None
     fields = parse_holder(holder)
     node, pid = fields.get("node"), fields.get("pid")
@@ -107,26 +149,76 @@ def _parse(key: str, value: object, pttl: object, prefix: str) -> HeldLock | Non
         state=fields.get("state"),
         node=node,
         pid=int(pid) if pid and pid.isdigit() else None,
-        ttl=None if pttl < 0 else pttl / 1000,
-        fence=int(fence),
+        ttl=None if pttl == -1 else pttl / 1000,
+        fence=fence,
         holder=holder,
+        waiters=waiters,
         token=token,
     )
 
 
 def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
-    """The locks among ``keys`` (GET and PTTL of each, in one round trip), in their order."""
-    with client.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.get(key)
-            pipe.pttl(key)
-        replies = pipe.execute(raise_on_error=False)  # GET of a key of another type fails: not a lock
-    found = []
-    for key, value, pttl in zip(keys, replies[::2], replies[1::2], strict=True):
-        lock = _parse(key, value, pttl, prefix)
-        if lock is not None:
-            found.append(lock)
-    return found
+    """The locks among ``keys``, in their order, each with its waiters.
+
+    Read by ``READ``, a read-only script, 500 keys a call (in a Cluster, per
+    hash slot).
+    """
+    batches = _slot_batches(client, [key for key in keys if _has_companions(key)])
+    found = {}
+    for batch, reply in zip(batches, _reads(client, batches), strict=True):
+        # a holder not in UTF-8 (a value written by hand) shows U+FFFD where it is not
+        reads = json.loads(reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply)
+        for key, (pttl, waiters, value) in zip(batch, reads, strict=True):
+            lock = _parse(key, pttl, waiters, value, prefix)
+            if lock is not None:
+                found[key] = lock
+    return [found[key] for key in keys if key in found]
+
+
+def _has_companions(key: str) -> bool:
+    """Whether ``key`` can be a lock: its companions can share its hash slot (``companion_key``)."""
+    if "}" not in key:
+        return True
+    try:
+        companion_key(key, "waiters")
+    except LockConfigurationError:
+        return False
+    return True
+
+
+def _slot_batches(client: Client, keys: Sequence[str]) -> list[list[str]]:
+    """``keys`` in ``READ`` calls of up to ``_BATCH`` keys, of one hash slot in a Cluster."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return [list(keys[i : i + _BATCH]) for i in range(0, len(keys), _BATCH)]
+    groups: dict[int, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key_slot(key.encode()), []).append(key)
+    return [group[i : i + _BATCH] for group in groups.values() for i in range(0, len(group), _BATCH)]
+
+
+def _reads(client: Client, batches: Sequence[Sequence[str]]) -> Iterator[Any]:
+    """``READ``'s reply to each of ``batches``, in order. A plain ``redis.Redis`` gets the
+    script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent before
+    their replies are read: the server runs those while the caller reads this one. Any other
+    client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
+    if not (type(client) is redis.Redis and client.connection is None and own_execute_command(client)):
+        for batch in batches:
+            yield READ(client, batch, [])
+        return
+    with pooled_connection(client) as connection:
+        encoding, errors = connection.encoder.encoding, connection.encoder.encoding_errors
+        calls = (READ.pack([bulk(key.encode(encoding, errors)) for key in batch], []) for batch in batches)
+        connection.send_packed_command(connection.pack_command("SCRIPT", "LOAD", READ.source))
+        connection.send_packed_command(list(itertools.islice(calls, _AHEAD)))
+        try:
+            connection.read_response()  # the script is loaded: no call can be refused with NOSCRIPT
+            for _ in batches:
+                reply = connection.read_response()
+                connection.send_packed_command(list(itertools.islice(calls, 1)))
+                yield reply
+        except redis.exceptions.ResponseError:
+            connection.disconnect()  # the replies to the later calls are left unread
+            raise
 
 
 def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:
@@ -142,28 +234,17 @@ def _glob_escape(text: str) -> str:
 def held_locks(client: Client, prefix: str, task: str | None = None) -> list[HeldLock]:
     """Every lock under ``{prefix}:`` (only ``task``'s, if given), sorted by key.
 
-    Keys are found with SCAN, so a large keyspace is walked without blocking
-    Redis; a lock taken or freed during the walk may be missed or included.
-    Companion keys (a lock's waiter queue and wake lists) are not locks.
+    Keys are found with SCAN (in a Cluster, on each primary), so a large
+    keyspace is walked without blocking Redis; a lock taken or freed during the
+    walk may be missed or included. Companion keys (a lock's waiter queue and
+    wake lists) are not locks.
     """
     pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
-    found: list[HeldLock] = []
-    for batch in _batches(client.scan_iter(match=pattern, count=1000), _BATCH):
-        found.extend(read_locks(client, batch, prefix))
+    keys = sorted({text(key) for key in client.scan_iter(match=pattern, count=1000)})
+    found = read_locks(client, keys, prefix)
     if task is not None:
         found = [lock for lock in found if lock.task == task]
-    return sorted(found, key=lambda lock: lock.key)
-
-
-def _batches(keys: Iterator[Any], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for key in keys:
-        batch.append(text(key))
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    return found
 
 
 def force_release(client: Client, lock: HeldLock, why: str) -> bool:

@@ -123,6 +123,7 @@ def test_list_shows_a_running_tasks_lock_with_its_holder(setup: Setup) -> None:
         "pid": child_pid,
         "fence": int(value.split(b":")[1]),
         "holder": value.decode().split(":", 2)[2],
+        "waiters": 0,
     }
     table = setup.cli("list").stdout
     header, line = table.splitlines()[0], next(line for line in table.splitlines() if key in line)
