@@ -1,0 +1,216 @@
+"""OpenTelemetry metrics and spans of the locks, and the fields of every log line.
+
+Optional: ``pip install celery-redislock[otel]`` installs opentelemetry-api
+only. Without it every hook here returns at once. With it, the instruments
+come from the global ``MeterProvider`` and ``TracerProvider``: the API's
+proxies, which do nothing until the application sets real providers (before
+or after importing this package) and then forward to them. So with no SDK
+configured a hook costs a function call and a test of an attribute.
+
+Metrics (attributes never hold a key, a digest or an argument):
+
+* ``redislock.lock.wait`` (s): a run's first acquire attempt to its outcome; task, mode, outcome;
+* ``redislock.lock.held`` (s): a run's acquisition to its release, park or settle; task, mode;
+* ``redislock.lock.acquisitions``: task, mode, outcome (``OUTCOMES``);
+* ``redislock.lock.lost``: task (``""`` for a ``RedisLock`` of your own), reason;
+* ``redislock.lock.renewals``: result, ``renewed`` or ``failed``, one per lease;
+* ``redislock.lock.crash_releases``: task; a dead pool child's lock the main process released.
+
+Spans ``redislock.acquire`` and ``redislock.release`` (task, mode, outcome,
+fence) surround a run's acquisition and release; they are children of the
+current span, the task's when Celery is instrumented.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+from typing import Any
+
+from celery.exceptions import Ignore, Retry
+
+from .exceptions import LockNotAcquired
+
+try:
+    from opentelemetry import metrics, trace
+except ImportError:  # the [otel] extra is not installed: every hook is a no-op
+    metrics = trace = None  # type: ignore[assignment]
+
+__all__ = [
+    "OUTCOMES",
+    "Acquisition",
+    "Release",
+    "counted",
+    "crash_released",
+    "log_fields",
+    "lost",
+    "renewals",
+]
+
+#: What a run, an enqueue or a beat slot's message came to (``redislock.lock.acquisitions``):
+#: ``acquired`` (the lock was free), ``busy-wait`` (held: waited, then took it), ``busy-skip``
+#: (held: skipped, or ignored as a redelivered or stale copy), ``busy-retry`` (held: retried
+#: later), ``busy-raise`` (held: ``LockNotAcquired``, also a wait that timed out),
+#: ``duplicate-refused`` (an enqueue refused), ``duplicate-replaced`` (an enqueue that replaces
+#: the queued one: no mode does yet, so it is never counted), ``slot-dropped`` (a beat slot's
+#: duplicate message dropped).
+OUTCOMES = (
+    "acquired",
+    "busy-wait",
+    "busy-skip",
+    "busy-retry",
+    "busy-raise",
+    "duplicate-refused",
+    "duplicate-replaced",
+    "slot-dropped",
+)
+#: Bucket bounds (seconds) of the two histograms: a millisecond to an hour.
+BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+#: What a busy policy raising this means (``Acquisition``).
+_RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise"}
+
+if metrics is not None:
+    _meter = metrics.get_meter("celery_redislock")
+    _tracer = trace.get_tracer("celery_redislock")
+    _wait = _meter.create_histogram(
+        "redislock.lock.wait",
+        unit="s",
+        description="From a run's first acquire attempt to its outcome",
+        explicit_bucket_boundaries_advisory=BOUNDS,
+    )
+    _held = _meter.create_histogram(
+        "redislock.lock.held",
+        unit="s",
+        description="From a run's acquisition to its release, park or settle",
+        explicit_bucket_boundaries_advisory=BOUNDS,
+    )
+    _acquisitions = _meter.create_counter(
+        "redislock.lock.acquisitions", description="Runs, enqueues and beat slots, by outcome"
+    )
+    _lost = _meter.create_counter("redislock.lock.lost", description="Locks lost while held")
+    _renewals = _meter.create_counter("redislock.lock.renewals", description="Lease renewals, by result")
+    _crash_releases = _meter.create_counter(
+        "redislock.lock.crash_releases",
+        description="Locks the worker's main process released after their pool child died",
+    )
+
+
+def log_fields(
+    key: str | None = None,
+    task_id: str | None = None,
+    holder: str | None = None,
+    fence: int | None = None,
+    outcome: str | None = None,
+) -> dict[str, Any]:
+    """The ``extra=`` of a log line: ``lock_key``, ``task_id``, ``holder``, ``fence`` and
+    ``outcome``, those that apply (a formatter reads them as record attributes)."""
+    fields = {"lock_key": key, "task_id": task_id, "holder": holder, "fence": fence, "outcome": outcome}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def counted(task: str, mode: str, outcome: str) -> None:
+    """An outcome decided without a wait (a duplicate refused, a slot dropped)."""
+    if metrics is not None:
+        _acquisitions.add(1, {"task": task, "mode": mode, "outcome": outcome})
+
+
+def lost(task: str, reason: str) -> None:
+    """A held lock was lost (``task``: ``""`` for a lock of no task)."""
+    if metrics is not None:
+        _lost.add(1, {"task": task, "reason": reason})
+
+
+def renewals(count: int, result: str) -> None:
+    """``count`` leases were ``renewed``, or their renewal ``failed``."""
+    if metrics is not None and count:
+        _renewals.add(count, {"result": result})
+
+
+def crash_released(task: str) -> None:
+    """The worker's main process released the lock of ``task``, whose pool child died."""
+    if metrics is not None:
+        _crash_releases.add(1, {"task": task})
+
+
+class Acquisition:
+    """A run's acquisition of ``lock``, from its first attempt to its outcome: the
+    ``redislock.acquire`` span, ``redislock.lock.wait`` and ``redislock.lock.acquisitions``.
+
+    The block sets ``busy`` once the lock was found held and ``taken`` to what it
+    decided; a busy policy's exception is an outcome too (``_RAISED``), any other
+    exception records none and marks the span failed.
+    """
+
+    __slots__ = ("busy", "lock", "mode", "span", "started", "taken", "task")
+
+    def __init__(self, task: str, mode: str, lock: Any) -> None:
+        self.task, self.mode, self.lock = task, mode, lock
+        self.busy = self.taken = False
+        self.span: Any = None
+
+    def __enter__(self) -> Acquisition:
+        self.started = time.monotonic()
+        if trace is not None:
+            self.span = _tracer.start_span(
+                "redislock.acquire", attributes={"task": self.task, "mode": self.mode}
+            )
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if trace is None:
+            return
+        if kind is None:
+            outcome: str | None = ("busy-wait" if self.busy else "acquired") if self.taken else "busy-skip"
+        else:
+            outcome = next((name for raised, name in _RAISED.items() if issubclass(kind, raised)), None)
+        _end(self.span, outcome, self.lock.fence if self.taken else None, exc)
+        if outcome is not None:
+            attributes = {"task": self.task, "mode": self.mode, "outcome": outcome}
+            _wait.record(time.monotonic() - self.started, attributes)
+            _acquisitions.add(1, attributes)
+
+
+class Release:
+    """The end of a run's hold of ``lock``: the ``redislock.release`` span and
+    ``redislock.lock.held``. The block sets ``outcome`` (``released``, ``parked``, ``settled``,
+    ``lost``, ``error``)."""
+
+    __slots__ = ("fence", "lock", "mode", "outcome", "span", "task")
+
+    def __init__(self, task: str, mode: str, lock: Any) -> None:
+        self.task, self.mode, self.lock = task, mode, lock
+        self.outcome: str | None = None
+        self.span: Any = None
+
+    def __enter__(self) -> Release:
+        self.fence = self.lock.fence
+        if trace is not None:
+            self.span = _tracer.start_span(
+                "redislock.release", attributes={"task": self.task, "mode": self.mode}
+            )
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if trace is None:
+            return
+        _end(self.span, self.outcome, self.fence, exc)
+        if self.outcome is not None:
+            _held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
+
+
+def _end(span: Any, outcome: str | None, fence: int | None, exc: BaseException | None) -> None:
+    """End ``span`` with its ``outcome`` and ``fence``; ``exc`` (not an outcome) fails it."""
+    if not span.is_recording():
+        return
+    if outcome is not None:
+        span.set_attribute("outcome", outcome)
+    if fence is not None:
+        span.set_attribute("fence", fence)
+    if exc is not None and outcome is None:
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, repr(exc)))
+    span.end()
