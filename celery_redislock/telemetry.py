@@ -39,6 +39,7 @@ except ImportError:  # the [otel] extra is not installed: every hook is a no-op
 __all__ = [
     "OUTCOMES",
     "Acquisition",
+    "Instruments",
     "Release",
     "counted",
     "crash_released",
@@ -69,30 +70,40 @@ BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 #: What a busy policy raising this means (``Acquisition``).
 _RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise"}
 
+
+class Instruments:
+    """The package's instruments, made by ``meter`` (names and units are what dashboards read)."""
+
+    def __init__(self, meter: Any) -> None:
+        self.wait = meter.create_histogram(
+            "redislock.lock.wait",
+            unit="s",
+            description="From a run's first acquire attempt to its outcome",
+            explicit_bucket_boundaries_advisory=BOUNDS,
+        )
+        self.held = meter.create_histogram(
+            "redislock.lock.held",
+            unit="s",
+            description="From a run's acquisition to its release, park or settle",
+            explicit_bucket_boundaries_advisory=BOUNDS,
+        )
+        self.acquisitions = meter.create_counter(
+            "redislock.lock.acquisitions", description="Runs, enqueues and beat slots, by outcome"
+        )
+        self.lost = meter.create_counter("redislock.lock.lost", description="Locks lost while held")
+        self.renewals = meter.create_counter(
+            "redislock.lock.renewals", description="Lease renewals, by result"
+        )
+        self.crash_releases = meter.create_counter(
+            "redislock.lock.crash_releases",
+            description="Locks the worker's main process released after their pool child died",
+        )
+
+
+# The API's proxies (no SDK, no state of this package's): they forward once the app sets providers.
 if metrics is not None:
-    _meter = metrics.get_meter("celery_redislock")
+    _on = Instruments(metrics.get_meter("celery_redislock"))
     _tracer = trace.get_tracer("celery_redislock")
-    _wait = _meter.create_histogram(
-        "redislock.lock.wait",
-        unit="s",
-        description="From a run's first acquire attempt to its outcome",
-        explicit_bucket_boundaries_advisory=BOUNDS,
-    )
-    _held = _meter.create_histogram(
-        "redislock.lock.held",
-        unit="s",
-        description="From a run's acquisition to its release, park or settle",
-        explicit_bucket_boundaries_advisory=BOUNDS,
-    )
-    _acquisitions = _meter.create_counter(
-        "redislock.lock.acquisitions", description="Runs, enqueues and beat slots, by outcome"
-    )
-    _lost = _meter.create_counter("redislock.lock.lost", description="Locks lost while held")
-    _renewals = _meter.create_counter("redislock.lock.renewals", description="Lease renewals, by result")
-    _crash_releases = _meter.create_counter(
-        "redislock.lock.crash_releases",
-        description="Locks the worker's main process released after their pool child died",
-    )
 
 
 def log_fields(
@@ -111,25 +122,25 @@ def log_fields(
 def counted(task: str, mode: str, outcome: str) -> None:
     """An outcome decided without a wait (a duplicate refused, a slot dropped)."""
     if metrics is not None:
-        _acquisitions.add(1, {"task": task, "mode": mode, "outcome": outcome})
+        _on.acquisitions.add(1, {"task": task, "mode": mode, "outcome": outcome})
 
 
 def lost(task: str, reason: str) -> None:
     """A held lock was lost (``task``: ``""`` for a lock of no task)."""
     if metrics is not None:
-        _lost.add(1, {"task": task, "reason": reason})
+        _on.lost.add(1, {"task": task, "reason": reason})
 
 
 def renewals(count: int, result: str) -> None:
     """``count`` leases were ``renewed``, or their renewal ``failed``."""
     if metrics is not None and count:
-        _renewals.add(count, {"result": result})
+        _on.renewals.add(count, {"result": result})
 
 
 def crash_released(task: str) -> None:
     """The worker's main process released the lock of ``task``, whose pool child died."""
     if metrics is not None:
-        _crash_releases.add(1, {"task": task})
+        _on.crash_releases.add(1, {"task": task})
 
 
 class Acquisition:
@@ -168,8 +179,8 @@ class Acquisition:
         _end(self.span, outcome, self.lock.fence if self.taken else None, exc)
         if outcome is not None:
             attributes = {"task": self.task, "mode": self.mode, "outcome": outcome}
-            _wait.record(time.monotonic() - self.started, attributes)
-            _acquisitions.add(1, attributes)
+            _on.wait.record(time.monotonic() - self.started, attributes)
+            _on.acquisitions.add(1, attributes)
 
 
 class Release:
@@ -199,7 +210,7 @@ class Release:
             return
         _end(self.span, self.outcome, self.fence, exc)
         if self.outcome is not None:
-            _held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
+            _on.held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
 
 
 def _end(span: Any, outcome: str | None, fence: int | None, exc: BaseException | None) -> None:
