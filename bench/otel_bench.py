@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,31 @@ def instrument() -> None:
     trace.set_tracer_provider(tracer_provider)
 
 
+def hook_cost_us(rounds: int = 100_000) -> float:
+    """Microseconds per run spent in the hooks a run calls (``Acquisition``, ``Release``), with
+    this process's providers (none is set here: the API's proxies, or no API at all)."""
+    from celery_redislock import telemetry
+
+    class Hold:  # what the hooks read of a held lock
+        fence, taken_at = 1, 0.0
+
+    hold, began = Hold(), time.perf_counter()
+    for _ in range(rounds):
+        with telemetry.Acquisition("bench", "while_executing", hold) as acquisition:
+            acquisition.taken = True
+        with telemetry.Release("bench", "while_executing", hold) as release:
+            release.outcome = "released"
+    return (time.perf_counter() - began) / rounds * 1e6
+
+
+def hook_cost_without_the_api_us() -> float:
+    """``hook_cost_us`` in a process where ``import opentelemetry`` fails, as without the extra."""
+    code = "import sys; sys.modules['opentelemetry'] = None; from otel_bench import hook_cost_us; "
+    code += "print(hook_cost_us())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
+    return float(done.stdout)
+
+
 def run(on: bool, tasks: int, concurrency: int, broker: Any, locks: Any) -> dict[str, Any]:
     """One task_bench run of LockedTask, with the SDK ``on`` in its worker or not."""
     from task_bench import run_once
@@ -69,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (default 2)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
+    hooks = {"no API": hook_cost_without_the_api_us(), "API, no provider": hook_cost_us()}
+    print("hooks per run: " + ", ".join(f"{cost:.2f}us ({where})" for where, cost in hooks.items()))
     load_before, started = os.getloadavg(), time.monotonic()
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with RedisServer() as broker, RedisServer() as locks:
@@ -94,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             **run_header(args),
             "duration_s": time.monotonic() - started,
             "ratio_on_to_off": ratio,
+            "hook_us_per_run": hooks,
             "pool_cpu_ms_per_task": pool_cpu,
             "load_average": {"before": load_before, "after": load_after},
             "runs": runs,

@@ -23,9 +23,10 @@ current span, the task's when Celery is instrumented.
 
 from __future__ import annotations
 
+import abc
 import time
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from celery.exceptions import Ignore, Retry
 
@@ -143,7 +144,47 @@ def crash_released(task: str) -> None:
         _on.crash_releases.add(1, {"task": task})
 
 
-class Acquisition:
+_Step_ = TypeVar("_Step_", bound="_Step")
+
+
+class _Step(abc.ABC):
+    """A step of a run's hold of ``lock`` (its task's name ``task``, its ``mode``): the span
+    ``NAME``, ended with the step's outcome (``_outcome_of``; ``None``: the exception the block
+    raised fails the span) and the hold's fence; then its metrics (``_record``)."""
+
+    NAME = ""
+    __slots__ = ("fence", "lock", "mode", "span", "started", "task")
+
+    def __init__(self, task: str, mode: str, lock: Any) -> None:
+        self.task, self.mode, self.lock = task, mode, lock
+        self.span: Any = None
+
+    def __enter__(self: _Step_) -> _Step_:
+        self.started, self.fence = time.monotonic(), self.lock.fence
+        if trace is not None:
+            self.span = _tracer.start_span(self.NAME, attributes={"task": self.task, "mode": self.mode})
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if trace is None:
+            return
+        outcome = self._outcome_of(kind)
+        _end(self.span, outcome, self.fence if self.lock.fence is None else self.lock.fence, exc)
+        if outcome is not None:
+            self._record(outcome)
+
+    @abc.abstractmethod
+    def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
+        """What the step came to, the block having raised ``kind`` (``None``: returned)."""
+
+    @abc.abstractmethod
+    def _record(self, outcome: str) -> None:
+        """Record the step's metrics."""
+
+
+class Acquisition(_Step):
     """A run's acquisition of ``lock``, from its first attempt to its outcome: the
     ``redislock.acquire`` span, ``redislock.lock.wait`` and ``redislock.lock.acquisitions``.
 
@@ -152,65 +193,41 @@ class Acquisition:
     exception records none and marks the span failed.
     """
 
-    __slots__ = ("busy", "lock", "mode", "span", "started", "taken", "task")
+    NAME = "redislock.acquire"
+    __slots__ = ("busy", "taken")
 
     def __init__(self, task: str, mode: str, lock: Any) -> None:
-        self.task, self.mode, self.lock = task, mode, lock
+        super().__init__(task, mode, lock)
         self.busy = self.taken = False
-        self.span: Any = None
 
-    def __enter__(self) -> Acquisition:
-        self.started = time.monotonic()
-        if trace is not None:
-            self.span = _tracer.start_span(
-                "redislock.acquire", attributes={"task": self.task, "mode": self.mode}
-            )
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if trace is None:
-            return
+    def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
         if kind is None:
-            outcome: str | None = ("busy-wait" if self.busy else "acquired") if self.taken else "busy-skip"
-        else:
-            outcome = next((name for raised, name in _RAISED.items() if issubclass(kind, raised)), None)
-        _end(self.span, outcome, self.lock.fence if self.taken else None, exc)
-        if outcome is not None:
-            attributes = {"task": self.task, "mode": self.mode, "outcome": outcome}
-            _on.wait.record(time.monotonic() - self.started, attributes)
-            _on.acquisitions.add(1, attributes)
+            return ("busy-wait" if self.busy else "acquired") if self.taken else "busy-skip"
+        return next((name for raised, name in _RAISED.items() if issubclass(kind, raised)), None)
+
+    def _record(self, outcome: str) -> None:
+        attributes = {"task": self.task, "mode": self.mode, "outcome": outcome}
+        _on.wait.record(time.monotonic() - self.started, attributes)
+        _on.acquisitions.add(1, attributes)
 
 
-class Release:
+class Release(_Step):
     """The end of a run's hold of ``lock``: the ``redislock.release`` span and
     ``redislock.lock.held``. The block sets ``outcome`` (``released``, ``parked``, ``settled``,
     ``lost``, ``error``)."""
 
-    __slots__ = ("fence", "lock", "mode", "outcome", "span", "task")
+    NAME = "redislock.release"
+    __slots__ = ("outcome",)
 
     def __init__(self, task: str, mode: str, lock: Any) -> None:
-        self.task, self.mode, self.lock = task, mode, lock
+        super().__init__(task, mode, lock)
         self.outcome: str | None = None
-        self.span: Any = None
 
-    def __enter__(self) -> Release:
-        self.fence = self.lock.fence
-        if trace is not None:
-            self.span = _tracer.start_span(
-                "redislock.release", attributes={"task": self.task, "mode": self.mode}
-            )
-        return self
+    def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
+        return self.outcome
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if trace is None:
-            return
-        _end(self.span, self.outcome, self.fence, exc)
-        if self.outcome is not None:
-            _on.held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
+    def _record(self, outcome: str) -> None:
+        _on.held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
 
 
 def _end(span: Any, outcome: str | None, fence: int | None, exc: BaseException | None) -> None:
