@@ -219,7 +219,7 @@ class Execution:
 
     def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
-        ``"parked"``, ``"lost"`` (taken over: usually adopted by the retry already), ``"error"``."""
+        ``"parked"``, ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
         ttl = self.options.queue_ttl + delay
         queued = holder_for(self.task_id, self.retries + 1, socket.gethostname(), os.getpid(), "queued")
         current = lock.holder or ""
@@ -247,9 +247,9 @@ class Execution:
             self.task.name,
             self.task_id,
             lock.name,
-            extra={**fields, "outcome": "lost"},
+            extra={**fields, "outcome": "taken-over"},
         )
-        return "lost"
+        return "taken-over"
 
     def _settle(self, lock: ExecutionLock) -> bool:
         """Keep ``lock`` for ``lock_period`` after it was taken; ``False``: it is to be released now."""

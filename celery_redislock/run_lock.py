@@ -152,7 +152,7 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
     """
     if not lock.held():
         return None
-    fence, fields = lock.fence, telemetry.log_fields(lock.name, task_id, lock.holder, lock.fence)
+    fence = lock.fence
     try:
         lock.release()
     except LockNotOwned:
@@ -164,7 +164,7 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
             task.name,
             task_id,
             lock.name,
-            extra={**fields, "outcome": "lost"},
+            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "lost"),
         )
         return "lost"
     except redis.RedisError as exc:
@@ -174,7 +174,7 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
             task_id,
             lock.name,
             exc,
-            extra={**fields, "outcome": "error"},
+            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "error"),
         )
         return "error"
     if announce:

@@ -213,8 +213,9 @@ class Acquisition(_Step):
 
 class Release(_Step):
     """The end of a run's hold of ``lock``: the ``redislock.release`` span and
-    ``redislock.lock.held``. The block sets ``outcome`` (``released``, ``parked``, ``settled``,
-    ``lost``, ``error``)."""
+    ``redislock.lock.held``. The block sets ``outcome``: ``released``, ``parked`` (for a retry),
+    ``settled`` (kept for ``lock_period``), ``taken-over`` (a park that found the retry holding
+    it), ``lost``, ``error``; ``None`` (not held) records no metric."""
 
     NAME = "redislock.release"
     __slots__ = ("outcome",)
