@@ -176,9 +176,11 @@ def test_busy_and_duplicate_outcomes_are_counted_and_signalled(
 
 
 def test_a_lost_lock_and_its_renewals_are_counted(otel: Otel, fresh_server: RedisServer, prefix: str) -> None:
-    """A ``RedisLock`` of no task: its loss counts with ``task=""``; each renewal counts once."""
+    """A ``RedisLock`` of no task: its loss counts with ``task=""``; each renewal counts once, the
+    one that found the lock gone as failed."""
     lost = otel.count("redislock.lock.lost", task="", reason="not owned")
     renewed = otel.count("redislock.lock.renewals", result="renewed")
+    failed = otel.count("redislock.lock.renewals", result="failed")
     client = fresh_server.client()
     lock = RedisLock(client, f"{prefix}:lock", ttl=0.6)
     assert lock.acquire(blocking=False)
@@ -188,7 +190,34 @@ def test_a_lost_lock_and_its_renewals_are_counted(otel: Otel, fresh_server: Redi
     wait_for(
         lambda: otel.count("redislock.lock.lost", task="", reason="not owned") == lost + 1, what="the loss"
     )
+    assert (
+        otel.count("redislock.lock.renewals", result="failed") == failed + 1
+    )  # the renewal that found it gone
     client.close()
+
+
+def test_a_task_lock_lost_counts_once_under_its_task(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """Lost while the body runs: counted by the watchdog under the task's name, not again by the
+    release that then finds it gone (whose span says ``lost``)."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_ttl=0.6)
+    task, client = app.tasks["taskapp.hold_skip"], fresh_server.client()
+    lost = {"task": task.name, "reason": "not owned"}
+    before = otel.count("redislock.lock.lost", **lost)
+    with threads_worker(app):
+        result = task.delay("w", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the run to start")
+        client.delete(task_lock_key(task, ("w",), {"gate": True}))
+        wait_for(lambda: otel.count("redislock.lock.lost", **lost) == before + 1, what="the loss")
+        recorder(app).open_gate("w")
+        assert result.get(timeout=30) == "w"
+    assert otel.count("redislock.lock.lost", **lost) == before + 1
+    assert otel.count("redislock.lock.lost", task=task.name, reason="not owned at release") == 0
+    [release] = spans_named(otel, "redislock.release")
+    assert release.attributes is not None and release.attributes["outcome"] == "lost"
+    client.close()
+    app.close()
 
 
 def test_every_log_line_carries_its_fields(
