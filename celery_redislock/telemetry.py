@@ -4,8 +4,9 @@ Optional: ``pip install celery-redislock[otel]`` installs opentelemetry-api
 only. Without it every hook here returns at once. With it, the instruments
 come from the global ``MeterProvider`` and ``TracerProvider``: the API's
 proxies, which do nothing until the application sets real providers (before
-or after importing this package) and then forward to them. So with no SDK
-configured a hook costs a function call and a test of an attribute.
+or after importing this package) and then forward to them. With no SDK
+configured the hooks of a run cost about 5 µs, 1.6 µs without the API
+(``bench/otel_bench.py``).
 
 Metrics (attributes never hold a key, a digest or an argument):
 

@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY, generate_latest
 
-from celery_redislock import RedisLock, signals, task_lock_key, telemetry
+from celery_redislock import RedisLock, busy, signals, task_lock_key, telemetry
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
 from tests.taskapp import make_app, recorder
@@ -276,6 +276,10 @@ def test_the_dashboard_queries_only_metrics_the_package_exports() -> None:
     exported = exported_names()
     assert queried and queried <= exported, queried - exported
     assert {"redislock_lock_wait_seconds_bucket", "redislock_lock_lost_total"} <= queried
+
+
+def test_the_busy_policies_outcomes_are_telemetry_outcomes() -> None:
+    assert set(busy.OUTCOMES.values()) <= set(telemetry.OUTCOMES)
 
 
 def test_log_fields_are_those_that_apply() -> None:
