@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio
 
+from . import telemetry
 from ._durations import Duration, to_ms
 from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
@@ -65,7 +66,11 @@ async def _to_the_end(awaitable: Awaitable[T]) -> T:
             break  # the outcome is the task's, read below
     if cancelled:
         if not task.cancelled() and task.exception() is not None:
-            logger.warning("interrupted Redis call failed: %r", task.exception())
+            logger.warning(
+                "interrupted Redis call failed: %r",
+                task.exception(),
+                extra=telemetry.log_fields(outcome="error"),
+            )
         raise asyncio.CancelledError
     return task.result()
 
@@ -153,7 +158,12 @@ class AsyncRedisLock(LockCore):
         try:
             await RELEASE.call_async(self.client, self._keys, [token, member])
         except Exception as exc:
-            logger.warning("lock %r: could not leave the waiter queue: %s", self.name, exc)
+            logger.warning(
+                "lock %r: could not leave the waiter queue: %s",
+                self.name,
+                exc,
+                extra=telemetry.log_fields(self.name, outcome="error"),
+            )
 
     async def release(self) -> None:
         """Lower the hold count; at zero, free the key, owner-checked (see ``RedisLock.release``)."""
@@ -282,7 +292,10 @@ class _AsyncWatchdog(LeaseSet):
                     finally:
                         await self._land(due)  # also when renewing failed unexpectedly
                 except Exception:  # the task must survive anything
-                    logger.exception("celery-redislock async watchdog: unexpected error; carrying on")
+                    logger.exception(
+                        "celery-redislock async watchdog: unexpected error; carrying on",
+                        extra=telemetry.log_fields(outcome="error"),
+                    )
                     await asyncio.sleep(0.1)
         finally:
             self._task = None
@@ -306,7 +319,12 @@ class _AsyncWatchdog(LeaseSet):
             renewal = RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
             not_owned = await asyncio.wait_for(renewal, batch[0].interval / 2)
         except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
-            logger.warning("celery-redislock async watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
+            logger.warning(
+                "celery-redislock async watchdog: renewing %d lock(s) failed: %r",
+                len(batch),
+                exc,
+                extra=telemetry.log_fields(outcome="renewal-failed"),
+            )
             return failed_renewal(batch, exc)
         return renewed(batch, ttl_ms, sent_at, not_owned)
 

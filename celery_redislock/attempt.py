@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ._durations import Duration, seconds, to_ms
 from .exceptions import LockConfigurationError, LockLost, LockNotOwned
 from .protocol import parse_value, text
+from .telemetry import log_fields
 
 if TYPE_CHECKING:
     import asyncio
@@ -219,7 +220,11 @@ def ending_block(name: str, exc: BaseException | None) -> Iterator[None]:
     except LockNotOwned:
         if exc is None:
             raise
-        logger.warning("lock %r was not held any more when its with-block raised", name)
+        logger.warning(
+            "lock %r was not held any more when its with-block raised",
+            name,
+            extra=log_fields(name, outcome="lost"),
+        )
 
 
 class LockCore:

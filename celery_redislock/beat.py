@@ -87,6 +87,7 @@ from .keys import leader_key, slot_key
 from .lock import RedisLock
 from .protocol import BEAT_HEADER, text
 from .state import app_state
+from .telemetry import log_fields
 
 __all__ = ["CLOCK_TOLERANCE", "OPTION", "BeatGuard", "Leadership", "Slot", "connect", "guard", "slot_of"]
 
@@ -223,17 +224,34 @@ class Leadership:
                 leader = candidate.busy[0]
                 if leader != self._seen:
                     self._seen = leader
-                    logger.info("%s: standing by; the leader is %s (lock %s)", self.holder, leader, self.key)
+                    logger.info(
+                        "%s: standing by; the leader is %s (lock %s)",
+                        self.holder,
+                        leader,
+                        self.key,
+                        extra=log_fields(self.key, holder=leader, outcome="standby"),
+                    )
                 leads = candidate.acquire(timeout=self.ttl)
         except redis.RedisError as exc:
             logger.warning(
-                "%s: cannot reach Redis at %s for the leader lock %s: %s", self.holder, url, self.key, exc
+                "%s: cannot reach Redis at %s for the leader lock %s: %s",
+                self.holder,
+                url,
+                self.key,
+                exc,
+                extra=log_fields(self.key, holder=self.holder, outcome="error"),
             )
             return self.ttl / 3
         if not leads:
             return 0.0
         self.lock, self._seen = candidate, None
-        logger.info("%s: leads (lock %s, lease %gs)", self.holder, self.key, self.ttl)
+        logger.info(
+            "%s: leads (lock %s, lease %gs)",
+            self.holder,
+            self.key,
+            self.ttl,
+            extra=log_fields(self.key, holder=self.holder, fence=candidate.fence, outcome="leads"),
+        )
         return None
 
     def still_leads(self) -> bool:
@@ -254,7 +272,13 @@ class Leadership:
             except LockNotOwned:
                 pass
             except redis.RedisError as exc:  # cannot tell: send nothing, the watchdog decides
-                logger.warning("%s: cannot confirm the leader lock %s: %s", self.holder, self.key, exc)
+                logger.warning(
+                    "%s: cannot confirm the leader lock %s: %s",
+                    self.holder,
+                    self.key,
+                    exc,
+                    extra=log_fields(self.key, holder=self.holder, outcome="error"),
+                )
                 return False
         self.step_down("the lock was lost: expired or taken over")
         return False
@@ -262,7 +286,10 @@ class Leadership:
     def step_down(self, why: str) -> None:
         self.lock = None
         logger.warning(
-            "%s: stepped down as beat leader (%s); sends nothing until it leads again", self.holder, why
+            "%s: stepped down as beat leader (%s); sends nothing until it leads again",
+            self.holder,
+            why,
+            extra=log_fields(self.key, holder=self.holder, outcome="stepped-down"),
         )
 
     def resign(self) -> None:
@@ -278,9 +305,15 @@ class Leadership:
                 self.holder,
                 self.key,
                 exc,
+                extra=log_fields(self.key, holder=self.holder, outcome="error"),
             )
         else:
-            logger.info("%s: resigned as beat leader (lock %s released)", self.holder, self.key)
+            logger.info(
+                "%s: resigned as beat leader (lock %s released)",
+                self.holder,
+                self.key,
+                extra=log_fields(self.key, holder=self.holder, outcome="resigned"),
+            )
 
 
 class BeatGuard:
@@ -327,7 +360,10 @@ class BeatGuard:
         opt-in or schedule is invalid (beat logs it and sends nothing).
         """
         if self.leader is not None and not self.leader.still_leads():
-            logger.info("%s: entry %r not sent: this beat does not lead", self.holder, entry.name)
+            fields = log_fields(holder=self.holder, outcome="not-leader")
+            logger.info(
+                "%s: entry %r not sent: this beat does not lead", self.holder, entry.name, extra=fields
+            )
             return self._not_sent(entry, advance)
         opted = self._opted_in(entry)
         if opted is False:
@@ -337,7 +373,13 @@ class BeatGuard:
         except LockConfigurationError as exc:
             if opted:
                 raise LockConfigurationError(f"beat entry {entry.name!r}: {exc}") from None
-            logger.debug("%s: entry %r sent without a slot: %s", self.holder, entry.name, exc)
+            logger.debug(
+                "%s: entry %r sent without a slot: %s",
+                self.holder,
+                entry.name,
+                exc,
+                extra=log_fields(holder=self.holder, outcome="no-slot"),
+            )
             return self._apply_async(entry, producer, advance, **kwargs)
         header = {
             "entry": entry.name,
@@ -389,7 +431,11 @@ class BeatGuard:
             where = f"beat entry {entry!r}: could not claim slot {slot} in Redis at {url}: {exc}"
             if self.on_error == "fail":
                 raise RedisLockError(where) from exc
-            logger.warning("%s; sending it unclaimed (redislock_on_error='run')", where)
+            logger.warning(
+                "%s; sending it unclaimed (redislock_on_error='run')",
+                where,
+                extra=log_fields(header["key"], holder=self.holder, outcome="unclaimed"),
+            )
             header["claimed"] = False
             return True
         if isinstance(reply, int):
@@ -399,6 +445,7 @@ class BeatGuard:
                 header["entry"],
                 header["slot"],
                 header["key"],
+                extra=log_fields(header["key"], holder=self.holder, outcome="slot-claimed"),
             )
             return True
         logger.info(
@@ -408,6 +455,7 @@ class BeatGuard:
             header["slot"],
             text(reply),
             header["key"],
+            extra=log_fields(header["key"], holder=text(reply), outcome="slot-dropped"),
         )
         return False
 
@@ -416,7 +464,13 @@ class BeatGuard:
             client, _ = client_for(self.app)
             free_ticket(client, (header["key"], header["token"]))
         except redis.RedisError as exc:
-            logger.warning("%s: could not free slot marker %s: %s", self.holder, header["key"], exc)
+            logger.warning(
+                "%s: could not free slot marker %s: %s",
+                self.holder,
+                header["key"],
+                exc,
+                extra=log_fields(header["key"], holder=self.holder, outcome="error"),
+            )
 
     def _not_sent(self, entry: Any, advance: bool) -> None:
         """Nothing sent; the entry still moves on to its next run, as a send would have moved it."""

@@ -22,7 +22,7 @@ from typing import Any, Protocol, cast
 
 from celery.exceptions import Ignore, Retry
 
-from . import signals
+from . import signals, telemetry
 from ._durations import to_ms
 from ._scripts import RENEW
 from .config import LockOptions
@@ -30,7 +30,7 @@ from .exceptions import LockNotAcquired
 from .protocol import parse_holder, request_ticket
 from .run_lock import ExecutionLock, acquired, adopt, release
 
-__all__ = ["POLICIES", "BusyPolicy", "Found", "policy_for", "when_busy"]
+__all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "when_busy"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ class Found:
     kwargs: Any
     holder: str | None
     ttl: float | None
+    #: monotonic time of the run's first acquire attempt
+    started: float
 
     @property
     def task_id(self) -> str | None:
@@ -55,7 +57,11 @@ class Found:
 
     def took(self) -> bool:
         """The run holds ``lock`` now."""
-        return acquired(self.task, self.lock, self.task_id)
+        return acquired(self.task, self.lock, self.task_id, self.started)
+
+    def log_fields(self, outcome: str) -> dict[str, Any]:
+        """The ``extra=`` of a log line about this run and ``outcome``."""
+        return telemetry.log_fields(self.lock.name, self.task_id, self.holder, outcome=outcome)
 
 
 class BusyPolicy(Protocol):
@@ -64,9 +70,17 @@ class BusyPolicy(Protocol):
 
 
 def when_busy(found: Found) -> bool:
-    """Apply the policy for ``found`` (``lock_busy``, after the overrides of ``policy_for``)."""
-    signals.lock_busy.send(sender=found.task, key=found.lock.name, task_id=found.task_id, holder=found.holder)
-    return policy_for(found)(found)
+    """Apply the policy for ``found`` (``lock_busy``, after the overrides of ``policy_for``); the
+    ``lock_busy`` signal's ``outcome`` is the policy's (``OUTCOMES``: ``busy-wait`` for an override)."""
+    policy = policy_for(found)
+    signals.lock_busy.send(
+        sender=found.task,
+        key=found.lock.name,
+        task_id=found.task_id,
+        holder=found.holder,
+        outcome=OUTCOMES.get(policy, "busy-wait"),
+    )
+    return policy(found)
 
 
 def policy_for(found: Found) -> BusyPolicy:
@@ -100,6 +114,7 @@ def _skip(found: Found) -> bool:
         found.lock.name,
         parse_holder(found.holder).get("task"),
         found.holder,
+        extra=found.log_fields("busy-skip"),
     )
     return False
 
@@ -116,6 +131,7 @@ def _retry(found: Found) -> bool:
         delay,
         lock.name,
         parse_holder(found.holder).get("task"),
+        extra=found.log_fields("busy-retry"),
     )
     signature = task.signature_from_request(
         request, found.args, found.kwargs, countdown=delay, retries=request.retries
@@ -152,6 +168,7 @@ def _stale_copy(found: Found) -> bool:
         found.task.name,
         found.task_id,
         found.lock.name,
+        extra=found.log_fields("busy-skip"),
     )
     raise Ignore()
 
@@ -167,9 +184,15 @@ def _redelivered(found: Found) -> bool:
             task.name,
             found.task_id,
             found.lock.name,
+            extra=found.log_fields("busy-wait"),
         )
         return found.took()
-    logger.info("task %s[%s]: redelivered while its first delivery runs; ignored", task.name, found.task_id)
+    logger.info(
+        "task %s[%s]: redelivered while its first delivery runs; ignored",
+        task.name,
+        found.task_id,
+        extra=found.log_fields("busy-skip"),
+    )
     raise Ignore()
 
 
@@ -219,3 +242,16 @@ class AdoptParked:
                 return found.took()
             holder, ttl = busy[0], max(busy[1], 0) / 1000
         raise LockNotAcquired(lock.name, holder, ttl)
+
+
+#: A policy -> the outcome it goes for (``telemetry.OUTCOMES``); the others (``_redelivered``,
+#: ``AdoptParked``) wait.
+OUTCOMES: Mapping[BusyPolicy, str] = MappingProxyType(
+    {
+        _skip: "busy-skip",
+        _retry: "busy-retry",
+        _wait: "busy-wait",
+        _raise: "busy-raise",
+        _stale_copy: "busy-skip",
+    }
+)

@@ -28,6 +28,7 @@ import redis.sentinel
 from .config import URL_SCHEMES, app_settings
 from .exceptions import LockConfigurationError
 from .state import app_state
+from .telemetry import log_fields
 
 __all__ = ["DEFAULT_URL", "client_for", "lock_url", "masked", "redis_client"]
 
@@ -151,5 +152,10 @@ def client_for(app: Any) -> tuple[Client, str]:
     client = redis_client(url, transport_options, **options)
     safe_url = masked(url)
     state.client = (os.getpid(), client, safe_url)
-    logger.info("celery-redislock: locks in Redis at %s (from %s)", safe_url, source)
+    logger.info(
+        "celery-redislock: locks in Redis at %s (from %s)",
+        safe_url,
+        source,
+        extra=log_fields(outcome="connected"),
+    )
     return client, safe_url

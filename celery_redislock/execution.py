@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from . import signals
+from . import signals, telemetry
 from ._durations import to_ms
 from ._task_scripts import CLAIM, PARK, SETTLE
 from .busy import Found, when_busy
@@ -99,6 +99,7 @@ class Execution:
                 options.ttl,
                 holder_for(self.task_id, self.retries, self.node, os.getpid()),
                 settings,
+                task_name=task.name,
                 raise_on_lost=options.on_lost != "log",
                 stop_child=self._stops_child(),
             )
@@ -124,7 +125,11 @@ class Execution:
             )
             if self.settings.on_error == "fail":
                 raise RedisLockError(where) from exc
-            logger.warning("%s; running unlocked (redislock_on_error='run')", where)
+            logger.warning(
+                "%s; running unlocked (redislock_on_error='run')",
+                where,
+                extra=telemetry.log_fields(self.key, self.task_id, outcome="unlocked"),
+            )
             self.lock = None
             return True
 
@@ -153,22 +158,30 @@ class Execution:
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
         ``False`` to skip the body; raises for ``raise``, ``retry``, a timed-out ``wait``."""
-        ticket = self.ticket
+        with telemetry.Acquisition(self.task.name, self.options.mode, lock) as acquisition:
+            acquisition.taken = self._take(lock, acquisition)
+        return acquisition.taken
+
+    def _take(self, lock: ExecutionLock, acquisition: telemetry.Acquisition) -> bool:
+        ticket, started = self.ticket, acquisition.started
         if self.options.rules.adopts_ticket and ticket is not None and ticket[0] == lock.name:
             busy = adopt(lock, ticket[1])
             if busy is None:
-                return acquired(self.task, lock, self.task_id)
+                return acquired(self.task, lock, self.task_id, started)
             if busy[1] != -2:  # held, not for this message: busy (gone: take it afresh below)
-                return self.when_busy(lock, busy[0], max(busy[1], 0) / 1000)
+                acquisition.busy = True
+                return self.when_busy(lock, started, busy[0], max(busy[1], 0) / 1000)
         if lock.acquire(blocking=False):
-            return acquired(self.task, lock, self.task_id)
-        return self.when_busy(lock, *lock.busy)
+            return acquired(self.task, lock, self.task_id, started)
+        acquisition.busy = True
+        return self.when_busy(lock, started, *lock.busy)
 
-    def when_busy(self, lock: ExecutionLock, holder: str | None, ttl: float | None) -> bool:
+    def when_busy(self, lock: ExecutionLock, started: float, holder: str | None, ttl: float | None) -> bool:
         """``lock`` is held by ``holder``: apply ``lock_busy`` (``celery_redislock.busy``)."""
-        return when_busy(
-            Found(self.task, self.options, lock, self.request, self.args, self.kwargs, holder, ttl)
+        found = Found(
+            self.task, self.options, lock, self.request, self.args, self.kwargs, holder, ttl, started
         )
+        return when_busy(found)
 
     def body(self) -> AbstractContextManager[None]:
         """The block the body runs in (``ExecutionLock.body``)."""
@@ -194,18 +207,23 @@ class Execution:
             return
         retry = getattr(lock.request, "lock_retry", None)
         rules = self.options.rules
-        if rules.parks_for_retry and retry is not None and retry[0] == lock.name and lock.held():
-            self._park(lock, retry[1], retry[2])
-        elif not (rules.settles and self.options.period is not None and lock.held() and self._settle(lock)):
-            release(self.task, lock, self.task_id)
+        with telemetry.Release(self.task.name, self.options.mode, lock) as ending:
+            if rules.parks_for_retry and retry is not None and retry[0] == lock.name and lock.held():
+                ending.outcome = self._park(lock, retry[1], retry[2])
+            elif rules.settles and self.options.period is not None and lock.held() and self._settle(lock):
+                ending.outcome = "settled"
+            else:
+                ending.outcome = release(self.task, lock, self.task_id)
         if self.task_id is not None:  # only once let go: an interrupted release is task_postrun's
             self.running.pop(threading.get_ident(), None)
 
-    def _park(self, lock: ExecutionLock, token: str, delay: float) -> None:
-        """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s)."""
+    def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
+        """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
+        ``"parked"``, ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
         ttl = self.options.queue_ttl + delay
         queued = holder_for(self.task_id, self.retries + 1, socket.gethostname(), os.getpid(), "queued")
         current = lock.holder or ""
+        fields = telemetry.log_fields(lock.name, self.task_id, current, lock.fence)
         try:
             parked = PARK(
                 lock.client, [lock.name], [lock.stop_renewing(), current, token, queued, to_ms(ttl)]
@@ -217,17 +235,21 @@ class Execution:
                 self.task_id,
                 lock.name,
                 exc,
+                extra={**fields, "outcome": "error"},
             )
-            return
+            return "error"
         finally:
             lock.forget()
-        if not int(parked):
-            logger.info(  # usually the retry already adopted it; else it was lost
-                "task %s[%s]: lock %s was already taken over at its retry",
-                self.task.name,
-                self.task_id,
-                lock.name,
-            )
+        if int(parked):
+            return "parked"
+        logger.info(  # usually the retry already adopted it; else it was lost
+            "task %s[%s]: lock %s was already taken over at its retry",
+            self.task.name,
+            self.task_id,
+            lock.name,
+            extra={**fields, "outcome": "taken-over"},
+        )
+        return "taken-over"
 
     def _settle(self, lock: ExecutionLock) -> bool:
         """Keep ``lock`` for ``lock_period`` after it was taken; ``False``: it is to be released now."""
@@ -236,7 +258,12 @@ class Execution:
             left = int(SETTLE(lock.client, [lock.name], [lock.stop_renewing(), to_ms(self.options.period)]))
         except redis.RedisError as exc:
             logger.warning(
-                "task %s[%s]: could not keep lock %s: %s", self.task.name, self.task_id, lock.name, exc
+                "task %s[%s]: could not keep lock %s: %s",
+                self.task.name,
+                self.task_id,
+                lock.name,
+                exc,
+                extra=telemetry.log_fields(lock.name, self.task_id, lock.holder, lock.fence, "error"),
             )
             lock.forget()
             return True
@@ -264,6 +291,7 @@ class Execution:
                 "not one (threads, solo, gevent or eventlet pool, or a direct call): a lost lock "
                 "raises LockLost instead, as with lock_on_lost='raise'",
                 self.task.name,
+                extra=telemetry.log_fields(self.key, self.task_id),
             )
         return False
 
@@ -275,7 +303,12 @@ class Execution:
         """
         try:
             if not free_ticket(self.client, ticket):
-                logger.debug("task %s[%s]: its enqueue lock had already gone", self.task.name, self.task_id)
+                logger.debug(
+                    "task %s[%s]: its enqueue lock had already gone",
+                    self.task.name,
+                    self.task_id,
+                    extra=telemetry.log_fields(ticket[0], self.task_id),
+                )
         except BaseException:
             if lock is not None:
                 release(self.task, lock, self.task_id)
@@ -288,6 +321,7 @@ class Execution:
                     self.task_id,
                     ticket[0],
                     exc,
+                    extra=telemetry.log_fields(ticket[0], self.task_id, outcome="error"),
                 )
             raise
 
@@ -308,6 +342,7 @@ class Execution:
                 slot["slot"],
                 slot["entry"],
                 slot.get("beat"),
+                extra=telemetry.log_fields(slot["key"], self.task_id, holder, outcome="slot-run"),
             )
             return True
         other = text(reply)
@@ -319,7 +354,9 @@ class Execution:
             slot["entry"],
             other,
             slot["key"],
+            extra=telemetry.log_fields(slot["key"], self.task_id, other, outcome="slot-dropped"),
         )
+        telemetry.counted(self.task.name, self.options.mode, "slot-dropped")
         signals.task_deduplicated.send(
             sender=self.task, key=slot["key"], existing_task_id=parse_holder(other).get("task")
         )

@@ -30,6 +30,7 @@ from .connection import Client
 from .exceptions import LockConfigurationError
 from .modes import QUEUED_SUFFIXES
 from .protocol import parse_holder, parse_value, text
+from .telemetry import log_fields
 
 __all__ = [
     "HeldLock",
@@ -256,7 +257,12 @@ def force_release(client: Client, lock: HeldLock, why: str) -> bool:
     released = free_ticket(client, (lock.key, lock.token))
     if released:
         logger.warning(
-            "lock %s force-released (%s); it was held by %s, fence %d", lock.key, why, lock.holder, lock.fence
+            "lock %s force-released (%s); it was held by %s, fence %d",
+            lock.key,
+            why,
+            lock.holder,
+            lock.fence,
+            extra=log_fields(lock.key, None, lock.holder, lock.fence, "force-released"),
         )
     return released
 

@@ -31,6 +31,7 @@ from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
 from .primitive import LeaseLock
 from .redlock import Redlock
+from .telemetry import log_fields
 from .watchdog import Lease
 
 __all__ = ["MAX_TTL", "MIN_WATCHDOG_TTL", "OneServer", "RedisLock", "companion_key"]
@@ -148,7 +149,12 @@ class OneServer:
         try:
             RELEASE(self.client, self._keys, [token, member])
         except Exception as exc:
-            logger.warning("lock %r: could not leave the waiter queue: %s", self.name, exc)
+            logger.warning(
+                "lock %r: could not leave the waiter queue: %s",
+                self.name,
+                exc,
+                extra=log_fields(self.name, outcome="error"),
+            )
 
     def free(self, token: str) -> bool:
         """Release ``token``'s hold, owner-checked; whether ``token`` held the lock.

@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 from ._durations import Duration
 from .attempt import Attempt, LockCore, ending_block, lease_seconds, waiter_member
 from .exceptions import LockNotAcquired, LockNotOwned
+from .telemetry import log_fields
 from .watchdog import Lease, get_watchdog
 
 __all__ = ["LeaseLock", "Servers"]
@@ -87,6 +88,8 @@ class LeaseLock(LockCore):
         """``settings``: ``LockCore``'s (``watchdog``, ``fair``, ``timeout``, ``holder``)."""
         super().__init__(name, ttl, **settings)
         self.lost = threading.Event()
+        #: monotonic time the current hold was taken (its ``held`` time counts from it)
+        self.taken_at = 0.0
         self._leases: list[Lease] = []
         self._state = threading.Lock()
 
@@ -137,6 +140,7 @@ class LeaseLock(LockCore):
             self.servers.confirm(token, waiter_member(self._ttl_ms, token, self.fair, self.holder))
         with self._state:
             self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+            self.taken_at = mod_time.monotonic()
             if self.lost.is_set():
                 self.lost.clear()
             if self.watchdog:
@@ -271,6 +275,7 @@ class LeaseLock(LockCore):
                     self.name,
                     len(self._leases),
                     len(self.servers),
+                    extra=log_fields(self.name, fence=self.fence),
                 )
                 return False
             rest, self._leases = self._leases, []

@@ -30,6 +30,7 @@ from .inventory import free_ticket
 from .protocol import message_ticket, request_ticket
 from .run_lock import release
 from .state import app_state
+from .telemetry import log_fields
 
 __all__ = ["install"]
 
@@ -110,6 +111,16 @@ def _free_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
     try:
         client, _ = client_for(app)
         if free_ticket(client, ticket):
-            logger.info("%s: released its enqueue lock %s", why, ticket[0])
+            logger.info(
+                "%s: released its enqueue lock %s",
+                why,
+                ticket[0],
+                extra=log_fields(ticket[0], outcome="released"),
+            )
     except Exception:  # the worker's main loop must go on
-        logger.exception("%s: could not release its enqueue lock %s", why, ticket[0])
+        logger.exception(
+            "%s: could not release its enqueue lock %s",
+            why,
+            ticket[0],
+            extra=log_fields(ticket[0], outcome="error"),
+        )

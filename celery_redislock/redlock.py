@@ -45,6 +45,7 @@ from .attempt import Attempt, lease_seconds, owns
 from .exceptions import LockConfigurationError
 from .primitive import LeaseLock
 from .protocol import text
+from .telemetry import log_fields
 from .watchdog import Lease
 
 __all__ = ["RETRY_DELAY", "Quorum", "Redlock"]
@@ -170,7 +171,12 @@ class Quorum:
     def abandon(self, token: str, member: str) -> None:
         for reply in self._on_all(RELEASE, [token, member]):
             if isinstance(reply, Exception):
-                logger.warning("lock %r: could not undo an attempt on a server: %s", self.name, reply)
+                logger.warning(
+                    "lock %r: could not undo an attempt on a server: %s",
+                    self.name,
+                    reply,
+                    extra=log_fields(self.name, outcome="error"),
+                )
 
     def free(self, token: str) -> bool:
         """Whether a quorum still held the lock; when errors made that unknown, the first error."""
@@ -207,7 +213,12 @@ class Quorum:
             try:
                 count += bool(test(client.get(self.name)))
             except redis.exceptions.RedisError as exc:
-                logger.warning("lock %r: a server could not be read: %s", self.name, exc)
+                logger.warning(
+                    "lock %r: a server could not be read: %s",
+                    self.name,
+                    exc,
+                    extra=log_fields(self.name, outcome="error"),
+                )
         return count
 
     def _on_all(self, script: Script, args: Sequence[str | int]) -> list[Any]:

@@ -32,6 +32,7 @@ from .connection import client_for
 from .inventory import release_held_by
 from .protocol import holder_for
 from .task import task_lock_key
+from .telemetry import crash_released, log_fields
 
 __all__ = ["LockedRequest"]
 
@@ -91,6 +92,7 @@ class LockedRequest(Request):
                 pid,
                 why,
                 exc,
+                extra=log_fields(task_id=self.id, outcome="left-to-lease"),
             )
             return
         threading.Thread(
@@ -118,6 +120,7 @@ class LockedRequest(Request):
                 self.worker_pid,
                 CHILD_EXIT_TIMEOUT,
                 why,
+                extra=log_fields(task_id=self.id, outcome="left-to-lease"),
             )
 
     def _release_orphaned_lock(self, why: str) -> None:
@@ -132,9 +135,15 @@ class LockedRequest(Request):
             holder = holder_for(self.id, retries, self.hostname, pid)
             released = release_held_by(client, key, holder)
         except Exception:  # the main process's event loop must go on
-            logger.exception("task %s[%s]: could not release its dead pool child's lock", self.name, self.id)
+            logger.exception(
+                "task %s[%s]: could not release its dead pool child's lock",
+                self.name,
+                self.id,
+                extra=log_fields(task_id=self.id, outcome="error"),
+            )
             return
         if released:
+            crash_released(self.name)
             logger.warning(
                 "task %s[%s]: pool child %s gone (%s); released its lock %s",
                 self.name,
@@ -142,4 +151,5 @@ class LockedRequest(Request):
                 self.worker_pid,
                 why,
                 key,
+                extra=log_fields(key, self.id, holder, outcome="crash-released"),
             )

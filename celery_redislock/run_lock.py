@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from . import signals
+from . import signals, telemetry
 from ._durations import to_ms
 from ._task_scripts import ADOPT
 from .attempt import busy_reply
@@ -59,10 +59,13 @@ class ExecutionLock(RedisLock):
         holder: str,
         settings: AppSettings,
         *,
+        task_name: str,
         raise_on_lost: bool,
         stop_child: bool,
     ) -> None:
         super().__init__(client, key, ttl, holder=holder, **settings.replication)
+        #: the task whose run holds it (the ``task`` of its metrics)
+        self.task_name = task_name
         self.request: Any = None  # the request the body sees, once pushed
         self.raise_on_lost = raise_on_lost
         self._stop_child = stop_child
@@ -78,12 +81,14 @@ class ExecutionLock(RedisLock):
         if self._stop_child:
             with self._guard:  # the body cannot end meanwhile: a child that finished is never stopped
                 if self._body_running:
+                    task_id = getattr(self.request, "id", None)
                     logger.error(
                         "lock %r lost while task %s ran: it is no longer held by this task; stopping "
                         "pool child %d (lock_on_lost='terminate')",
                         self.name,
-                        getattr(self.request, "id", None),
+                        task_id,
                         os.getpid(),
+                        extra=telemetry.log_fields(self.name, task_id, self.holder, self.fence, "terminate"),
                     )
                     os.kill(os.getpid(), signal.SIGKILL)
         return True
@@ -107,9 +112,17 @@ def raise_if_lost(locks: Iterable[ExecutionLock | None]) -> None:
             raise LockLost(lock.name)
 
 
-def acquired(task: Any, lock: RedisLock, task_id: str | None) -> bool:
-    """``task``'s run took ``lock``: announce it (``lock_acquired``); ``True``."""
-    signals.lock_acquired.send(sender=task, key=lock.name, task_id=task_id, fence=lock.fence)
+def acquired(task: Any, lock: RedisLock, task_id: str | None, started: float) -> bool:
+    """``task``'s run took ``lock``, trying since monotonic ``started``: announce it
+    (``lock_acquired``); ``True``."""
+    signals.lock_acquired.send(
+        sender=task,
+        key=lock.name,
+        task_id=task_id,
+        fence=lock.fence,
+        waited=lock.taken_at - started,
+        mode=task.lock_options.mode,
+    )
     return True
 
 
@@ -130,21 +143,31 @@ def adopt(lock: RedisLock, token: str) -> tuple[str | None, int] | None:
     return None
 
 
-def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool = True) -> None:
+def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool = True) -> str | None:
     """Release after the body; a failure is logged, never raised over the task's outcome.
+    Returns ``"released"``, ``"lost"`` (no longer held), ``"error"`` (a Redis error), or
+    ``None`` when ``lock`` was not held.
 
     A lock found no longer held is marked ``lost``. ``announce=False``: no
     ``lock_released`` signal (for a hold that was never a run's: a probe).
     """
     if not lock.held():
-        return
+        return None
+    fence = lock.fence
     try:
         lock.release()
     except LockNotOwned:
-        lock.lost.set()
+        if not lock.lost.is_set():  # not reported by the watchdog: lost since its last renewal
+            lock.lost.set()
+            telemetry.lost(task.name, "not owned at release")
         logger.warning(
-            "task %s[%s]: lock %s was no longer held when the task ended", task.name, task_id, lock.name
+            "task %s[%s]: lock %s was no longer held when the task ended",
+            task.name,
+            task_id,
+            lock.name,
+            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "lost"),
         )
+        return "lost"
     except redis.RedisError as exc:
         logger.warning(
             "task %s[%s]: could not release lock %s (%s); it expires within its ttl",
@@ -152,7 +175,10 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
             task_id,
             lock.name,
             exc,
+            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "error"),
         )
-    else:
-        if announce:
-            signals.lock_released.send(sender=task, key=lock.name, task_id=task_id)
+        return "error"
+    if announce:
+        held = time.monotonic() - lock.taken_at
+        signals.lock_released.send(sender=task, key=lock.name, task_id=task_id, held=held, fence=fence)
+    return "released"

@@ -1,12 +1,17 @@
 """The package's own Celery signals.
 
 Connect receivers as with any Celery signal (``@lock_lost.connect``).
-Receivers are called as ``receiver(sender=..., **kwargs)``; an exception in
+Receivers are called as ``receiver(sender=..., **kwargs)`` (so a receiver written
+before a keyword argument was added still works); an exception in
 a receiver is logged by Celery and never reaches the lock or the task.
 
-* ``lock_acquired(sender=task, key, task_id, fence)``: a task took its lock.
-* ``lock_busy(sender=task, key, task_id, holder)``: a task found its lock held.
-* ``lock_released(sender=task, key, task_id)``: a task's lock was released.
+* ``lock_acquired(sender=task, key, task_id, fence, waited, mode)``: a task took its lock,
+  ``waited`` seconds after its first attempt; ``mode`` is its ``lock_mode``.
+* ``lock_busy(sender=task, key, task_id, holder, outcome)``: a task found its lock held;
+  ``outcome`` is what it goes on to do: ``"busy-skip"``, ``"busy-retry"``, ``"busy-wait"``
+  or ``"busy-raise"`` (``celery_redislock.telemetry.OUTCOMES``).
+* ``lock_released(sender=task, key, task_id, held, fence)``: a task's lock was released,
+  ``held`` seconds after it was taken; ``fence`` is the hold's.
 * ``lock_lost(sender=lock, key, reason)``: the watchdog found a held lock
   gone or owned by another token (``sender`` is the ``RedisLock``; ``reason``
   is ``"not owned"`` or ``"expired"``, the latter when renewals failed until

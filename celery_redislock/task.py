@@ -35,6 +35,7 @@ from .lock import RedisLock
 from .protocol import HEADER, holder_for, message_delay, parse_holder, seconds_until
 from .receivers import install
 from .run_lock import ExecutionLock, raise_if_lost, release
+from .telemetry import counted, log_fields
 
 __all__ = ["LockedTask", "task_lock_key"]
 
@@ -172,11 +173,7 @@ class LockedTask(Task):  # type: ignore[type-arg]
             token = secrets.token_hex(16)
             headers[HEADER] = {"key": key, "token": token}
             result = send(task_id)
-            running.lock_retry = (
-                key,
-                token,
-                message_delay(options),
-            )  # once sent: let_go parks the hold for it
+            running.lock_retry = (key, token, message_delay(options))  # once sent: let_go parks for it
             return result
         if running is not None or not rules.enqueue_lock or HEADER in headers or in_canvas:
             return send(task_id)
@@ -208,7 +205,8 @@ class LockedTask(Task):  # type: ignore[type-arg]
             )
             if settings.on_error == "fail":
                 raise RedisLockError(where) from exc
-            logger.warning("%s; sending it unlocked (redislock_on_error='run')", where)
+            unlocked = log_fields(key, task_id, outcome="unlocked")
+            logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
             return send(task_id)
         if not acquired:
             return self._duplicate(key, *lock.busy)
@@ -235,7 +233,9 @@ class LockedTask(Task):  # type: ignore[type-arg]
     def _duplicate(self, key: str, holder: str | None, ttl: float | None) -> Any:
         """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``."""
         existing = parse_holder(holder).get("task")
-        logger.info("task %s: not sent, a duplicate of task %s (lock %s)", self.name, existing, key)
+        fields = log_fields(key, None, holder, None, "duplicate-refused")
+        logger.info("task %s: not sent, duplicate of %s (lock %s)", self.name, existing, key, extra=fields)
+        counted(self.name, _bound_options(self)[0].mode, "duplicate-refused")
         signals.task_deduplicated.send(sender=self, key=key, existing_task_id=existing)
         if self.lock_options is not None and self.lock_options.duplicate == "return" and existing:
             return self.AsyncResult(existing)

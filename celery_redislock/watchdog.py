@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 import redis.cluster
 
-from . import signals
+from . import signals, telemetry
 from ._scripts import RENEW, bulk, read_replies
 
 __all__ = [
@@ -285,7 +285,10 @@ class Watchdog(LeaseSet):
                 finally:
                     self._land(batch)  # also when renewing failed unexpectedly
             except Exception:  # the thread must survive anything
-                logger.exception("celery-redislock watchdog: unexpected error; carrying on")
+                logger.exception(
+                    "celery-redislock watchdog: unexpected error; carrying on",
+                    extra=telemetry.log_fields(outcome="error"),
+                )
                 with self._cond:
                     self._cond.wait(0.1)
 
@@ -347,7 +350,12 @@ class Watchdog(LeaseSet):
                 raise
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
             leases = [lease for batch in batches for lease in batch]
-            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(leases), exc)
+            logger.warning(
+                "celery-redislock watchdog: renewing %d lock(s) failed: %r",
+                len(leases),
+                exc,
+                extra=telemetry.log_fields(outcome="renewal-failed"),
+            )
             return failed_renewal(leases, exc)
         found: list[tuple[Lease, str]] = []
         for batch, reply in zip(batches, replies, strict=True):
@@ -363,13 +371,21 @@ class Watchdog(LeaseSet):
         """Renews ``batch`` through its client, which follows redirects (MOVED, ASK) and learns the
         Cluster's new layout; for a call refused by the node the watchdog asked directly."""
         logger.info(
-            "celery-redislock watchdog: %r; renewing %d lock(s) through the client", error, len(batch)
+            "celery-redislock watchdog: %r; renewing %d lock(s) through the client",
+            error,
+            len(batch),
+            extra=telemetry.log_fields(outcome="redirected"),
         )
         try:
             keys, tokens = [lease.key for lease in batch], [lease.token for lease in batch]
             not_owned = RENEW(batch[0].client, keys, [ttl_ms, *tokens])
         except Exception as exc:
-            logger.warning("celery-redislock watchdog: renewing %d lock(s) failed: %r", len(batch), exc)
+            logger.warning(
+                "celery-redislock watchdog: renewing %d lock(s) failed: %r",
+                len(batch),
+                exc,
+                extra=telemetry.log_fields(outcome="renewal-failed"),
+            )
             return failed_renewal(batch, exc)
         return renewed(batch, ttl_ms, sent_at, not_owned)
 
@@ -426,7 +442,10 @@ class Watchdog(LeaseSet):
             try:
                 announce_loss(lock, lease, reason)
             except Exception:  # the thread must survive anything
-                logger.exception("celery-redislock watchdog: reporting a lost lock failed; carrying on")
+                logger.exception(
+                    "celery-redislock watchdog: reporting a lost lock failed; carrying on",
+                    extra=telemetry.log_fields(outcome="error"),
+                )
 
 
 def landing_late(lease: Lease) -> None:
@@ -435,6 +454,7 @@ def landing_late(lease: Lease) -> None:
         "lock %r: a renewal is still unanswered after %.1fs; changing the hold anyway",
         lease.key,
         lease.interval,
+        extra=telemetry.log_fields(lease.key),
     )
 
 
@@ -447,7 +467,14 @@ def mark_lost(lease: Lease) -> Any:
 
 def announce_loss(lock: Any, lease: Lease, reason: str) -> None:
     """The ERROR log and the ``lock_lost`` signal of ``lock``'s loss of ``lease``."""
-    logger.error("lock %r lost (%s): it is no longer held by this owner", lease.key, reason)
+    logger.error(
+        "lock %r lost (%s): it is no longer held by this owner",
+        lease.key,
+        reason,
+        extra=telemetry.log_fields(lease.key, holder=getattr(lock, "holder", None), outcome=reason),
+    )
+    # an execution lock names its task; a lock of no task counts as ""
+    telemetry.lost(getattr(lock, "task_name", ""), reason)
     signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
 
 
@@ -458,6 +485,8 @@ def renewed(batch: list[Lease], ttl_ms: int, sent_at: float, not_owned: list[int
     due, expires = sent_at + ttl_ms / 3000, sent_at + ttl_ms / 1000
     for lease in batch:
         lease.due, lease.expires = due, expires
+    telemetry.renewals(len(batch) - len(not_owned), "renewed")
+    telemetry.renewals(len(not_owned), "failed")
     return [(batch[position - 1], "not owned") for position in not_owned]
 
 
@@ -466,6 +495,7 @@ def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, s
     now = mod_time.monotonic()
     for lease in leases:
         lease.due = now + min(lease.interval / 3, 1.0)
+    telemetry.renewals(len(leases), "failed")
     return [(lease, "expired") for lease in leases if now >= lease.expires]
 
 

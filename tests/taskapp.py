@@ -462,3 +462,6 @@ app: Celery | None = (
     if "TASKAPP_URL" in os.environ
     else None
 )
+
+if app is not None and "METRICS_PORT" in os.environ:  # a worker exporting its metrics (test_crashes.py)
+    import examples.prometheus_worker  # noqa: F401  (connects its worker signals)

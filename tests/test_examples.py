@@ -30,6 +30,11 @@ EXAMPLES = {
         "the database keeps price 120",
     ],
     "examples.primitive_demo": ["demo keys left in Redis: none"],
+    "examples.prometheus_worker": [
+        "one waited for the other's lock",
+        'outcome="acquired",task="examples.tasks.sync_account"} 1.0',
+        'outcome="busy-wait",task="examples.tasks.sync_account"} 1.0',
+    ],
     "examples.from_celery_once": [
         "1 task id among the 3 results: the duplicates got the queued task's result",
         "import_feed_strict refuses its duplicate: DuplicateTask, existing task",

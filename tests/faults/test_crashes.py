@@ -18,8 +18,11 @@ already waiting (woken by the release), the enqueue modes, and timings.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import time
+import urllib.request
 
 import pytest
 from billiard.exceptions import WorkerLostError
@@ -151,3 +154,33 @@ def test_a_hard_time_limit_frees_the_lock_only_once_the_child_is_gone(stage: Sta
     stage.recorder.open_gate(x)
     assert second.get(timeout=RESULT_TIMEOUT) == x
     assert not stage.client.exists(key)
+
+
+def crash_releases(port: int, task: str) -> float:
+    """``redislock_lock_crash_releases_total`` of ``task`` as the worker's main process serves it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = re.search(
+        rf'^redislock_lock_crash_releases_total{{[^}}]*task="{re.escape(task)}"[^}}]*}} (\S+)$', text, re.M
+    )
+    return 0.0 if found is None else float(found.group(1))
+
+
+def test_a_crash_release_is_counted_by_the_main_process(
+    stage: Stage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``redislock.lock.crash_releases``: the main process counts the lock it released for its
+    killed pool child, served by the exporter of ``examples/prometheus_worker.py``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("METRICS_PORT", str(port))  # the worker's tests.taskapp loads the example
+    stage.worker("prefork", "prefork", 1, redislock_ttl=LONG_TTL)
+    x, task = fresh(), stage.task("hold_wait")
+    assert crash_releases(port, task.name) == 0
+    first = task.delay(x, gate=True)
+    os.kill(int(stage.wait_events("start", x)[0][4]), signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        first.get(timeout=RESULT_TIMEOUT)
+    wait_for(lambda: crash_releases(port, task.name) == 1, what="the crash release to be counted")
+    assert "released its lock" in stage.workers[0].output()

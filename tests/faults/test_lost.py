@@ -204,6 +204,7 @@ def test_terminate_stops_only_a_child_whose_body_still_runs(
                 0.6,
                 "task=- try=0 state=running node=test pid=0",
                 app_settings(app),
+                task_name="test",
                 raise_on_lost=True,
                 stop_child=True,
             )

@@ -1,0 +1,157 @@
+"""The cost of the OpenTelemetry instrumentation: task_bench's trivial-task benchmark, LockedTask
+with the SDK's providers on against the same without, in one run.
+
+Each round runs ``task_bench.run_once("LockedTask", ...)`` once per way, the order rotating
+between rounds: ``off`` as task_bench runs it (opentelemetry-api installed, no provider set: the
+hooks are the API's proxies); ``metrics``, with ``TASK_BENCH_OTEL=metrics``, under which the worker
+(its main process, before the pool forks) sets an SDK ``MeterProvider`` (an in-memory reader, read
+by nobody: every measurement is aggregated, as for an exporter); ``all``, which also sets a
+``TracerProvider`` (a batch processor into an exporter that drops the spans): every lock's
+metrics and its two spans are recorded. The headline is, for each instrumented way, the median
+over the rounds of the per-round wall ratio to ``off`` (target < 1.03), with the worker pool's
+CPU per task; before the runs, the hooks' own cost per run in this process without the API,
+with no provider, and with the SDK; the load average before and after. Results go to
+``bench/results/otel_bench.json``.
+
+Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 2 min at the
+defaults). Needs the SDK: ``pip install -e '.[test]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "otel_bench.json"
+#: The environment variable that turns the SDK on in task_bench's worker (``metrics`` or ``all``).
+SWITCH = "TASK_BENCH_OTEL"
+#: Uninstrumented, then the SDK's metrics, then its metrics and spans.
+WAYS = ("off", "metrics", "all")
+
+
+def instrument(way: str) -> None:
+    """Set the SDK's global providers: the ``MeterProvider``, and for ``way="all"`` the
+    ``TracerProvider`` too (the worker calls this with ``SWITCH``'s value)."""
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Dropping(SpanExporter):
+        """Exports nothing: the spans are made, batched and handed over, then dropped."""
+
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    if way == "all":
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(BatchSpanProcessor(Dropping()))
+        trace.set_tracer_provider(tracer_provider)
+
+
+def hook_cost_us(rounds: int = 100_000) -> float:
+    """Microseconds per run spent in the hooks a run calls (``Acquisition``, ``Release``), with
+    this process's providers (none is set here: the API's proxies, or no API at all)."""
+    from celery_redislock import telemetry
+
+    class Hold:  # what the hooks read of a held lock
+        fence, taken_at = 1, 0.0
+
+    hold, began = Hold(), time.perf_counter()
+    for _ in range(rounds):
+        with telemetry.Acquisition("bench", "while_executing", hold) as acquisition:
+            acquisition.taken = True
+        with telemetry.Release("bench", "while_executing", hold) as release:
+            release.outcome = "released"
+    return (time.perf_counter() - began) / rounds * 1e6
+
+
+def hook_cost_elsewhere_us(setup: str) -> float:
+    """``hook_cost_us`` in a fresh process after ``setup`` (Python)."""
+    code = f"{setup}; from otel_bench import hook_cost_us; print(hook_cost_us(20_000))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
+    return float(done.stdout)
+
+
+def run(way: str, tasks: int, concurrency: int, broker: Any, locks: Any) -> dict[str, Any]:
+    """One task_bench run of LockedTask, its worker instrumented ``way`` (``WAYS``)."""
+    from task_bench import run_once
+
+    if way != "off":
+        os.environ[SWITCH] = way
+    try:
+        return run_once("LockedTask", tasks, concurrency, broker, locks)
+    finally:
+        os.environ.pop(SWITCH, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lock_bench import run_header, write_json
+
+    from celery_redislock.testing import RedisServer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=1000, help="tasks per run (default 1000)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds: one run each way (default 5)")
+    parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (default 2)")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
+    args = parser.parse_args(argv)
+    hooks = {
+        "no API": hook_cost_elsewhere_us("import sys; sys.modules['opentelemetry'] = None"),
+        "API, no provider": hook_cost_us(),
+        "SDK metrics": hook_cost_elsewhere_us("import otel_bench; otel_bench.instrument('metrics')"),
+        "SDK metrics and spans": hook_cost_elsewhere_us("import otel_bench; otel_bench.instrument('all')"),
+    }
+    print("hooks per run: " + ", ".join(f"{cost:.1f}us ({where})" for where, cost in hooks.items()))
+    load_before, started = os.getloadavg(), time.monotonic()
+    runs: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
+    with RedisServer() as broker, RedisServer() as locks:
+        for repeat in range(args.repeats):
+            for way in WAYS[repeat % 3 :] + WAYS[: repeat % 3]:
+                row = run(way, args.tasks, args.concurrency, broker, locks)
+                runs[way].append(row)
+                print(f"  round {repeat + 1}/{args.repeats} {way:<7} {row['wall_s']:.2f}s", flush=True)
+    load_after = os.getloadavg()
+    ratios = {
+        way: statistics.median(
+            on["wall_s"] / off["wall_s"] for on, off in zip(runs[way], runs["off"], strict=True)
+        )
+        for way in WAYS[1:]
+    }
+    pool_cpu = {
+        way: statistics.median(row["cpu_ms_per_task"]["worker pool"] for row in rows)
+        for way, rows in runs.items()
+    }
+    print(f"\n{args.tasks} LockedTask tasks, prefork -c {args.concurrency}, {args.repeats} rounds")
+    print("  x off: the median of the per-round wall ratios (target < 1.03); pool CPU per task")
+    print(f"  off      {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
+    for way, ratio in ratios.items():
+        print(f"  {way:<8} {ratio:.3f}  {pool_cpu[way] * 1000:.0f}us")
+    print(f"  load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
+    write_json(
+        args.json,
+        {
+            **run_header(args),
+            "duration_s": time.monotonic() - started,
+            "ratio_to_off": ratios,
+            "hook_us_per_run": hooks,
+            "pool_cpu_ms_per_task": pool_cpu,
+            "load_average": {"before": load_before, "after": load_after},
+            "runs": runs,
+        },
+    )
+    print(f"results written to {args.json} ({time.monotonic() - started:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

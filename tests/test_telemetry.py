@@ -1,0 +1,301 @@
+"""The lock metrics and spans (``celery_redislock.telemetry``), end to end: a real worker, an
+in-memory metric reader and span exporter; the signals' new keyword arguments; the log fields;
+the Grafana dashboard's queries against the names the Prometheus exporter gives the metrics.
+
+OpenTelemetry's global providers can be set once per process: the ``otel`` fixture sets them
+for the rest of the session (later tests run instrumented), and each test reads what changed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import metrics, trace
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.instrumentation.celery import CeleryInstrumentor
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY, generate_latest
+
+from celery_redislock import RedisLock, busy, signals, task_lock_key, telemetry
+from celery_redislock.testing import RedisServer
+from examples._support import ROOT
+from tests.taskapp import make_app, recorder
+from tests.workers import threads_worker, wait_for
+
+DASHBOARD = ROOT / "examples" / "grafana_dashboard.json"
+
+
+class Otel:
+    """The session's in-memory metric reader and span exporter."""
+
+    def __init__(self) -> None:
+        self.reader = InMemoryMetricReader()
+        self.spans = InMemorySpanExporter()
+
+    def points(self, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
+        """The cumulative data points of metric ``name``, by their sorted attributes."""
+        data = self.reader.get_metrics_data()
+        found: dict[tuple[tuple[str, Any], ...], Any] = {}
+        for resource in data.resource_metrics if data is not None else []:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == name:
+                        for point in metric.data.data_points:
+                            found[tuple(sorted((point.attributes or {}).items()))] = point
+        return found
+
+    def count(self, name: str, **attributes: str) -> float:
+        """The sum of counter ``name``, or the count of histogram ``name``, at ``attributes``."""
+        point = self.points(name).get(tuple(sorted(attributes.items())))
+        if point is None:
+            return 0
+        return float(getattr(point, "count", None) or point.value)
+
+
+_OTEL: list[Otel] = []
+
+
+@pytest.fixture
+def otel() -> Otel:
+    if not _OTEL:
+        _OTEL.append(Otel())
+        metrics.set_meter_provider(MeterProvider(metric_readers=[_OTEL[0].reader]))
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(_OTEL[0].spans))
+        trace.set_tracer_provider(tracer_provider)
+    _OTEL[0].spans.clear()
+    return _OTEL[0]
+
+
+@pytest.fixture
+def instrumented_celery(otel: Otel) -> Iterator[None]:
+    CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        CeleryInstrumentor().uninstrument()  # type: ignore[no-untyped-call]
+
+
+class Signals:
+    """What the package's signals sent during the test."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def receiver(self, name: str) -> Any:
+        def receive(sender: Any = None, **kwargs: Any) -> None:
+            self.sent.append((name, kwargs))
+
+        return receive
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        return [kwargs for sent, kwargs in self.sent if sent == name]
+
+
+@pytest.fixture
+def sent() -> Iterator[Signals]:
+    record = Signals()
+    receivers = {name: record.receiver(name) for name in ("lock_acquired", "lock_busy", "lock_released")}
+    for name, receive in receivers.items():
+        getattr(signals, name).connect(receive, weak=False)
+    try:
+        yield record
+    finally:
+        for name, receive in receivers.items():
+            getattr(signals, name).disconnect(receive)
+
+
+def spans_named(otel: Otel, name: str) -> list[ReadableSpan]:
+    return [span for span in otel.spans.get_finished_spans() if span.name == name]
+
+
+@pytest.mark.usefixtures("instrumented_celery")
+def test_a_run_is_counted_timed_and_traced_under_its_task_span(
+    otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str
+) -> None:
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task = app.tasks["taskapp.hold_skip"]
+    attributes = {"task": task.name, "mode": "while_executing"}
+    before = otel.count("redislock.lock.acquisitions", **attributes, outcome="acquired")
+    waits = otel.count("redislock.lock.wait", **attributes, outcome="acquired")
+    helds = otel.count("redislock.lock.held", **attributes)
+    with threads_worker(app):
+        assert task.delay("x").get(timeout=30) == "x"
+    assert otel.count("redislock.lock.acquisitions", **attributes, outcome="acquired") == before + 1
+    assert otel.count("redislock.lock.wait", **attributes, outcome="acquired") == waits + 1
+    assert otel.count("redislock.lock.held", **attributes) == helds + 1
+    [run] = [span for span in otel.spans.get_finished_spans() if span.name == f"run/{task.name}"]
+    [acquire], [release] = spans_named(otel, "redislock.acquire"), spans_named(otel, "redislock.release")
+    [acquired], [released] = sent.of("lock_acquired"), sent.of("lock_released")
+    for span, outcome in ((acquire, "acquired"), (release, "released")):
+        assert span.parent is not None and span.parent.span_id == run.context.span_id
+        assert dict(span.attributes or {}) == {**attributes, "outcome": outcome, "fence": acquired["fence"]}
+    assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
+    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
+    app.close()
+
+
+def test_busy_and_duplicate_outcomes_are_counted_and_signalled(
+    otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str
+) -> None:
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    skip, until = app.tasks["taskapp.hold_skip"], app.tasks["taskapp.until_executed"]
+    skipped = {"task": skip.name, "mode": "while_executing", "outcome": "busy-skip"}
+    refused = {"task": until.name, "mode": "until_executed", "outcome": "duplicate-refused"}
+    skips, refusals = (
+        otel.count("redislock.lock.acquisitions", **skipped),
+        otel.count("redislock.lock.acquisitions", **refused),
+    )
+    with threads_worker(app):
+        first = skip.delay("y", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the first run to start")
+        assert skip.delay("y", gate=True).get(timeout=30) is None  # skipped: the lock is held
+        queued = until.delay("z", gate=True)
+        assert until.delay("z", gate=True).id == queued.id  # refused: returns the queued one
+        recorder(app).open_gate("y")
+        recorder(app).open_gate("z")
+        assert first.get(timeout=30) == "y" and queued.get(timeout=30) == "z"
+    assert otel.count("redislock.lock.acquisitions", **skipped) == skips + 1
+    assert otel.count("redislock.lock.acquisitions", **refused) == refusals + 1
+    assert [busy["outcome"] for busy in sent.of("lock_busy")] == ["busy-skip"]
+    assert {span.attributes["outcome"] for span in spans_named(otel, "redislock.acquire")} >= {  # type: ignore[index]
+        "acquired",
+        "busy-skip",
+    }
+    app.close()
+
+
+def test_a_lost_lock_and_its_renewals_are_counted(otel: Otel, fresh_server: RedisServer, prefix: str) -> None:
+    """A ``RedisLock`` of no task: its loss counts with ``task=""``; each renewal counts once, the
+    one that found the lock gone as failed."""
+    lost = otel.count("redislock.lock.lost", task="", reason="not owned")
+    renewed = otel.count("redislock.lock.renewals", result="renewed")
+    failed = otel.count("redislock.lock.renewals", result="failed")
+    client = fresh_server.client()
+    lock = RedisLock(client, f"{prefix}:lock", ttl=0.6)
+    assert lock.acquire(blocking=False)
+    wait_for(lambda: otel.count("redislock.lock.renewals", result="renewed") > renewed, what="a renewal")
+    client.delete(lock.name)
+    assert lock.lost.wait(5)
+    wait_for(
+        lambda: otel.count("redislock.lock.lost", task="", reason="not owned") == lost + 1, what="the loss"
+    )
+    assert (
+        otel.count("redislock.lock.renewals", result="failed") == failed + 1
+    )  # the renewal that found it gone
+    client.close()
+
+
+def test_a_task_lock_lost_counts_once_under_its_task(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """Lost while the body runs: counted by the watchdog under the task's name, not again by the
+    release that then finds it gone (whose span says ``lost``)."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_ttl=0.6)
+    task, client = app.tasks["taskapp.hold_skip"], fresh_server.client()
+    lost = {"task": task.name, "reason": "not owned"}
+    before = otel.count("redislock.lock.lost", **lost)
+    with threads_worker(app):
+        result = task.delay("w", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the run to start")
+        client.delete(task_lock_key(task, ("w",), {"gate": True}))
+        wait_for(lambda: otel.count("redislock.lock.lost", **lost) == before + 1, what="the loss")
+        recorder(app).open_gate("w")
+        assert result.get(timeout=30) == "w"
+    assert otel.count("redislock.lock.lost", **lost) == before + 1
+    assert otel.count("redislock.lock.lost", task=task.name, reason="not owned at release") == 0
+    [release] = spans_named(otel, "redislock.release")
+    assert release.attributes is not None and release.attributes["outcome"] == "lost"
+    client.close()
+    app.close()
+
+
+def test_every_log_line_carries_its_fields(
+    caplog: pytest.LogCaptureFixture, fresh_server: RedisServer, prefix: str
+) -> None:
+    """A skipped run and a refused duplicate: their INFO lines carry the key, task id, holder and
+    outcome as record attributes; every line the package logs carries some of the fields."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    skip, until = app.tasks["taskapp.hold_skip"], app.tasks["taskapp.until_executed"]
+    with caplog.at_level(logging.DEBUG, logger="celery_redislock"), threads_worker(app):
+        first = skip.delay("y", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the first run to start")
+        second = skip.delay("y", gate=True)
+        assert second.get(timeout=30) is None
+        queued = until.delay("z", gate=True)
+        until.delay("z", gate=True)
+        recorder(app).open_gate("y")
+        recorder(app).open_gate("z")
+        first.get(timeout=30), queued.get(timeout=30)
+    ours = [record for record in caplog.records if record.name.startswith("celery_redislock")]
+    fields = ("lock_key", "task_id", "holder", "fence", "outcome")
+    assert all(any(hasattr(record, field) for field in fields) for record in ours), [
+        record.getMessage() for record in ours if not any(hasattr(record, field) for field in fields)
+    ]
+    [skipped] = [record for record in ours if getattr(record, "outcome", None) == "busy-skip"]
+    assert (skipped.task_id, skipped.lock_key) == (second.id, first_key(app, "y"))  # type: ignore[attr-defined]
+    assert f"task={first.id}" in skipped.holder  # type: ignore[attr-defined]
+    [refused] = [record for record in ours if getattr(record, "outcome", None) == "duplicate-refused"]
+    assert f"task={queued.id}" in refused.holder  # type: ignore[attr-defined]
+    app.close()
+
+
+def first_key(app: Any, x: str) -> str:
+    return task_lock_key(app.tasks["taskapp.hold_skip"], (x,), {"gate": True})
+
+
+def exported_names() -> set[str]:
+    """The metric names the Prometheus exporter gives the package's instruments (each recorded once)."""
+    provider = MeterProvider(metric_readers=[PrometheusMetricReader()])
+    try:
+        made = telemetry.Instruments(provider.get_meter("test"))
+        for histogram in (made.wait, made.held):
+            histogram.record(1.0, {"task": "t", "mode": "m", "outcome": "acquired"})
+        for counter in (made.acquisitions, made.lost, made.renewals, made.crash_releases):
+            counter.add(1, {"task": "t"})
+        text = generate_latest(REGISTRY).decode()
+    finally:
+        provider.shutdown()  # takes the reader's collector out of the registry
+    return set(re.findall(r"^(redislock_\w+?)(?:\{| )", text, re.MULTILINE))
+
+
+def test_the_dashboard_queries_only_metrics_the_package_exports() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queried = {name for query in queries for name in re.findall(r"\bredislock_\w+", query)}
+    exported = exported_names()
+    assert queried and queried <= exported, queried - exported
+    assert {"redislock_lock_wait_seconds_bucket", "redislock_lock_lost_total"} <= queried
+
+
+def test_the_busy_policies_outcomes_are_telemetry_outcomes() -> None:
+    assert set(busy.OUTCOMES.values()) <= set(telemetry.OUTCOMES)
+
+
+def test_log_fields_are_those_that_apply() -> None:
+    assert telemetry.log_fields("k", None, "h", 3) == {"lock_key": "k", "holder": "h", "fence": 3}
+
+
+def test_every_logging_call_of_the_package_passes_its_fields() -> None:
+    """Each ``logger.<level>(...)`` in the package passes ``extra=`` (``telemetry.log_fields``)."""
+    missing = [
+        f"{path.name}:{call.lineno}"
+        for path in sorted((ROOT / "celery_redislock").glob("*.py"))
+        for call in ast.walk(ast.parse(path.read_text()))
+        if isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and isinstance(call.func.value, ast.Name)
+        and call.func.value.id == "logger"
+        and not any(keyword.arg == "extra" for keyword in call.keywords)
+    ]
+    assert missing == []
