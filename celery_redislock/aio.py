@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import time as mod_time
 import weakref
@@ -38,7 +37,15 @@ from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
 from .attempt import Attempt, LockCore, companion_key, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
-from .watchdog import Lease, LeaseSet, announce_loss, failed_renewal, landing_late, mark_lost, renewed
+from .watchdog import (
+    Lease,
+    LeaseSet,
+    announce_loss,
+    failed_renewal,
+    landing_late,
+    mark_lost,
+    renewal_answered,
+)
 
 __all__ = ["AsyncRedisLock"]
 
@@ -112,15 +119,15 @@ class AsyncRedisLock(LockCore):
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
         """Take the lock; ``True`` once held, ``False`` if not within ``timeout`` (see ``RedisLock``)."""
-        deadline = self._deadline(blocking, timeout)
-        if self._reenter():
+        deadline = self.deadline(blocking, timeout)
+        if self.reenter():
             return True
         token = secrets.token_hex(16)
-        attempt = self._attempt(token, blocking, deadline, True)
+        attempt = self.new_attempt(token, blocking, deadline, True)
         fence = await self._attempts(attempt)
         if fence is None:
             return False
-        self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+        self.record_hold(token, fence)
         self.lost.clear()
         if self.watchdog:
             self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
@@ -167,14 +174,15 @@ class AsyncRedisLock(LockCore):
 
     async def release(self) -> None:
         """Lower the hold count; at zero, free the key, owner-checked (see ``RedisLock.release``)."""
-        if self._drop_hold() and not await _to_the_end(self._free(self.token or "", self._lease)):
+        if self.drop_hold() and not await _to_the_end(self._free(self.token or "", self._lease)):
             raise LockNotOwned(self.name)
 
     async def _free(self, token: str, lease: Lease | None) -> bool:
         if lease is not None:  # no renewal in flight once discarded
             await _watchdog().discard(lease)
         released = await RELEASE.call_async(self.client, self._keys, [token])
-        self.token, self.fence, self._count, self._lease = None, None, 0, None
+        self.clear_hold()
+        self._lease = None
         return bool(int(released))
 
     async def extend(self, ttl: Duration | None = None) -> None:
@@ -235,14 +243,14 @@ class _AsyncWatchdog(LeaseSet):
         self._landed = asyncio.Condition()
 
     def add(self, lease: Lease, sent_at: float) -> None:
-        late = self._track(lease, sent_at)
+        late = self.track(lease, sent_at)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="celery-redislock-watchdog")
         elif late:
             self._wake.set()
 
     async def discard(self, lease: Lease) -> None:
-        self._drop(lease)
+        self.drop(lease)
         await self._await_landing(lease)
 
     @contextlib.asynccontextmanager
@@ -268,25 +276,25 @@ class _AsyncWatchdog(LeaseSet):
                 landing_late(lease)
 
     def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
-        if self._retime(lease, ttl, sent_at):
+        if self.retime(lease, ttl, sent_at):
             self._wake.set()
 
     async def _run(self) -> None:
         try:
-            while self._leases:
+            while self.leases:
                 try:
                     now = mod_time.monotonic()
-                    earliest = self._next_due()
+                    earliest = self.next_due()
                     if earliest > now:
                         self._wake.clear()
-                        self._wake_at = earliest
+                        self.wake_at = earliest
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(
                                 self._wake.wait(), None if earliest == inf else earliest - now
                             )
                         continue
-                    self._wake_at = inf
-                    due = self._pick(now)
+                    self.wake_at = inf
+                    due = self.pick(now)
                     try:
                         await self._renew(due)
                     finally:
@@ -303,7 +311,7 @@ class _AsyncWatchdog(LeaseSet):
     async def _renew(self, leases: list[Lease]) -> None:
         renewals = [
             self._renew_batch(batch, ttl_ms)
-            for (_, _, ttl_ms), batches in self._batches(leases).items()
+            for (_, _, ttl_ms), batches in self.batches(leases).items()
             for batch in batches
         ]
         results = await asyncio.gather(*renewals)
@@ -326,7 +334,7 @@ class _AsyncWatchdog(LeaseSet):
                 extra=telemetry.log_fields(outcome="renewal-failed"),
             )
             return failed_renewal(batch, exc)
-        return renewed(batch, ttl_ms, sent_at, not_owned)
+        return renewal_answered(batch, ttl_ms, sent_at, not_owned)
 
     async def _land(self, leases: list[Lease]) -> None:
         for lease in leases:
@@ -337,7 +345,7 @@ class _AsyncWatchdog(LeaseSet):
     def _report(self, lease: Lease, reason: str) -> None:
         if lease.cancelled:  # released meanwhile: nothing was lost
             return
-        self._drop(lease)
+        self.drop(lease)
         lock = mark_lost(lease)
         if lock is not None:
             announce_loss(lock, lease, reason)

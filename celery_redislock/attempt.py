@@ -266,14 +266,31 @@ class LockCore:
         """Held by this object in this process (a forked child holds nothing it inherited)."""
         return self._count > 0 and self._pid == os.getpid()
 
-    def _deadline(self, blocking: bool, timeout: Duration | None) -> float | None:
+    @property
+    def hold_count(self) -> int:
+        """How many times this object holds the lock (re-entry raises it)."""
+        return self._count
+
+    def record_hold(self, token: str, fence: int) -> None:
+        """Record a hold granted to ``token`` (``fence``) as this object's, held once, in this process."""
+        self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+
+    def clear_hold(self) -> None:
+        """Forget the hold (freed or handed on by the caller)."""
+        self.token, self.fence, self._count = None, None, 0
+
+    def member(self, token: str) -> str:
+        """The waiter member (see ``_scripts``) describing an acquisition by ``token``."""
+        return waiter_member(self._ttl_ms, token, self.fair, self.holder)
+
+    def deadline(self, blocking: bool, timeout: Duration | None) -> float | None:
         """The monotonic deadline of an acquire given ``blocking`` and ``timeout`` (None: none)."""
         if timeout is not None and not blocking:
             raise LockConfigurationError("timeout cannot be given with blocking=False")
         wait = self.timeout if timeout is None else seconds(timeout, "timeout")
         return None if wait is None else mod_time.monotonic() + wait
 
-    def _reenter(self) -> bool:
+    def reenter(self) -> bool:
         """Whether this object holds the lock already: then held once more (``LockLost`` when the
         watchdog found the hold lost)."""
         if not self.held():
@@ -283,7 +300,7 @@ class LockCore:
         self._count += 1
         return True
 
-    def _drop_hold(self) -> bool:
+    def drop_hold(self) -> bool:
         """Lower the hold count (``LockNotOwned`` when not held); whether it was the last hold,
         which the caller then frees."""
         if not self.held():
@@ -293,7 +310,6 @@ class LockCore:
             return False
         return True
 
-    def _attempt(self, token: str, blocking: bool, deadline: float | None, queue: bool) -> Attempt:
+    def new_attempt(self, token: str, blocking: bool, deadline: float | None, queue: bool) -> Attempt:
         """A new acquire's attempts for ``token``, described by this lock's waiter member."""
-        member = waiter_member(self._ttl_ms, token, self.fair, self.holder)
-        return Attempt(token, member, self.ttl, blocking, deadline, queue)
+        return Attempt(token, self.member(token), self.ttl, blocking, deadline, queue)

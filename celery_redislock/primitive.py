@@ -12,7 +12,6 @@ the one server (``lock.OneServer``) or a quorum of several
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time as mod_time
@@ -20,7 +19,7 @@ import weakref
 from typing import Any, Protocol, TypeVar
 
 from ._durations import Duration
-from .attempt import Attempt, LockCore, ending_block, lease_seconds, waiter_member
+from .attempt import Attempt, LockCore, ending_block, lease_seconds
 from .exceptions import LockNotAcquired, LockNotOwned
 from .telemetry import log_fields
 from .watchdog import Lease, get_watchdog
@@ -110,12 +109,12 @@ class LeaseLock(LockCore):
         one round trip. Raises ``LockLost`` when re-entering a hold the
         watchdog found lost.
         """
-        deadline = self._deadline(blocking, timeout)
+        deadline = self.deadline(blocking, timeout)
         with self._state:
-            if self._reenter():
+            if self.reenter():
                 return True
         token = secrets.token_hex(16)
-        attempt = self._attempt(token, blocking, deadline, self.servers.queues)
+        attempt = self.new_attempt(token, blocking, deadline, self.servers.queues)
         fence = self._attempts(attempt)
         if fence is None:
             return False
@@ -130,16 +129,16 @@ class LeaseLock(LockCore):
         park the hold for it): the caller then makes it its own (e.g. ``ADOPT`` re-tokens it,
         and ``take_hold`` records the result).
         """
-        return self._attempts(self._attempt(token, True, deadline, self.servers.queues))
+        return self._attempts(self.new_attempt(token, True, deadline, self.servers.queues))
 
     def take_hold(self, token: str, fence: int, sent_at: float) -> None:
         """Record as this object's the hold ``token`` was granted (``fence``) by a request sent at
         monotonic ``sent_at``: confirmed by ``replicas`` replicas where set (else released and
         ``LockNotReplicated``), then renewed by the watchdog."""
         if self.servers.replicas:
-            self.servers.confirm(token, waiter_member(self._ttl_ms, token, self.fair, self.holder))
+            self.servers.confirm(token, self.member(token))
         with self._state:
-            self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+            self.record_hold(token, fence)
             self.taken_at = mod_time.monotonic()
             if self.lost.is_set():
                 self.lost.clear()
@@ -187,7 +186,8 @@ class LeaseLock(LockCore):
     def forget(self) -> None:
         """Forget the hold, once the caller has freed or parked the key."""
         with self._state:
-            self.token, self.fence, self._count, self._leases = None, None, 0, []
+            self.clear_hold()
+            self._leases = []
 
     def renewals_on_time(self) -> bool:
         """Whether the watchdog renews the hold and its last renewal is less than one interval
@@ -206,7 +206,7 @@ class LeaseLock(LockCore):
         can be retried; unrenewed, the key expires within ``ttl`` anyway.
         """
         with self._state:
-            if not self._drop_hold():
+            if not self.drop_hold():
                 return
         released = self._free(self.stop_renewing())
         self.forget()

@@ -121,7 +121,7 @@ class Redlock(LeaseLock):
         return self._quorum.validity if self.held() else None
 
     def __repr__(self) -> str:
-        return f"<Redlock {self.name!r} servers={len(self.clients)} ttl={self.ttl} held={self._count}>"
+        return f"<Redlock {self.name!r} servers={len(self.clients)} ttl={self.ttl} held={self.hold_count}>"
 
 
 class Quorum:

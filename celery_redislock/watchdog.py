@@ -71,7 +71,7 @@ __all__ = [
     "get_watchdog",
     "landing_late",
     "mark_lost",
-    "renewed",
+    "renewal_answered",
 ]
 
 logger = logging.getLogger(__name__)
@@ -154,56 +154,56 @@ class LeaseSet:
     thread renewer and owners hold its condition's lock around each call that changes it)."""
 
     def __init__(self) -> None:
-        self._leases: set[Lease] = set()
+        self.leases: set[Lease] = set()
         #: when the sleeping renewer will wake by itself (-inf or inf while it is busy: an owner
         #: adding a lease then need not wake it)
-        self._wake_at = -math.inf
+        self.wake_at = -math.inf
 
     def __len__(self) -> int:
-        return len(self._leases)
+        return len(self.leases)
 
-    def _track(self, lease: Lease, sent_at: float) -> bool:
+    def track(self, lease: Lease, sent_at: float) -> bool:
         """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``; whether the
         renewer must be woken to renew it on time."""
         lease.renewed(lease.ttl, sent_at)
-        self._leases.add(lease)
-        return lease.due < self._wake_at
+        self.leases.add(lease)
+        return lease.due < self.wake_at
 
-    def _retime(self, lease: Lease, ttl: float, sent_at: float) -> bool:
+    def retime(self, lease: Lease, ttl: float, sent_at: float) -> bool:
         """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now
         on (if still renewed); whether the renewer must be woken for it."""
-        if lease not in self._leases:
+        if lease not in self.leases:
             return False
         lease.renewed(ttl, sent_at)
-        return lease.due < self._wake_at
+        return lease.due < self.wake_at
 
-    def _drop(self, lease: Lease) -> None:
+    def drop(self, lease: Lease) -> None:
         """Stop renewing ``lease``; the results of a renewal in flight are then ignored."""
         lease.cancelled = True
-        self._leases.discard(lease)
+        self.leases.discard(lease)
 
-    def _next_due(self) -> float:
+    def next_due(self) -> float:
         """When the first lease that may be picked falls due (monotonic; inf: none may)."""
-        return min((lease.due for lease in self._leases if not lease.changing), default=math.inf)
+        return min((lease.due for lease in self.leases if not lease.changing), default=math.inf)
 
-    def _pick(self, now: float) -> list[Lease]:
+    def pick(self, now: float) -> list[Lease]:
         """The leases to renew at ``now``: due within half their interval, not being changed by
         their owner. They are marked in flight until the renewer lands them."""
         batch = [
-            lease for lease in self._leases if not lease.changing and lease.due - lease.interval / 2 <= now
+            lease for lease in self.leases if not lease.changing and lease.due - lease.interval / 2 <= now
         ]
         for lease in batch:
             lease.in_flight = True
         return batch
 
-    def _batches(self, leases: list[Lease]) -> dict[tuple[int, int, int], list[list[Lease]]]:
+    def batches(self, leases: list[Lease]) -> dict[tuple[int, int, int], list[list[Lease]]]:
         """``leases`` in batches one RENEW call renews: one client, Cluster hash slot and lease
         length (the key), at most ``BATCH`` leases. A lease whose lock object is gone is dropped
         (left to expire)."""
         groups: dict[tuple[int, int, int], list[Lease]] = defaultdict(list)
         for lease in leases:
             if lease.owner() is None:
-                self._drop(lease)
+                self.drop(lease)
                 continue
             groups[lease.group or _group(lease)].append(lease)
         return {
@@ -230,7 +230,7 @@ class Watchdog(LeaseSet):
     def add(self, lease: Lease, sent_at: float) -> None:
         """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``."""
         with self._cond:
-            late = self._track(lease, sent_at)
+            late = self.track(lease, sent_at)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redislock-watchdog", daemon=True
@@ -243,7 +243,7 @@ class Watchdog(LeaseSet):
         """Stop renewing ``lease``, before its owner releases or hands over the hold: returns once
         no renewal of it is in flight."""
         with self._cond:
-            self._drop(lease)
+            self.drop(lease)
             self._await_landing(lease)
 
     @contextlib.contextmanager
@@ -266,7 +266,7 @@ class Watchdog(LeaseSet):
     def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
         """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now on."""
         with self._cond:
-            if self._retime(lease, ttl, sent_at):
+            if self.retime(lease, ttl, sent_at):
                 self._cond.notify_all()
 
     def _await_landing(self, lease: Lease) -> None:
@@ -297,20 +297,20 @@ class Watchdog(LeaseSet):
         with self._cond:
             now = mod_time.monotonic()
             while True:
-                if not self._leases:
+                if not self.leases:
                     self._thread = None
                     return None
-                earliest = self._next_due()
+                earliest = self.next_due()
                 if earliest <= now:
                     break
-                self._wake_at = earliest
+                self.wake_at = earliest
                 notified = self._cond.wait(None if earliest == math.inf else earliest - now)
                 now = mod_time.monotonic()
                 if not notified:  # the earliest lease is due, even if the clock reads a hair early
                     now = max(now, earliest)
                     break
-            self._wake_at = -math.inf
-            return self._pick(now)
+            self.wake_at = -math.inf
+            return self.pick(now)
 
     def _land(self, leases: Iterable[Lease]) -> None:
         """The renewals of ``leases`` are answered (or given up): their owners may go on."""
@@ -323,7 +323,7 @@ class Watchdog(LeaseSet):
         # Per server and lease length: its batches (one hash slot each, at most BATCH leases).
         nodes: dict[tuple[int, int], tuple[Any, list[list[Lease]]]] = {}
         lost: list[tuple[Lease, str]] = []
-        for (_, slot, ttl_ms), batches in self._batches(leases).items():
+        for (_, slot, ttl_ms), batches in self.batches(leases).items():
             try:
                 node = _node(batches[0][0].client, slot)
             except redis.exceptions.RedisError as exc:  # its slot is not covered (a Cluster changing)
@@ -362,7 +362,7 @@ class Watchdog(LeaseSet):
             if isinstance(reply, redis.exceptions.ResponseError):  # e.g. MOVED, ASK: a Cluster resharding
                 found += self._renew_through_client(batch, ttl_ms, sent_at, reply)
                 continue
-            found += renewed(batch, ttl_ms, sent_at, reply)
+            found += renewal_answered(batch, ttl_ms, sent_at, reply)
         return found
 
     def _renew_through_client(
@@ -387,7 +387,7 @@ class Watchdog(LeaseSet):
                 extra=telemetry.log_fields(outcome="renewal-failed"),
             )
             return failed_renewal(batch, exc)
-        return renewed(batch, ttl_ms, sent_at, not_owned)
+        return renewal_answered(batch, ttl_ms, sent_at, not_owned)
 
     def _connection(self, client: Any, timeout: float) -> Any:
         """The thread's connection to the server of ``client``, with ``timeout`` for connect and reads.
@@ -410,16 +410,16 @@ class Watchdog(LeaseSet):
         self._connections[slot] = (client, connection, now)
         return connection
 
-    def _drop(self, lease: Lease) -> None:
+    def drop(self, lease: Lease) -> None:
         """Stop renewing ``lease`` (the watchdog's own ``discard()``, with no wait)."""
         with self._cond:
-            super()._drop(lease)
+            super().drop(lease)
 
     def _report(self, lease: Lease, reason: str) -> None:
         with self._cond:
             if lease.cancelled:  # released meanwhile: nothing was lost
                 return
-            self._drop(lease)
+            self.drop(lease)
         lock = mark_lost(lease)
         if lock is None:
             return
@@ -478,7 +478,9 @@ def announce_loss(lock: Any, lease: Lease, reason: str) -> None:
     signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
 
 
-def renewed(batch: list[Lease], ttl_ms: int, sent_at: float, not_owned: list[int]) -> list[tuple[Lease, str]]:
+def renewal_answered(
+    batch: list[Lease], ttl_ms: int, sent_at: float, not_owned: list[int]
+) -> list[tuple[Lease, str]]:
     """A RENEW call of ``batch`` sent at ``sent_at`` answered ``not_owned`` (1-based positions):
     the leases are renewed to ``ttl_ms`` from then; returns those found lost (rescheduled too,
     harmlessly: they are dropped when reported)."""

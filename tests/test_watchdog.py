@@ -189,7 +189,7 @@ def test_fork_child_renews_its_own_locks_and_not_the_parents(redis_server: Redis
     assert outcome == (False, True, True)
     assert child.exitcode == 0
     # The parent's watchdog never held the child's lease, and its own hold survived the child.
-    assert {lease.key for lease in get_watchdog()._leases} == {f"{prefix}:parent"}
+    assert {lease.key for lease in get_watchdog().leases} == {f"{prefix}:parent"}
     assert parent_lock.owned()
     parent_lock.release()
     assert client.exists(f"{prefix}:child") == 0

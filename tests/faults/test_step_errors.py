@@ -92,7 +92,7 @@ def test_a_redis_error_at_any_step_leaves_no_lock_held(
             else:
                 assert result.get(timeout=RESULT_TIMEOUT) == x
             assert len(failed) == 1, f"{step} was not called"
-            leases = [lease.key for lease in list(get_watchdog()._leases) if lease.key.startswith(key)]
+            leases = [lease.key for lease in list(get_watchdog().leases) if lease.key.startswith(key)]
             assert leases == [], "the watchdog still renews the run's lock"
             wait_for(
                 lambda: not invariants.leftover_locks(client, prefix),
