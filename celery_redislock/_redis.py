@@ -30,8 +30,8 @@ class _Loan:
 
     __slots__ = ("connection", "in_use", "pid", "pool")
 
-    def __init__(self, pool: Any) -> None:
-        self.connection = pool.get_connection()
+    def __init__(self, pool: Any, connection: Any) -> None:
+        self.connection = connection
         self.pool = weakref.ref(pool)
         self.pid = os.getpid()
         self.in_use = False
@@ -66,7 +66,7 @@ def _loan(pool: Any) -> _Loan | None:
     loans = _LOANS.by_pool
     loan = loans.get(pool)
     if loan is None or loan.pid != os.getpid():
-        loan = loans[pool] = _Loan(pool)
+        loan = loans[pool] = _Loan(pool, pool.get_connection())
     elif loan.in_use:
         return None
     loan.in_use = True
