@@ -1,15 +1,19 @@
-"""Commands with a deadline of their own, whatever the client's socket_timeout."""
+"""The connections the package's exchanges run on, and commands with a deadline of their own,
+whatever the client's socket_timeout."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import math
-from collections.abc import Iterator
+import os
+import threading
+import weakref
 from typing import Any
 
 import redis
 import redis.cluster
+import redis.sentinel
 
 
 def node_client(client: redis.Redis | redis.cluster.RedisCluster, key: str) -> redis.Redis:
@@ -20,26 +24,102 @@ def node_client(client: redis.Redis | redis.cluster.RedisCluster, key: str) -> r
     return client
 
 
-@contextlib.contextmanager
-def pooled_connection(client: Any) -> Iterator[Any]:
-    """A connection of the pool of ``client`` (a plain ``redis.Redis``) for one exchange, then put back.
+class _Loan:
+    """A connection one thread keeps out of ``pool`` between its exchanges (``PooledConnection``),
+    given back when the thread ends or the loan is replaced; dropped with a pool that is gone."""
 
-    It is dropped unless the exchange ended cleanly (a reply, or a complete
-    error reply): an exception between a send and its read (a timeout, a
-    ``KeyboardInterrupt``, a Celery time limit) would otherwise leave a late
-    reply for the connection's next user to read as its own.
+    __slots__ = ("connection", "in_use", "pid", "pool")
+
+    def __init__(self, pool: Any, connection: Any) -> None:
+        self.connection = connection
+        self.pool = weakref.ref(pool)
+        self.pid = os.getpid()
+        self.in_use = False
+
+    def __del__(self) -> None:
+        pool = self.pool()
+        if pool is not None and self.pid == os.getpid():  # a forked child's pool reset itself
+            with contextlib.suppress(Exception):  # at interpreter exit, or the pool closed
+                pool.release(self.connection)
+
+
+class _Loans(threading.local):
+    """Per thread: pool -> the thread's ``_Loan`` of it."""
+
+    def __init__(self) -> None:
+        self.by_pool: weakref.WeakKeyDictionary[Any, _Loan] = weakref.WeakKeyDictionary()
+
+
+#: Per thread, its loans (a cache of connections, never shared between threads or processes).
+_LOANS = _Loans()
+#: The pools a thread keeps a connection of; any other (``BlockingConnectionPool``, a subclass)
+#: lends one per exchange.
+_LOANABLE = (redis.ConnectionPool, redis.sentinel.SentinelConnectionPool)
+
+
+def _loan(pool: Any) -> _Loan | None:
+    """This thread's loan of ``pool``, marked in use; ``None`` when ``pool`` lends per exchange
+    (another kind, or one with a client-side cache) or the loan is in use (an exchange
+    started by a signal handler inside another)."""
+    if type(pool) not in _LOANABLE or getattr(pool, "cache", None) is not None:
+        return None
+    loans = _LOANS.by_pool
+    loan = loans.get(pool)
+    if loan is None or loan.pid != os.getpid():
+        loan = loans[pool] = _Loan(pool, pool.get_connection())
+    elif loan.in_use:
+        return None
+    loan.in_use = True
+    return loan
+
+
+class PooledConnection:
+    """``with PooledConnection(client) as connection``: a connection of the pool of ``client`` (a
+    plain ``redis.Redis``) for one exchange.
+
+    A thread keeps the same connection between its exchanges (a ``ConnectionPool``
+    or Sentinel's; any other pool lends one per exchange, as redis-py does), so that
+    an exchange costs no checkout: one per thread and pool, given back when the
+    thread ends. As the pool does, each exchange starts on a connected one with
+    nothing to read (else it is connected afresh). It is dropped unless the
+    exchange ended cleanly (a reply, or a complete error reply): an exception
+    between a send and its read (a timeout, a ``KeyboardInterrupt``, a Celery
+    time limit) would otherwise leave a late reply for its next exchange to read
+    as its own.
     """
-    pool = client.connection_pool
-    connection = pool.get_connection()
-    try:
-        yield connection
-    except redis.exceptions.ResponseError:
-        raise  # a complete error reply: the connection is clean
-    except BaseException:
-        connection.disconnect()
-        raise
-    finally:
-        pool.release(connection)
+
+    __slots__ = ("connection", "loan", "pool")
+
+    def __init__(self, client: Any) -> None:
+        self.pool = client.connection_pool
+
+    def __enter__(self) -> Any:
+        self.loan = loan = _loan(self.pool)
+        if loan is None:
+            self.connection = self.pool.get_connection()
+            return self.connection
+        self.connection = connection = loan.connection
+        try:
+            connection.connect()
+            try:  # something to read before a send: the server closed it (a restart, an idle timeout)
+                stale = connection.can_read()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                stale = True
+            if stale:
+                connection.disconnect()
+                connection.connect()
+        except BaseException:
+            loan.in_use = False
+            raise
+        return connection
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if kind is not None and not issubclass(kind, redis.exceptions.ResponseError):
+            self.connection.disconnect()  # interrupted between send and read: a late reply must reach no one
+        if self.loan is None:
+            self.pool.release(self.connection)
+        else:
+            self.loan.in_use = False
 
 
 def call_with_timeout(client: redis.Redis, timeout: float, *command: str | int) -> Any:
@@ -47,9 +127,9 @@ def call_with_timeout(client: redis.Redis, timeout: float, *command: str | int) 
 
     The wait is a ``select`` on the socket, so it neither polls nor depends on
     ``socket_timeout`` (which may be None: wait forever). No reply in time
-    raises ``redis.TimeoutError`` (the connection is dropped, see ``pooled_connection``).
+    raises ``redis.TimeoutError`` (the connection is dropped, see ``PooledConnection``).
     """
-    with pooled_connection(client) as connection:
+    with PooledConnection(client) as connection:
         connection.send_command(*command)
         if not connection.can_read(timeout):
             raise redis.exceptions.TimeoutError(f"no reply to {command[0]} within {timeout:.3f}s")

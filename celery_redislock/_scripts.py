@@ -32,7 +32,7 @@ import redis
 import redis.cluster
 from redis.exceptions import NoScriptError
 
-from ._redis import node_client
+from ._redis import PooledConnection, node_client
 
 #: The prelude's first part: the names of KEYS[1] (the lock) and of its companion keys, in its
 #: cluster hash slot: its own hash tag if it has one, else the whole name as the tag
@@ -247,8 +247,9 @@ class Script:
         lost with its connection), on the paths that send it here (not through
         ``execute_command``), so that a caller can read the second reply knowing that.
 
-        A plain ``redis.Redis`` gets the command on a connection of its pool,
-        packed here and sent in one write: redis-py's per-command layers
+        A plain ``redis.Redis`` gets the command on the calling thread's
+        connection of its pool (``_redis.PooledConnection``), packed here and
+        sent in one write: redis-py's per-command layers
         (observability hooks, argument packing, callbacks) cost several times
         the CPU of the exchange itself, and these scripts run once or twice per
         task. A ``RedisCluster`` sends it the same way to the node serving the
@@ -283,10 +284,8 @@ class Script:
         args: Sequence[str | int],
         resending: Callable[[], None] | None,
     ) -> Any:
-        """``__call__`` on a connection of the pool of ``client`` (a plain ``redis.Redis``)."""
-        pool = client.connection_pool
-        connection: Any = pool.get_connection()
-        try:  # as _redis.pooled_connection, written out: this is the hot path
+        """``__call__`` on this thread's connection of the pool of ``client`` (a plain ``redis.Redis``)."""
+        with PooledConnection(client) as connection:
             encode = connection.encoder.encode
             packed_keys = [bulk(encode(key)) for key in keys]
             packed_args = [bulk(encode(arg)) for arg in args]
@@ -299,13 +298,6 @@ class Script:
             return connection.retry.call_with_retry(
                 lambda: self.run_on(connection, packed_keys, packed_args), failed
             )
-        except redis.exceptions.ResponseError:
-            raise  # a complete error reply: the connection is clean
-        except BaseException:
-            connection.disconnect()  # interrupted between send and read: a late reply must reach no one
-            raise
-        finally:
-            pool.release(connection)
 
     async def call_async(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """Run on the asyncio client ``client`` (``redis.asyncio.Redis``), honouring its retry policy."""

@@ -57,6 +57,8 @@ def _function_signature(
     return signature, None
 
 
+#: The encoder of the canonical text (sorted keys, no spaces), built once: it keeps no state between calls.
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
 #: The keys of kombu's JSON envelope for a non-JSON type: ``{"__type__": "datetime", "__value__": ...}``.
 _ENVELOPE = frozenset({"__type__", "__value__"})
 
@@ -74,7 +76,7 @@ def _encode(value: Any, delivered: bool) -> str:
     anyway walks the value once)."""
     if not delivered:
         value = json.loads(json.dumps(value, cls=JSONEncoder, ensure_ascii=False, allow_nan=True))
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+    return _CANONICAL_JSON.encode(value)
 
 
 #: The types JSON delivers as they were sent (``bool`` and ``None`` included; not subclasses).

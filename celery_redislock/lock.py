@@ -25,7 +25,7 @@ import redis
 import redis.cluster
 
 from ._durations import Duration, seconds, to_ms
-from ._redis import call_with_timeout, node_client, pooled_connection
+from ._redis import PooledConnection, call_with_timeout, node_client
 from ._scripts import ACQUIRE, RELEASE, RENEW, bulk
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
@@ -178,7 +178,7 @@ class OneServer:
         then sends ``WAIT``, so the wait covers it however it was granted (also handed over).
         """
         try:
-            with pooled_connection(self.client) as connection:
+            with PooledConnection(self.client) as connection:
                 encode = connection.encoder.encode
                 key, ttl_ms = bulk(encode(self.name)), bulk(b"%d" % to_ms(self.ttl))
                 not_owned = RENEW.run_on(connection, [key], [ttl_ms, bulk(token.encode())])

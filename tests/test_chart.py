@@ -80,17 +80,22 @@ def test_the_panels_hold_the_ratios_of_the_results() -> None:
     )
     fairness = values(by_title(panels, "Lock, 32 processes: fairness"))
     assert fairness == {name: row["min_max_ratio"] for name, row in rows.items()}
+    assert chart.paired(TASKS)  # the committed results are in the format bench/task_bench.py writes now
     wall = values(by_title(panels, "Celery, 2,000 tasks"))
-    assert wall == {name: row["wall_ratio_to_plain"] for name, row in TASKS["summary"].items()}
-    cpu = values(by_title(panels, "Celery: CPU per task"))
-    assert cpu["LockedTask"] == pytest.approx(sum(TASKS["summary"]["LockedTask"]["cpu_ms_per_task"].values()))
+    assert wall == {name: row["paired_ratio_to_plain"] for name, row in TASKS["summary"].items()}
+    cpu = values(by_title(panels, "Celery: lock CPU per task"))
+    assert cpu["LockedTask"] == TASKS["summary"]["LockedTask"]["lock_cpu_us_per_task"]
 
 
 def test_the_until_executed_variant_and_refused_duplicates_are_charted(tmp_path: Path) -> None:
     """The format bench/task_bench.py writes now: an ``until_executed`` variant, and a
     ``refused_duplicates`` section per de-duplicating variant."""
     tasks = copy.deepcopy(TASKS)
-    tasks["summary"]["until_executed"] = {**tasks["summary"]["LockedTask"], "wall_ratio_to_plain": 1.07}
+    tasks["summary"]["until_executed"] = {
+        **tasks["summary"]["LockedTask"],
+        "wall_ratio_to_plain": 1.07,
+        "paired_ratio_to_plain": 1.07,
+    }
     tasks["refused_duplicates"] = {
         "until_executed": {"round_trips": 1.0, "producer_cpu_us": 180.0, "wall_us": 260.0},
         "celery-once": {"round_trips": 1.0, "producer_cpu_us": 240.0, "wall_us": 330.0},
@@ -154,6 +159,7 @@ def test_paired_ratios_and_lock_cpu_are_charted() -> None:
     """The format bench/task_bench.py writes now: per-round ratios to plain (their median is the
     bar), lock CPU per task in µs, server commands per task; the best peer is a line."""
     tasks = copy.deepcopy(TASKS)
+    tasks["summary"] = {"plain": tasks["summary"]["plain"]}
     figures = {
         "plain": (1.0, 0.0),
         "LockedTask": (1.03, 180.0),
@@ -168,7 +174,7 @@ def test_paired_ratios_and_lock_cpu_are_charted() -> None:
     panels = chart.panels(LOCK, tasks)
     wall = by_title(panels, "Celery, 2,000 tasks: wall")
     assert "paired median" in wall.title
-    assert values(wall) == {name: ratio for name, (ratio, _) in figures.items()}  # the others: unpaired
+    assert values(wall) == {name: ratio for name, (ratio, _) in figures.items()}
     assert (1.04, "best peer") in wall.lines
     cpu = by_title(panels, "Celery: lock CPU per task")
     assert values(cpu) == {name: cpu_us for name, (_, cpu_us) in figures.items() if name != "plain"}
