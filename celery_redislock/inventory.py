@@ -23,7 +23,7 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from ._redis import pooled_connection
+from ._redis import PooledConnection
 from ._scripts import RELEASE, Script, bulk, own_execute_command
 from .attempt import companion_key
 from .connection import Client
@@ -206,7 +206,7 @@ def _reads(client: Client, batches: Sequence[Sequence[str]]) -> Iterator[Any]:
         for batch in batches:
             yield READ(client, batch, [])
         return
-    with pooled_connection(client) as connection:
+    with PooledConnection(client) as connection:
         encoding, errors = connection.encoder.encoding, connection.encoder.encoding_errors
         calls = (READ.pack([bulk(key.encode(encoding, errors)) for key in batch], []) for batch in batches)
         connection.send_packed_command(connection.pack_command("SCRIPT", "LOAD", READ.source))
