@@ -129,7 +129,9 @@ def defined_here(module: str) -> set[str]:
                     isinstance(target, ast.Name) and target.id == "__slots__" for target in item.targets
                 ):
                     names.update(
-                        element.value for element in ast.walk(item.value) if isinstance(element, ast.Constant)
+                        element.value
+                        for element in ast.walk(item.value)
+                        if isinstance(element, ast.Constant) and isinstance(element.value, str)
                     )
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and own_object(node.value):
             names.add(node.attr)
