@@ -222,8 +222,7 @@ class Execution:
         ``"parked"``, ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
         ttl = self.options.queue_ttl + delay
         queued = holder_for(self.task_id, self.retries + 1, socket.gethostname(), os.getpid(), "queued")
-        current = lock.holder or ""
-        fields = telemetry.log_fields(lock.name, self.task_id, current, lock.fence)
+        current, fence = lock.holder or "", lock.fence
         try:
             parked = PARK(
                 lock.client, [lock.name], [lock.stop_renewing(), current, token, queued, to_ms(ttl)]
@@ -235,7 +234,7 @@ class Execution:
                 self.task_id,
                 lock.name,
                 exc,
-                extra={**fields, "outcome": "error"},
+                extra=telemetry.log_fields(lock.name, self.task_id, current, fence, "error"),
             )
             return "error"
         finally:
@@ -247,7 +246,7 @@ class Execution:
             self.task.name,
             self.task_id,
             lock.name,
-            extra={**fields, "outcome": "taken-over"},
+            extra=telemetry.log_fields(lock.name, self.task_id, current, fence, "taken-over"),
         )
         return "taken-over"
 
