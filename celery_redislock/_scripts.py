@@ -38,11 +38,14 @@ from ._redis import PooledConnection, node_client
 #: cluster hash slot: its own hash tag if it has one, else the whole name as the tag
 #: (``attempt.companion_key``). A script's fast path (``Script(fast=...)``) follows it.
 _PRELUDE_NAMES = """
+local function companion_prefix(name)
+  local open = string.find(name, '{', 1, true)
+  local close = open and string.find(name, '}', open + 1, true)
+  if close and close > open + 1 then return name .. ':' end
+  return '{' .. name .. '}:'
+end
 local lock = KEYS[1]
-local tag_open = string.find(lock, '{', 1, true)
-local tag_close = tag_open and string.find(lock, '}', tag_open + 1, true)
-local prefix = '{' .. lock .. '}:'
-if tag_close and tag_close > tag_open + 1 then prefix = lock .. ':' end
+local prefix = companion_prefix(lock)
 local queue, deadlines, wake_prefix = prefix .. 'queue', prefix .. 'waiters', prefix .. 'wake:'
 """
 
@@ -264,7 +267,7 @@ class Script:
         Celery time limit, even between the send and the read) drops the
         connection, so that its reply is never read by the next user.
         """
-        if type(client) is redis.Redis and client.connection is None and own_execute_command(client):
+        if plain_client(client):
             return self._call_pooled(client, keys, args, resending)
         if type(client) is redis.cluster.RedisCluster and keys and own_execute_command(client):
             try:  # straight to the node that serves the keys' slot, on that node's own fast path
@@ -396,6 +399,12 @@ def own_execute_command(client: Any) -> bool:
     since an app may instrument redis-py, or stop, at any time after this module is imported."""
     cls = type(client)
     return cls.execute_command is _OWN_EXECUTE_COMMAND.get(cls) and "execute_command" not in vars(client)
+
+
+def plain_client(client: Any) -> bool:
+    """Whether ``client`` is a plain, uninstrumented ``redis.Redis`` on a connection pool (not a
+    single-connection client), whose scripts may go straight to a pooled connection."""
+    return type(client) is redis.Redis and client.connection is None and own_execute_command(client)
 
 
 #: Errors after which a Cluster's direct node call is sent again through the Cluster client.

@@ -24,7 +24,7 @@ import redis.cluster
 from redis.crc import key_slot
 
 from ._redis import PooledConnection
-from ._scripts import RELEASE, Script, bulk, own_execute_command
+from ._scripts import RELEASE, Script, bulk, plain_client
 from .attempt import companion_key
 from .connection import Client
 from .exceptions import LockConfigurationError
@@ -58,8 +58,8 @@ _AHEAD = 4
 #: Kept here, by the one function that runs it, rather than in ``_scripts`` with the lock's
 #: scripts: it reads, never writes, and no lock operation uses it.
 _READ = """
--- READ. KEYS[i] a key (its waiters' deadlines named from it as the prelude names those of
--- KEYS[1], in its hash slot). Reads, never writes.
+-- READ. KEYS[i] a key (its waiters' deadlines named from it by the prelude's
+-- companion_prefix, in its hash slot). Reads, never writes.
 -- Returns one JSON array (one reply element, however many keys) holding, per key,
 -- [its PTTL in ms, its live waiters, its value]: the value "" unless it is a lock value
 -- (PTTL -2: no such key); a waiter is live until its deadline.
@@ -68,10 +68,7 @@ local read = {}
 for _, key in ipairs(KEYS) do
   local value, waiting = redis.pcall('GET', key), 0  -- pcall: a key of another type is no lock
   if type(value) == 'string' and fence_of(value) then
-    local open = string.find(key, '{', 1, true)
-    local close = open and string.find(key, '}', open + 1, true)
-    local named = (close and close > open + 1) and key .. ':' or '{' .. key .. '}:'
-    waiting = redis.call('ZCOUNT', named .. 'waiters', after, '+inf')
+    waiting = redis.call('ZCOUNT', companion_prefix(key) .. 'waiters', after, '+inf')
   else
     value = ''
   end
@@ -202,7 +199,7 @@ def _reads(client: Client, batches: Sequence[Sequence[str]]) -> Iterator[Any]:
     script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent before
     their replies are read: the server runs those while the caller reads this one. Any other
     client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
-    if not (type(client) is redis.Redis and client.connection is None and own_execute_command(client)):
+    if not plain_client(client):
         for batch in batches:
             yield READ(client, batch, [])
         return
