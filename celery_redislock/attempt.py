@@ -247,7 +247,8 @@ class LockCore:
         self.ttl = lease_seconds(ttl, watchdog)
         self.timeout = None if timeout is None else seconds(timeout, "timeout")
         check_holder(holder)
-        companion_key(self.name, "wake:")  # raises for a name that can have no companions
+        #: what a waiter's wake list is named after its token (raises for a name that can have no companions)
+        self.wake_prefix = companion_key(self.name, "wake:")
         self.watchdog = bool(watchdog)
         self.fair = bool(fair)
         self.holder = holder
