@@ -838,7 +838,8 @@ def cpu_model() -> str:
 
 def run_header(args: argparse.Namespace) -> dict[str, Any]:
     """What a results file says about the run: its arguments (paths relative to the repository),
-    the machine (CPU model, cores, Python, OS) and, for older readers, Python, platform and CPUs."""
+    the machine (CPU model, cores, Python, OS, load average) and, for older readers, Python,
+    platform and CPUs."""
     return {
         "args": {k: relative(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {
@@ -852,6 +853,8 @@ def run_header(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "commit": git("rev-parse", "--short", "HEAD"),
         "package_changes_not_committed": git("status", "--porcelain", "--", "celery_redislock"),
+        #: the 1, 5 and 15 minute load averages as the run ends (a shared machine's other work)
+        "load_average": list(os.getloadavg()),
     }
 
 

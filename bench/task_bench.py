@@ -156,6 +156,26 @@ def bare_lock_task(app: Celery, lock_url: str) -> Task[Any, Any]:
     return cast(Task[Any, Any], noop)
 
 
+def profile_children(folder: Path) -> None:
+    """Each pool child of this worker runs under cProfile from its start, timed by its CPU time
+    (waits for replies do not count: the figures say where its CPU goes), and writes its profile
+    to ``folder/<pid>.prof`` when it shuts down (a warm shutdown)."""
+    import cProfile
+
+    from celery import signals
+
+    profiler = cProfile.Profile(time.process_time)
+
+    @signals.worker_process_init.connect(weak=False)
+    def start(**_: Any) -> None:
+        profiler.enable()
+
+    @signals.worker_process_shutdown.connect(weak=False)
+    def write(**_: Any) -> None:
+        profiler.disable()
+        profiler.dump_stats(folder / f"{os.getpid()}.prof")
+
+
 if os.environ.get("TASK_BENCH_VARIANT"):  # imported by the worker
     if os.environ.get("TASK_BENCH_OTEL"):  # bench/otel_bench.py: OpenTelemetry's SDK on, before the fork
         from otel_bench import instrument
@@ -167,6 +187,8 @@ if os.environ.get("TASK_BENCH_VARIANT"):  # imported by the worker
         os.environ["TASK_BENCH_LOCKS"],
         os.environ["TASK_BENCH_QUEUE"],
     )
+    if os.environ.get("TASK_BENCH_PROFILE"):  # --profile: each pool child profiles itself
+        profile_children(Path(os.environ["TASK_BENCH_PROFILE"]))
 
 
 # -- one run ---------------------------------------------------------------------
@@ -452,6 +474,31 @@ def checks(summary: dict[str, dict[str, Any]], duplicates: dict[str, dict[str, f
     return found
 
 
+def profile(variants: list[str], tasks: int, concurrency: int, lines: int) -> None:
+    """One run of each of ``variants`` with its pool children profiled: the top ``lines`` functions
+    of their merged profile by own time, then by cumulative time."""
+    import pstats
+
+    from celery_redislock.testing import RedisServer
+
+    print(f"load average at start: {' '.join(f'{load:.2f}' for load in os.getloadavg())}")
+    with RedisServer() as broker, RedisServer() as locks:
+        for variant in variants:
+            with tempfile.TemporaryDirectory(prefix="task-bench-profile-") as folder:
+                os.environ["TASK_BENCH_PROFILE"] = folder
+                try:
+                    row = run_once(variant, tasks, concurrency, broker, locks)
+                finally:
+                    del os.environ["TASK_BENCH_PROFILE"]
+                files = sorted(str(path) for path in Path(folder).glob("*.prof"))
+                if not files:
+                    raise RuntimeError(f"{variant}: no pool child wrote its profile")
+                print(f"\n== {variant}: {tasks} tasks under cProfile, wall {row['wall_s']:.2f}s")
+                stats = pstats.Stats(*files)
+                for order in ("tottime", "cumulative"):
+                    stats.sort_stats(order).print_stats(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from lock_bench import (  # the producer's helpers only
         print_summary,
@@ -471,11 +518,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        metavar="LINES",
+        help="instead: one run per variant with the pool children under cProfile; print the top LINES",
+    )
     args = parser.parse_args(argv)
+    if args.profile:
+        profile(args.variants, args.tasks, args.concurrency, args.profile)
+        return 0
     if "plain" not in args.variants:
         args.variants.insert(0, "plain")
     versions = ensure_peers()
     started = time.monotonic()
+    load_at_start = list(os.getloadavg())
+    print(f"load average at start: {' '.join(f'{load:.2f}' for load in load_at_start)}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in args.variants}
     with RedisServer() as broker, RedisServer() as locks:
         servers = {"broker and results": broker.url, "locks": locks.url}
@@ -563,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json,
         {
             **run_header(args),
+            "load_average_at_start": load_at_start,
             "servers": servers,
             "versions": versions,
             "duration_s": time.monotonic() - started,
@@ -573,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             "checks": [check.line() for check in found],
         },
     )
+    print(f"load average at the end: {' '.join(f'{load:.2f}' for load in os.getloadavg())}")
     print(f"results written to {args.json} ({time.monotonic() - started:.0f}s)")
     return 0
 

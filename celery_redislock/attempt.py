@@ -79,7 +79,9 @@ def companion_key(name: str, suffix: str) -> str:
 
 def lease_seconds(ttl: object, watchdog: bool) -> float:
     """A lease length in seconds, or ``LockConfigurationError`` saying what is allowed."""
-    value = seconds(ttl, "ttl")
+    # a float (the common case, as every task's lock_ttl is) needs no conversion: the range
+    # check below refuses what ``seconds`` would (NaN, infinities, negatives)
+    value = ttl if type(ttl) is float else seconds(ttl, "ttl")
     if not 0 < value <= MAX_TTL:
         raise LockConfigurationError(f"ttl must be > 0 and <= {MAX_TTL:.0f} seconds, got {ttl!r}")
     if watchdog and value < MIN_WATCHDOG_TTL:
@@ -92,6 +94,8 @@ def lease_seconds(ttl: object, watchdog: bool) -> float:
 
 def lock_name(name: object) -> str:
     """``name`` as a non-empty str, or ``LockConfigurationError`` saying what is allowed."""
+    if type(name) is str and name:
+        return name
     if isinstance(name, bytes):
         try:
             name = name.decode()
@@ -247,7 +251,8 @@ class LockCore:
         self.ttl = lease_seconds(ttl, watchdog)
         self.timeout = None if timeout is None else seconds(timeout, "timeout")
         check_holder(holder)
-        companion_key(self.name, "wake:")  # raises for a name that can have no companions
+        #: what a waiter's wake list is named after its token (raises for a name that can have no companions)
+        self.wake_prefix = companion_key(self.name, "wake:")
         self.watchdog = bool(watchdog)
         self.fair = bool(fair)
         self.holder = holder

@@ -43,6 +43,9 @@ __all__ = ["Execution"]
 
 logger = logging.getLogger(__name__)
 
+#: The block of a body run unlocked (stateless: one serves every run).
+_EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
+
 
 class Execution:
     """The run of ``task`` with ``args``/``kwargs`` under the lock ``key``.
@@ -101,7 +104,7 @@ class Execution:
                 settings,
                 task_name=task.name,
                 raise_on_lost=options.on_lost != "log",
-                stop_child=self._stops_child(),
+                stop_child=options.on_lost == "terminate" and self._stops_child(),
             )
             self.lock.request = request
             # From here on, what an asynchronous exception leaves held is task_postrun's to release.
@@ -185,7 +188,7 @@ class Execution:
 
     def body(self) -> AbstractContextManager[None]:
         """The block the body runs in (``ExecutionLock.body``)."""
-        return nullcontext() if self.lock is None else self.lock.body()
+        return _EMPTY_BLOCK if self.lock is None else self.lock.body()
 
     def fields(self) -> dict[str, Any]:
         """The ``lock_*`` fields of the request the body sees."""
@@ -272,14 +275,12 @@ class Execution:
         return False
 
     def _stops_child(self) -> bool:
-        """Whether a lost lock stops this process: ``lock_on_lost="terminate"`` in a prefork pool child.
+        """With ``lock_on_lost="terminate"``: whether a lost lock stops this process (a prefork pool child).
 
         Anywhere else (threads, solo, gevent or eventlet pools, a direct call)
         the process is the worker itself: ``"terminate"`` acts as ``"raise"``,
         with a WARNING the first time (per task).
         """
-        if self.options.on_lost != "terminate":
-            return False
         state = app_state(self.task.app)
         if state.pool_child == os.getpid():
             return True

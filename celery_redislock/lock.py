@@ -110,7 +110,9 @@ class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
             raise LockConfigurationError(
                 f"replica_timeout must be > 0 and < ttl ({self.ttl:g}), got {replica_timeout!r}"
             )
-        self.servers = OneServer(client, self.name, self.ttl, replicas, self.replica_timeout)
+        self.servers = OneServer(
+            client, self.name, self.ttl, replicas, self.replica_timeout, self.wake_prefix
+        )
 
 
 RedisLock.register(Redlock)
@@ -123,11 +125,13 @@ class OneServer:
     needed = 1
     queues = True
 
-    def __init__(self, client: Any, name: str, ttl: float, replicas: int, replica_timeout: float) -> None:
+    def __init__(
+        self, client: Any, name: str, ttl: float, replicas: int, replica_timeout: float, wake_prefix: str
+    ) -> None:
         self.client, self.name, self.ttl, self.replicas = client, name, ttl, replicas
         self.replica_timeout = replica_timeout
         self._keys = (name,)
-        self._wake_prefix = companion_key(name, "wake:")
+        self._wake_prefix = wake_prefix
 
     def __len__(self) -> int:
         return 1

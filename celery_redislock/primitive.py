@@ -179,8 +179,7 @@ class LeaseLock(LockCore):
             if not self.held():
                 raise LockNotOwned(self.name)
             token, leases = self.token or "", list(self._leases)
-        for lease in leases:
-            get_watchdog().discard(lease)
+        _discard(leases)
         return token
 
     def forget(self) -> None:
@@ -208,7 +207,9 @@ class LeaseLock(LockCore):
         with self._state:
             if not self.drop_hold():
                 return
-        released = self._free(self.stop_renewing())
+            token, leases = self.token or "", list(self._leases)
+        _discard(leases)
+        released = self._free(token)
         self.forget()
         if not released:
             raise LockNotOwned(self.name)
@@ -283,3 +284,9 @@ class LeaseLock(LockCore):
         for other in rest:
             get_watchdog().discard(other)
         return True
+
+
+def _discard(leases: list[Lease]) -> None:
+    """Stop the watchdog renewing ``leases`` (a copy of a hold's); returns once none is in flight."""
+    for lease in leases:
+        get_watchdog().discard(lease)

@@ -47,6 +47,8 @@ HEADER = "redislock"
 BEAT_HEADER = "redislock_beat"
 #: Characters a holder field keeps as they are; others (space, ``=``, ``%``, non-ASCII) are %-encoded.
 _FIELD_SAFE = "!\"#$&'()*+,-./:;<>?@[\\]^_`{|}~"
+#: A field every character of which ``quote`` keeps (ASCII letters, digits, ``_.-~``, ``_FIELD_SAFE``).
+_KEPT = re.compile(f"[A-Za-z0-9_.~{re.escape(_FIELD_SAFE)}-]*")
 _VALUE = re.compile(r"([0-9a-f]{32}):(\d+):(.*)", re.DOTALL)
 
 
@@ -81,8 +83,12 @@ def holder_for(task_id: str | None, retries: int, node: str, pid: int, state: st
     Fields are separated by spaces; the task id and node are %-encoded where they hold a
     space, ``=``, ``%`` or a non-ASCII character, so that any task id reads back whole.
     """
-    task, where = quote(task_id or "-", safe=_FIELD_SAFE), quote(node, safe=_FIELD_SAFE)
-    return f"task={task} try={retries} state={state} node={where} pid={pid}"
+    return f"task={_field(task_id or '-')} try={retries} state={state} node={_field(node)} pid={pid}"
+
+
+def _field(value: str) -> str:
+    """``value`` as a holder field: as it is when every character is kept (a uuid, a host name)."""
+    return value if _KEPT.fullmatch(value) else quote(value, safe=_FIELD_SAFE)
 
 
 def parse_holder(holder: str | None) -> dict[str, str]:

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import redis
@@ -32,6 +32,9 @@ from .watchdog import Lease
 __all__ = ["ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
 
 logger = logging.getLogger(__name__)
+
+#: The block of a body whose lock need not mark it (stateless: one serves every run).
+_EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
 
 
 class ExecutionLock(RedisLock):
@@ -93,9 +96,13 @@ class ExecutionLock(RedisLock):
                     os.kill(os.getpid(), signal.SIGKILL)
         return True
 
+    def body(self) -> AbstractContextManager[None]:
+        """The block the body runs in: only then does a loss stop the pool child (``stop_child``);
+        without ``stop_child`` nothing needs marking, and the block is empty."""
+        return self._marked_body() if self._stop_child else _EMPTY_BLOCK
+
     @contextmanager
-    def body(self) -> Iterator[None]:
-        """The body runs in this block: only then does a loss stop the pool child (``stop_child``)."""
+    def _marked_body(self) -> Iterator[None]:
         with self._guard:
             self._body_running = True
         try:
