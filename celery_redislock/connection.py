@@ -25,12 +25,12 @@ import redis
 import redis.cluster
 import redis.sentinel
 
-from .config import URL_SCHEMES, app_settings
+from .config import URL_SCHEMES, app_settings, check_client
 from .exceptions import LockConfigurationError
 from .state import app_state
 from .telemetry import log_fields
 
-__all__ = ["DEFAULT_URL", "client_for", "lock_url", "masked", "redis_client"]
+__all__ = ["DEFAULT_URL", "client_for", "described", "lock_url", "masked", "redis_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,29 +133,57 @@ def redis_client(url: str, transport_options: Mapping[str, Any] | None = None, *
     return redis.Redis.from_url(url, **options)
 
 
-def client_for(app: Any) -> tuple[Client, str]:
-    """The app's lock client in this process, and its URL with the password masked.
+def described(client: Client) -> str:
+    """Where ``client`` points, without credentials: ``host:port/db``, a socket, a Sentinel
+    service or Cluster nodes."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        nodes = client.get_nodes()  # type: ignore[no-untyped-call]
+        return "Redis Cluster " + ",".join(node.name for node in nodes)
+    pool = client.connection_pool
+    service = getattr(pool, "service_name", None)
+    if service is not None:
+        return f"Sentinel service {service}"
+    kwargs = pool.connection_kwargs
+    db = kwargs.get("db", 0)
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={db}"
+    return f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
 
-    Created on first use (and again in a forked child, which must not share
-    its parent's sockets); the URL is logged once per process.
+
+def client_for(app: Any) -> tuple[Client, str]:
+    """The app's lock client in this process, and where it points (a URL with the password
+    masked, or ``described(client)`` for the ``redislock_client``).
+
+    Made on first use, and again in a forked child, which must not share its
+    parent's sockets: from the URL, or by calling ``redislock_client``'s
+    callable again. A client given as ``redislock_client`` is the same object
+    in the child; its connection pool resets itself there (redis-py compares
+    the pid). Where it points is logged once per process.
     """
     state = app_state(app)
     cached = state.client
     if cached is not None and cached[0] == os.getpid():
         return cached[1], cached[2]
+    given = app_settings(app).client
+    if given is None:
+        client, where, source = _url_client(app)
+    else:
+        client = given(app) if callable(given) else given
+        check_client(f"app {app.main or app!r}", client, "what the redislock_client callable returned")
+        where, source = described(client), "redislock_client"
+    # the package closes what it made (``forget_client``), never a client it was given
+    state.client = (os.getpid(), client, where, given is None or callable(given))
+    connected = log_fields(outcome="connected")
+    logger.info("celery-redislock: locks in Redis at %s (from %s)", where, source, extra=connected)
+    return client, where
+
+
+def _url_client(app: Any) -> tuple[Client, str, str]:
+    """A client for the app's lock URL: (client, the URL with the password masked, where it came from)."""
     url, source = lock_url(app)
     options: dict[str, Any] = {"socket_connect_timeout": SOCKET_TIMEOUT, "socket_timeout": SOCKET_TIMEOUT}
     ssl = app.conf.get("broker_use_ssl")
     if source == "broker_url" and url.startswith("rediss://") and isinstance(ssl, dict):
         options.update(ssl)
     transport_options = app_settings(app).transport_options or app.conf.get("broker_transport_options") or {}
-    client = redis_client(url, transport_options, **options)
-    safe_url = masked(url)
-    state.client = (os.getpid(), client, safe_url)
-    logger.info(
-        "celery-redislock: locks in Redis at %s (from %s)",
-        safe_url,
-        source,
-        extra=log_fields(outcome="connected"),
-    )
-    return client, safe_url
+    return redis_client(url, transport_options, **options), masked(url), source

@@ -86,12 +86,15 @@ class Execution:
         self.task_id: str | None = None if request is None else request.id
         self.retries: int = 0 if request is None else request.retries or 0
         self.node: str = (None if request is None else request.hostname) or socket.gethostname()
+        self.lock: ExecutionLock | None = None
+        if not settings.enabled:  # redislock_enabled=False: no ticket, slot, lock; ``client``, ``url`` unset
+            self.ticket = self.slot = None
+            return
         self.ticket = None if request is None else request_ticket(request)
         slot = None if request is None else request_slot(request)
         # a beat slot counts only if the task or its schedule entry opted in
         self.slot = slot if slot is not None and (options.beat or slot.get("claimed")) else None
         self.client, self.url = client_for(task.app)
-        self.lock: ExecutionLock | None = None
         if options.rules.execution_lock:
             self.lock = ExecutionLock(
                 self.client,

@@ -28,6 +28,7 @@ from kombu.utils.uuid import uuid
 from . import signals
 from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
 from .connection import client_for
+from .django import OnCommit
 from .exceptions import DuplicateTask, LockConfigurationError, LockLost, LockNotReplicated, RedisLockError
 from .execution import Execution
 from .keys import call_digest, lock_key
@@ -73,7 +74,7 @@ def _bound_options(task: Task[Any, Any]) -> tuple[LockOptions, AppSettings]:
     return options, settings
 
 
-class LockedTask(Task):  # type: ignore[type-arg]
+class LockedTask(OnCommit):
     """A task whose body runs under a per-signature Redis lock.
 
     Options are the ``lock_*`` attributes (docs/tasks.md, "Options"): set them with
