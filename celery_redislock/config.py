@@ -243,11 +243,10 @@ def check_client(where: str, client: object, what: str = "redislock_client") -> 
     The error names the type of a wrong value, never the value (it may hold a password).
     """
     if not isinstance(client, CLIENT_TYPES):
-        raise LockConfigurationError(
-            f"{where}: {what} is a {type(client).__module__}.{type(client).__qualname__}; allowed: a "
-            "redis.Redis (a Sentinel primary's too) or redis.cluster.RedisCluster client, "
-            "or a callable (app) -> client"
-        )
+        allowed = "a redis.Redis (a Sentinel primary's too) or redis.cluster.RedisCluster client"
+        allowed += ", or a callable (app) -> client" if what == "redislock_client" else ""
+        kind = f"{type(client).__module__}.{type(client).__qualname__}"
+        raise LockConfigurationError(f"{where}: {what} is a {kind}; allowed: {allowed}")
     if isinstance(client, redis.Redis) and client.connection is not None:
         raise LockConfigurationError(
             f"{where}: {what} is a single_connection_client, whose one connection the watchdog "
