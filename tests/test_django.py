@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from celery import Celery
 
+from celery_redislock import LockConfigurationError, LockedTask
 from celery_redislock.testing import RedisServer
 from tests.workers import ROOT, _Subprocess, wait_for
-
-pytest.importorskip("django", reason="Django is not installed")
 
 
 class DjangoWorker(_Subprocess):
@@ -33,6 +33,7 @@ class DjangoWorker(_Subprocess):
 def test_on_commit_sends_and_locks_after_the_commit_and_a_worker_runs_it(
     redis_server: RedisServer, prefix: str, tmp_path: Path, client: redis.Redis
 ) -> None:
+    pytest.importorskip("django", reason="Django is not installed")
     env = {
         "DJANGO_SETTINGS_MODULE": "tests.django_project.settings",
         "DJANGO_PROJECT_DB": str(tmp_path / "db.sqlite3"),
@@ -68,3 +69,19 @@ def test_on_commit_sends_and_locks_after_the_commit_and_a_worker_runs_it(
         worker.stop()
         client.delete(queue)
     assert client.lrange(f"{prefix}:shipped", 0, -1) == [b"book"]
+
+
+def test_without_django_they_raise_naming_the_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "django.db", None)  # as if Django were not installed
+    app = Celery("no-django", set_as_current=False)
+
+    @app.task(base=LockedTask, shared=False, name="no_django.ship")
+    def ship(order_id: int) -> None:
+        """Never sent."""
+
+    needs = r"task 'no_django.ship': delay_on_commit and apply_async_on_commit need Django"
+    with pytest.raises(LockConfigurationError, match=needs):
+        ship.delay_on_commit(1)
+    with pytest.raises(LockConfigurationError, match=needs):
+        ship.apply_async_on_commit((1,))
+    app.close()
