@@ -164,12 +164,14 @@ def client_for(app: Any) -> tuple[Client, str]:
     cached = state.client
     if cached is not None and cached[0] == os.getpid():
         return cached[1], cached[2]
-    given = app_settings(app).client
+    given = app_settings(app).client  # an instance was checked with the settings
     if given is None:
         client, where, source = _url_client(app)
     else:
-        client = given(app) if callable(given) else given
-        check_client(f"app {app.main or app!r}", client, "what the redislock_client callable returned")
+        client = given
+        if callable(given):
+            client = given(app)
+            check_client(f"app {app.main or app!r}", client, "what the redislock_client callable returned")
         where, source = described(client), "redislock_client"
     # the package closes what it made (``forget_client``), never a client it was given
     state.client = (os.getpid(), client, where, given is None or callable(given))
