@@ -13,7 +13,8 @@
   is a ``redis-cluster://`` URL) and ``RedisSentinelServers`` a primary, a
   replica and sentinels watching them (``url`` is a ``sentinel://`` URL, the
   master name ``master_name``), all on 127.0.0.1, all stopped by pid.
-* ``use_redis(app, url)``: the app's locks go to ``url`` for a ``with`` block.
+* ``use_redis(app, url)``: the app's locks go to ``url`` for a ``with`` block (a
+  ``redislock_client`` set aside meanwhile).
 * ``hold(task, args, kwargs)``: hold the lock of one call, as a task running
   elsewhere would, to test what a busy lock or a duplicate does.
 * ``locks_left(app)`` and ``assert_no_locks(app)``: what a test left behind.
@@ -355,13 +356,15 @@ class RedisSentinelServers(_Group):
 def use_redis(app: Any, url: str) -> Iterator[Client]:
     """Within the block, ``app``'s locks are in the Redis at ``url`` (``redislock_url``,
     any URL it takes: ``redis://``, ``redis-cluster://``, ``sentinel://``...); yields the
-    app's lock client. The previous ``redislock_url`` is restored afterwards.
+    app's lock client. A ``redislock_client`` is set aside for the block; both settings
+    are restored afterwards.
 
     Only the locks move: a test that runs a worker or sends messages gives the
     app its broker and result backend itself (the same URL will do).
     """
     missing = object()
-    previous = app.conf.get("redislock_url", missing)
+    previous = {name: app.conf.get(name, missing) for name in ("redislock_url", "redislock_client")}
+    app.conf.redislock_client = None  # None, not popped: it may come from a config module
     app.conf.redislock_url = url
     forget_client(app)
     try:
@@ -369,10 +372,11 @@ def use_redis(app: Any, url: str) -> Iterator[Client]:
         yield client
     finally:
         forget_client(app)
-        if previous is missing:
-            app.conf.pop("redislock_url", None)
-        else:
-            app.conf.redislock_url = previous
+        for name, value in previous.items():
+            if value is missing:
+                app.conf.pop(name, None)
+            else:
+                app.conf[name] = value
 
 
 @contextmanager

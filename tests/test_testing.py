@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
@@ -121,6 +122,22 @@ def test_use_redis_restores_an_unset_redislock_url(redis_server: RedisServer) ->
         assert app.conf.redislock_url == redis_server.url
     assert app.conf.get("redislock_url") is None
     app.close()
+
+
+def test_use_redis_sets_a_redislock_client_aside_for_the_block(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    given = redis.Redis.from_url(NOWHERE)
+    app.conf.redislock_url = None
+    app.conf.redislock_client = given
+    skip = app.tasks["tests.test_testing.skip"]
+    with use_redis(app, redis_server.url) as client:
+        assert app.conf.get("redislock_client") is None
+        with hold(skip, (1,)) as lock:
+            assert client.get(lock.name) is not None
+            assert skip(1) is None  # busy: skipped
+    assert app.conf.redislock_client is given and app.conf.redislock_url is None
+    assert app_state(app).client is None  # the next use reads the settings again
 
 
 def test_hold_makes_a_call_find_its_lock_busy_and_an_enqueue_a_duplicate(
