@@ -26,11 +26,19 @@ import redis.cluster
 import redis.sentinel
 
 from .config import URL_SCHEMES, app_settings, check_client
-from .exceptions import LockConfigurationError
+from .exceptions import LockConfigurationError, RedisLockError
 from .state import app_state
 from .telemetry import log_fields
 
-__all__ = ["DEFAULT_URL", "client_for", "described", "lock_url", "masked", "redis_client"]
+__all__ = [
+    "DEFAULT_URL",
+    "ClientCallableFailed",
+    "client_for",
+    "described",
+    "lock_url",
+    "masked",
+    "redis_client",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,12 @@ DEFAULT_URL = "redis://localhost:6379/0"
 SOCKET_TIMEOUT = 5.0
 
 Client = redis.Redis | redis.cluster.RedisCluster
+
+
+class ClientCallableFailed(RedisLockError):
+    """The ``redislock_client`` callable raised (a token endpoint down, say): as Redis being
+    unreachable, ``redislock_on_error`` applies. The message names the exception's type
+    only (its text may hold a secret); the exception is its ``__cause__``."""
 
 
 def masked(url: str) -> str:
@@ -158,7 +172,8 @@ def client_for(app: Any) -> tuple[Client, str]:
     parent's sockets: from the URL, or by calling ``redislock_client``'s
     callable again. A client given as ``redislock_client`` is the same object
     in the child; its connection pool resets itself there (redis-py compares
-    the pid). Where it points is logged once per process.
+    the pid). Where it points is logged once per process. A callable that
+    raises: ``ClientCallableFailed`` (callers apply ``redislock_on_error``).
     """
     state = app_state(app)
     cached = state.client
@@ -168,16 +183,26 @@ def client_for(app: Any) -> tuple[Client, str]:
     if given is None:
         client, where, source = _url_client(app)
     else:
-        client = given
-        if callable(given):
-            client = given(app)
-            check_client(f"app {app.main or app!r}", client, "what the redislock_client callable returned")
+        client = _called(app, given) if callable(given) else given
         where, source = described(client), "redislock_client"
     # the package closes what it made (``forget_client``), never a client it was given
     state.client = (os.getpid(), client, where, given is None or callable(given))
     connected = log_fields(outcome="connected")
     logger.info("celery-redislock: locks in Redis at %s (from %s)", where, source, extra=connected)
     return client, where
+
+
+def _called(app: Any, make: Any) -> Client:
+    """The client that the ``redislock_client`` callable ``make`` returns for ``app``, checked."""
+    where = f"app {app.main or app!r}"
+    try:
+        client = make(app)
+    except Exception as exc:
+        raise ClientCallableFailed(
+            f"{where}: the redislock_client callable failed: {type(exc).__name__}"
+        ) from exc
+    check_client(where, client, "what the redislock_client callable returned")
+    return client  # type: ignore[no-any-return]
 
 
 def _url_client(app: Any) -> tuple[Client, str, str]:

@@ -120,7 +120,11 @@ def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None =
 
 
 def _free_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
+    """Free ``ticket`` for ``app``; nothing for an app switched off (``redislock_enabled=False``),
+    whose receivers are off but another app's, connected for every app, are not."""
     try:
+        if not app_settings(app).enabled:  # nothing of it connects
+            return
         client, _ = client_for(app)
         if free_ticket(client, ticket):
             logger.info(

@@ -16,7 +16,7 @@ import redis
 import redis.asyncio
 from celery import Celery
 
-from celery_redislock import LockConfigurationError, LockedTask
+from celery_redislock import LockConfigurationError, LockedTask, RedisLockError
 from celery_redislock.connection import client_for, redis_client
 from celery_redislock.state import forget_client
 from celery_redislock.testing import RedisClusterServers, RedisSentinelServers, RedisServer
@@ -82,7 +82,40 @@ def locked_app(prefix: str, client: Any) -> Celery:
     def fence(self: Any, x: int) -> object:
         return self.request.lock_fence
 
+    @app.task(base=LockedTask, bind=True, shared=False, name="client.queued", lock_mode="until_executed")
+    def queued(self: Any, x: int) -> object:
+        return self.request.lock_fence
+
     return app
+
+
+def failing_callable(app: Celery) -> redis.Redis:
+    raise OSError("token endpoint unreachable; token=secret")
+
+
+@pytest.mark.parametrize("name", ["client.fence", "client.queued"])
+def test_a_failing_callable_fails_the_task_naming_its_exception_type_only(prefix: str, name: str) -> None:
+    app = locked_app(prefix, failing_callable)
+    failed = r"app 'client-setting': the redislock_client callable failed: OSError$"
+    with pytest.raises(RedisLockError, match=failed) as raised:
+        app.tasks[name].delay(1).get()
+    assert "secret" not in str(raised.value)
+    app.close()
+
+
+@pytest.mark.parametrize("name", ["client.fence", "client.queued"])
+def test_a_failing_callable_runs_the_task_unlocked_with_on_error_run(
+    prefix: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = locked_app(prefix, failing_callable)
+    app.conf.redislock_on_error = "run"
+    assert app.tasks[name].delay(1).get() is None  # ran, unlocked: no fence
+    unlocked = [
+        record.getMessage() for record in caplog.records if "redislock_on_error='run'" in record.getMessage()
+    ]
+    assert unlocked and all("the redislock_client callable failed: OSError" in line for line in unlocked)
+    assert not any("secret" in line for line in unlocked)
+    app.close()
 
 
 def test_a_cluster_client(cluster: RedisClusterServers, prefix: str) -> None:

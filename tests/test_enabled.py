@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery import signals as celery_signals
 
 from celery_redislock import LockConfigurationError, LockedTask, task_lock_key
 from celery_redislock.config import UNLOCKED
@@ -153,3 +154,23 @@ def test_a_setting_that_is_not_a_bool_is_refused(redis_server: RedisServer, pref
     with pytest.raises(LockConfigurationError, match=r"redislock_enabled='no' is not valid; allowed: True"):
         app.tasks["taskapp.hold_skip"]
     app.close()
+
+
+def test_a_switched_off_app_frees_no_enqueue_lock_when_another_apps_receivers_fire(
+    off_app: Celery, redis_server: RedisServer, prefix: str, silent: socket.socket
+) -> None:
+    """Two apps in one process, one with its locks on (its receivers connected, for every app):
+    a message of the switched-off app that will never run connects nothing to free its lock."""
+    on_app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    recorder: Recorder = on_app.recorder  # type: ignore[attr-defined]
+    on_app.tasks["taskapp.until_executed"].delay("m")  # a message carrying its enqueue lock
+    (key,) = recorder.client.keys(f"{prefix}:*")
+    with on_app.connection_for_read() as connection:
+        message = connection.SimpleQueue(f"q-{prefix}").get(timeout=RESULT_TIMEOUT)
+    # the sender stands for each app's consumer: the receiver reads its ``app``
+    off_sender, on_sender = off_app.tasks["taskapp.until_executed"], on_app.tasks["taskapp.until_executed"]
+    celery_signals.task_rejected.send(sender=off_sender, message=message, exc=None)
+    assert recorder.client.exists(key) and attempts(silent) == 0
+    celery_signals.task_rejected.send(sender=on_sender, message=message, exc=None)
+    assert not recorder.client.exists(key)  # freed by the app whose locks are on
+    on_app.close()
