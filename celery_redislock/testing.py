@@ -48,6 +48,7 @@ import redis.sentinel
 from ._durations import Duration
 from .config import app_settings
 from .connection import Client, client_for
+from .exceptions import LockConfigurationError
 from .inventory import HeldLock, held_locks
 from .keys import slot_markers
 from .lock import RedisLock
@@ -395,9 +396,12 @@ def hold(
 
     The key is the task's execution lock (``task_lock_key``); for an
     ``until_and_while_executing`` task, that is the running task's lock, not
-    the enqueue lock of a queued one (``key + ":queued"``).
+    the enqueue lock of a queued one (``key + ":queued"``). With
+    ``redislock_enabled=False``: ``LockConfigurationError``.
     """
     key = task_lock_key(task, args, kwargs)  # LockConfigurationError unless a bound LockedTask
+    if not app_settings(task.app).enabled:  # the tasks would ignore the lock held
+        raise LockConfigurationError(f"task {task.name!r}: hold() needs redislock_enabled=True")
     client, _ = client_for(task.app)
     holder = holder_for(task_id, 0, "celery_redislock.testing", os.getpid())
     lock = RedisLock(client, key, ttl, holder=holder)
@@ -408,9 +412,13 @@ def hold(
 def locks_left(app: Any) -> list[str]:
     """What ``assert_no_locks`` objects to under ``app``'s ``redislock_prefix``: each lock
     still held (beat slot markers aside: they outlive their slot on purpose), and each key
-    there without a TTL, one line each."""
+    there without a TTL, one line each. None with ``redislock_enabled=False``: the app takes
+    nothing, and nothing connects."""
+    settings = app_settings(app)
+    if not settings.enabled:
+        return []
     client, _ = client_for(app)
-    prefix = app_settings(app).prefix
+    prefix = settings.prefix
     found: list[HeldLock] = held_locks(client, prefix)
     lines = [
         f"{lock.key} held by {lock.holder} ({'no TTL' if lock.ttl is None else f'{lock.ttl:.1f}s left'})"

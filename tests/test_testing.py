@@ -165,6 +165,17 @@ def test_hold_needs_a_bound_locked_task(app: Celery) -> None:
         hold(plain).__enter__()
 
 
+def test_with_the_locks_off_hold_is_refused_and_nothing_is_left(app: Celery) -> None:
+    """``redislock_enabled=False``: a held lock would be one the tasks ignore; and the app takes
+    nothing, so nothing is left, said without connecting (nothing answers at its URL)."""
+    app.conf.redislock_enabled = False
+    with pytest.raises(LockConfigurationError, match=r"^task '.*\.skip': hold\(\) needs redislock_enabled"):
+        hold(app.tasks["tests.test_testing.skip"], (1,)).__enter__()
+    assert locks_left(app) == []
+    assert_no_locks(app)
+    assert app_state(app).client is None
+
+
 def test_assert_no_locks_names_what_is_left(app: Celery, redis_server: RedisServer, prefix: str) -> None:
     skip = app.tasks["tests.test_testing.skip"]
     with use_redis(app, redis_server.url) as client:
