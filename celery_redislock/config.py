@@ -26,7 +26,7 @@ from ._durations import seconds
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
 from .keys import LockOn
-from .modes import MODE_RULES, ModeRules
+from .modes import MODE_RULES, UNLOCKED, ModeRules
 
 __all__ = [
     "APP_SETTINGS",
@@ -84,9 +84,6 @@ APP_SETTINGS: Mapping[str, Any] = {
     "enabled": True,
     "client": None,
 }
-#: The rules of every task of an app with ``redislock_enabled = False``, whatever its mode: it
-#: takes, keeps and frees nothing (``LockOptions.mode`` still names the mode it declares).
-UNLOCKED = ModeRules(False, False, False, False, False, False, "", "skip")
 #: What ``redislock_client`` is, or its callable returns: a client of one server (a Sentinel
 #: primary's too) or of a Cluster, whose connection pool redis-py resets in a forked child.
 CLIENT_TYPES = (redis.Redis, redis.cluster.RedisCluster)
@@ -237,14 +234,15 @@ def _enabled(problem: _Problem, app: Any) -> bool:
     return _flag(problem, "redislock_enabled", APP_SETTINGS["enabled"] if value is None else value)
 
 
-def check_client(where: str, client: object, what: str = "redislock_client") -> None:
-    """Raise ``LockConfigurationError`` naming ``what`` unless ``client`` is one the locks can use.
+def check_client(where: str, client: object, what: str, *, callable_allowed: bool) -> None:
+    """Raise ``LockConfigurationError`` naming ``what`` unless ``client`` is one the locks can use
+    (``callable_allowed``: the error lists a callable among what ``what`` may be).
 
     The error names the type of a wrong value, never the value (it may hold a password).
     """
     if not isinstance(client, CLIENT_TYPES):
         allowed = "a redis.Redis (a Sentinel primary's too) or redis.cluster.RedisCluster client"
-        allowed += ", or a callable (app) -> client" if what == "redislock_client" else ""
+        allowed += ", or a callable (app) -> client" if callable_allowed else ""
         kind = f"{type(client).__module__}.{type(client).__qualname__}"
         raise LockConfigurationError(f"{where}: {what} is a {kind}; allowed: {allowed}")
     if isinstance(client, redis.Redis) and client.connection is not None:
@@ -265,7 +263,7 @@ def _client(problem: _Problem, app: Any) -> Any:
             f"{problem.where}: redislock_url and redislock_client are both set; set one of them"
         )
     if not callable(client):
-        check_client(problem.where, client)
+        check_client(problem.where, client, "redislock_client", callable_allowed=True)
     return client
 
 

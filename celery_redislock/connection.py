@@ -34,7 +34,7 @@ __all__ = [
     "DEFAULT_URL",
     "ClientCallableFailed",
     "client_for",
-    "described",
+    "client_location",
     "lock_url",
     "masked",
     "redis_client",
@@ -147,9 +147,9 @@ def redis_client(url: str, transport_options: Mapping[str, Any] | None = None, *
     return redis.Redis.from_url(url, **options)
 
 
-def described(client: Client) -> str:
-    """Where ``client`` points, without credentials: ``host:port/db``, a socket, a Sentinel
-    service or Cluster nodes."""
+def client_location(client: Client) -> str:
+    """Where ``client`` points, read from it without connecting and without credentials:
+    ``redis://host:port/db`` (``rediss://`` over TLS), a socket, a Sentinel service or Cluster nodes."""
     if isinstance(client, redis.cluster.RedisCluster):
         nodes = client.get_nodes()  # type: ignore[no-untyped-call]
         return "Redis Cluster " + ",".join(node.name for node in nodes)
@@ -161,12 +161,13 @@ def described(client: Client) -> str:
     db = kwargs.get("db", 0)
     if "path" in kwargs:
         return f"unix://{kwargs['path']}?db={db}"
-    return f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+    return f"{scheme}://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
 
 
 def client_for(app: Any) -> tuple[Client, str]:
     """The app's lock client in this process, and where it points (a URL with the password
-    masked, or ``described(client)`` for the ``redislock_client``).
+    masked, or ``client_location(client)`` for the ``redislock_client``).
 
     Made on first use, and again in a forked child, which must not share its
     parent's sockets: from the URL, or by calling ``redislock_client``'s
@@ -184,7 +185,7 @@ def client_for(app: Any) -> tuple[Client, str]:
         client, where, source = _url_client(app)
     else:
         client = _called(app, given) if callable(given) else given
-        where, source = described(client), "redislock_client"
+        where, source = client_location(client), "redislock_client"
     # the package closes what it made (``forget_client``), never a client it was given
     state.client = (os.getpid(), client, where, given is None or callable(given))
     connected = log_fields(outcome="connected")
@@ -201,7 +202,7 @@ def _called(app: Any, make: Any) -> Client:
         raise ClientCallableFailed(
             f"{where}: the redislock_client callable failed: {type(exc).__name__}"
         ) from exc
-    check_client(where, client, "what the redislock_client callable returned")
+    check_client(where, client, "what the redislock_client callable returned", callable_allowed=False)
     return client  # type: ignore[no-any-return]
 
 

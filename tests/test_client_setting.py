@@ -7,6 +7,7 @@ Cluster and Sentinel clients work; a wrong value is refused naming the setting.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +18,7 @@ import redis.asyncio
 from celery import Celery
 
 from celery_redislock import LockConfigurationError, LockedTask, RedisLockError
-from celery_redislock.connection import client_for, redis_client
+from celery_redislock.connection import client_for, client_location, redis_client
 from celery_redislock.state import forget_client
 from celery_redislock.testing import RedisClusterServers, RedisSentinelServers, RedisServer
 from tests.taskapp import Recorder, make_app
@@ -206,3 +207,22 @@ def test_a_url_and_a_client_together_are_refused(redis_server: RedisServer, pref
         app.tasks["taskapp.hold_skip"]
     app.close()
     client.close()
+
+
+def test_where_a_given_client_points_is_logged_without_credentials_and_with_its_scheme(
+    redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Read from the client, not connecting: TLS shows as ``rediss://``, a socket as ``unix://``."""
+    tls = redis.Redis(host="127.0.0.1", port=redis_server.port, db=2, password="secret", ssl=True)
+    plain = redis.Redis(host="127.0.0.1", port=redis_server.port, db=3, password="secret")
+    socket_client = redis.Redis(unix_socket_path=redis_server.unix_socket)
+    assert client_location(tls) == f"rediss://127.0.0.1:{redis_server.port}/2"
+    assert client_location(plain) == f"redis://127.0.0.1:{redis_server.port}/3"
+    assert client_location(socket_client) == f"unix://{redis_server.unix_socket}?db=0"
+    app = locked_app(prefix, socket_client)
+    with caplog.at_level(logging.INFO, logger="celery_redislock.connection"):
+        assert app.tasks["client.fence"].delay(1).get() is not None
+    assert f"locks in Redis at unix://{redis_server.unix_socket}?db=0 (from redislock_client)" in caplog.text
+    app.close()
+    for client in (tls, plain, socket_client):
+        client.close()

@@ -19,7 +19,7 @@ from celery import Celery
 from celery import signals as celery_signals
 
 from celery_redislock import LockConfigurationError, LockedTask, task_lock_key
-from celery_redislock.config import UNLOCKED
+from celery_redislock.modes import UNLOCKED
 from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer
 from tests.taskapp import Recorder, make_app
