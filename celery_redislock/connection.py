@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -27,7 +28,7 @@ import redis.sentinel
 
 from .config import URL_SCHEMES, app_settings, check_client
 from .exceptions import LockConfigurationError, RedisLockError
-from .state import app_state
+from .state import LockClient, app_state
 from .telemetry import log_fields
 
 __all__ = [
@@ -47,6 +48,18 @@ DEFAULT_URL = "redis://localhost:6379/0"
 SOCKET_TIMEOUT = 5.0
 
 Client = redis.Redis | redis.cluster.RedisCluster
+
+#: Held while this process makes an app's lock client; a new one in a forked child, where a
+#: thread the child does not have may have held the parent's.
+_making = threading.Lock()
+
+
+def _new_making_lock() -> None:
+    global _making
+    _making = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_making_lock)
 
 
 class ClientCallableFailed(RedisLockError):
@@ -176,10 +189,18 @@ def client_for(app: Any) -> tuple[Client, str]:
     the pid). Where it points is logged once per process. A callable that
     raises: ``ClientCallableFailed`` (callers apply ``redislock_on_error``).
     """
+    made = app_state(app).client
+    if made is None or made.pid != os.getpid():
+        with _making:  # two threads needing it at once make one
+            made = _made(app)
+    return made.client, made.where
+
+
+def _made(app: Any) -> LockClient:
+    """The app's lock client in this process: made, stored and logged unless it is already."""
     state = app_state(app)
-    cached = state.client
-    if cached is not None and cached[0] == os.getpid():
-        return cached[1], cached[2]
+    if state.client is not None and state.client.pid == os.getpid():
+        return state.client
     given = app_settings(app).client  # an instance was checked with the settings
     if given is None:
         client, where, source = _url_client(app)
@@ -187,10 +208,10 @@ def client_for(app: Any) -> tuple[Client, str]:
         client = _called(app, given) if callable(given) else given
         where, source = client_location(client), "redislock_client"
     # the package closes what it made (``forget_client``), never a client it was given
-    state.client = (os.getpid(), client, where, given is None or callable(given))
+    state.client = LockClient(os.getpid(), client, where, given is None or callable(given))
     connected = log_fields(outcome="connected")
     logger.info("celery-redislock: locks in Redis at %s (from %s)", where, source, extra=connected)
-    return client, where
+    return state.client
 
 
 def _called(app: Any, make: Any) -> Client:

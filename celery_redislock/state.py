@@ -11,7 +11,7 @@ the rest of the state stays.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from weakref import WeakKeyDictionary
 
 import redis
@@ -20,16 +20,27 @@ import redis.cluster
 if TYPE_CHECKING:  # the state module imports no lock machinery at run time
     from .lock import RedisLock
 
-__all__ = ["AppState", "app_state", "forget_client"]
+__all__ = ["AppState", "LockClient", "app_state", "forget_client"]
+
+
+class LockClient(NamedTuple):
+    """An app's lock client in one process (``connection.client_for``)."""
+
+    #: the process that made it: a forked child makes its own
+    pid: int
+    client: redis.Redis | redis.cluster.RedisCluster
+    #: where it points, without credentials (logged once per process)
+    where: str
+    #: whether the package made it, and so closes it (``forget_client``); never a client it was given
+    owned: bool
 
 
 @dataclass
 class AppState:
     """One app's state in this process."""
 
-    #: (pid, client, where it points, whether the package made it and closes it) of the app's
-    #: lock client; a forked child makes its own (``connection.client_for``)
-    client: tuple[int, redis.Redis | redis.cluster.RedisCluster, str, bool] | None = None
+    #: the app's lock client, once made in this process or its parent
+    client: LockClient | None = None
     #: whether ``install(app)`` found ``redislock_enabled = False`` (and logged it): nothing connected
     switched_off: bool = False
     #: whether ``install(app)`` connected the receivers (``celery_redislock.receivers``)
@@ -60,7 +71,6 @@ def forget_client(app: Any) -> None:
     ``redislock_client``): its next use reads the settings again."""
     state = _STATES.get(app)
     if state is not None and state.client is not None:
-        _, client, _, owned = state.client
-        state.client = None
-        if owned:
-            client.close()
+        made, state.client = state.client, None
+        if made.owned:
+            made.client.close()

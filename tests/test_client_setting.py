@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -225,4 +226,29 @@ def test_where_a_given_client_points_is_logged_without_credentials_and_with_its_
     assert f"locks in Redis at unix://{redis_server.unix_socket}?db=0 (from redislock_client)" in caplog.text
     app.close()
     for client in (tls, plain, socket_client):
+        client.close()
+
+
+def test_two_threads_needing_the_client_at_once_call_the_callable_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """While the first call is under way, a second thread asks for the client: it waits for the
+    first's client (given it a second to call the callable itself, as it did unguarded)."""
+    made: list[redis.Redis] = []
+    got: list[object] = []
+    second = threading.Thread(target=lambda: got.append(client_for(app)[0]))
+
+    def make(app: Celery) -> redis.Redis:
+        made.append(redis_server.client())
+        if len(made) == 1:
+            second.start()
+            second.join(1.0)  # unguarded, the second thread calls make() meanwhile and ends
+        return made[0]
+
+    app = locked_app(prefix, make)
+    assert client_for(app)[0] is made[0]
+    second.join(30)
+    assert got == [made[0]] and len(made) == 1
+    app.close()
+    for client in made:
         client.close()
