@@ -8,7 +8,6 @@ Cluster and Sentinel clients work; a wrong value is refused naming the setting.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,21 +22,20 @@ from celery_redislock.connection import client_for, client_location, redis_clien
 from celery_redislock.state import forget_client
 from celery_redislock.testing import RedisClusterServers, RedisSentinelServers, RedisServer
 from tests.taskapp import Recorder, make_app
-from tests.workers import _Subprocess
+from tests.workers import Subprocess
 
 RESULT_TIMEOUT = 30
 
 
-class ClientWorker(_Subprocess):
+class ClientWorker(Subprocess):
     """``celery -A tests.client_app worker``: prefork, two children, locks on ``redislock_client``."""
 
     def __init__(self, url: str, prefix: str, queue: str, kind: str) -> None:
         env = {"CLIENTAPP_URL": url, "CLIENTAPP_PREFIX": prefix, "CLIENTAPP_QUEUE": queue}
         env["CLIENTAPP_KIND"] = kind
-        super().__init__("worker", f"client-{kind}", env, [])
-        self.args = [sys.executable, "-m", "celery", "-A", "tests.client_app", "worker", "-P", "prefork"]
-        self.args += ["-c", "2", "-Q", queue, "-n", f"client-{kind}@%h", "-l", "INFO"]
-        self.args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        args = ["worker", "-P", "prefork", "-c", "2", "-Q", queue, "-n", f"client-{kind}@%h", "-l", "INFO"]
+        args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        super().__init__("worker", f"client-{kind}", env, args, app="tests.client_app")
 
 
 @pytest.fixture

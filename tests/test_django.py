@@ -17,17 +17,16 @@ from celery import Celery
 
 from celery_redislock import LockConfigurationError, LockedTask
 from celery_redislock.testing import RedisServer
-from tests.workers import ROOT, _Subprocess, wait_for
+from tests.workers import ROOT, Subprocess, wait_for
 
 
-class DjangoWorker(_Subprocess):
+class DjangoWorker(Subprocess):
     """``celery -A tests.django_project worker``: prefork, one child."""
 
     def __init__(self, env: dict[str, str], queue: str) -> None:
-        super().__init__("worker", "django", env, [])
-        self.args = [sys.executable, "-m", "celery", "-A", "tests.django_project", "worker", "-P", "prefork"]
-        self.args += ["-c", "1", "-Q", queue, "-n", "django@%h", "-l", "INFO"]
-        self.args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        args = ["worker", "-P", "prefork", "-c", "1", "-Q", queue, "-n", "django@%h", "-l", "INFO"]
+        args += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        super().__init__("worker", "django", env, args, app="tests.django_project")
 
 
 def test_on_commit_sends_and_locks_after_the_commit_and_a_worker_runs_it(
