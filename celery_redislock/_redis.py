@@ -55,13 +55,20 @@ _LOANS = _Loans()
 #: The pools a thread keeps a connection of; any other (``BlockingConnectionPool``, a subclass)
 #: lends one per exchange.
 _LOANABLE = (redis.ConnectionPool, redis.sentinel.SentinelConnectionPool)
+#: redis-py's default ``max_connections`` (2**31 before redis-py 8, 100 since): a pool left at
+#: it has no bound of the user's, and its threads keep a connection each; a pool given a
+#: ``max_connections`` of its own lends one per exchange, so idle threads never exhaust it.
+_DEFAULT_MAX_CONNECTIONS = redis.ConnectionPool().max_connections
 
 
 def _loan(pool: Any) -> _Loan | None:
     """This thread's loan of ``pool``, marked in use; ``None`` when ``pool`` lends per exchange
-    (another kind, or one with a client-side cache) or the loan is in use (an exchange
-    started by a signal handler inside another)."""
+    (another kind, one with a client-side cache, or one bounded by a ``max_connections``
+    of its own, which idle threads' loans would exhaust) or the loan is in use (an exchange started by
+    a signal handler inside another)."""
     if type(pool) not in _LOANABLE or getattr(pool, "cache", None) is not None:
+        return None
+    if pool.max_connections != _DEFAULT_MAX_CONNECTIONS:  # bounded by the user: each exchange checks out
         return None
     loans = _LOANS.by_pool
     loan = loans.get(pool)
@@ -78,7 +85,8 @@ class PooledConnection:
     plain ``redis.Redis``) for one exchange.
 
     A thread keeps the same connection between its exchanges (a ``ConnectionPool``
-    or Sentinel's; any other pool lends one per exchange, as redis-py does), so that
+    or Sentinel's left at redis-py's default ``max_connections``; any other pool
+    lends one per exchange, as redis-py does), so that
     an exchange costs no checkout: one per thread and pool, given back when the
     thread ends. As the pool does, each exchange starts on a connected one with
     nothing to read (else it is connected afresh). It is dropped unless the

@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis
+import redis.cluster
 from redis.connection import parse_url
 
 from ._durations import seconds
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
 from .keys import LockOn
-from .modes import MODE_RULES, ModeRules
+from .modes import MODE_RULES, UNLOCKED, ModeRules
 
 __all__ = [
     "APP_SETTINGS",
@@ -33,6 +35,7 @@ __all__ = [
     "AppSettings",
     "LockOptions",
     "app_settings",
+    "check_client",
     "task_options",
 ]
 
@@ -78,7 +81,12 @@ APP_SETTINGS: Mapping[str, Any] = {
     "replicas": 0,
     "replica_timeout": 1.0,
     "key_secret": None,
+    "enabled": True,
+    "client": None,
 }
+#: What ``redislock_client`` is, or its callable returns: a client of one server (a Sentinel
+#: primary's too) or of a Cluster, whose connection pool redis-py resets in a forked child.
+CLIENT_TYPES = (redis.Redis, redis.cluster.RedisCluster)
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class LockOptions:
     on_lost: str
     #: run once per schedule slot when sent by beat (see ``celery_redislock.beat``)
     beat: bool
-    #: what ``mode`` takes, keeps and frees (``MODE_RULES[mode]``)
+    #: what ``mode`` takes, keeps and frees (``MODE_RULES[mode]``; ``UNLOCKED`` when the app's
+    #: ``redislock_enabled`` is ``False``)
     rules: ModeRules
 
 
@@ -118,6 +127,10 @@ class AppSettings:
     replica_timeout: float = 1.0
     #: HMAC-SHA-256 key of the digests in lock keys (None: plain SHA-256); never shown
     key_secret: bytes | None = field(default=None, repr=False)
+    #: ``False``: no lock is taken, nothing connects to Redis (``redislock_enabled``)
+    enabled: bool = True
+    #: a redis-py client, or a callable ``(app) -> client``, used instead of a URL (``redislock_client``)
+    client: Any = field(default=None, repr=False)
 
     @property
     def replication(self) -> dict[str, Any]:
@@ -216,6 +229,44 @@ def _key_secret(problem: _Problem, value: object) -> bytes | None:
     return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
 
 
+def _enabled(problem: _Problem, app: Any) -> bool:
+    value = app.conf.get("redislock_enabled")
+    return _flag(problem, "redislock_enabled", APP_SETTINGS["enabled"] if value is None else value)
+
+
+def check_client(where: str, client: object, what: str, *, callable_allowed: bool) -> None:
+    """Raise ``LockConfigurationError`` naming ``what`` unless ``client`` is one the locks can use
+    (``callable_allowed``: the error lists a callable among what ``what`` may be).
+
+    The error names the type of a wrong value, never the value (it may hold a password).
+    """
+    if not isinstance(client, CLIENT_TYPES):
+        allowed = "a redis.Redis (a Sentinel primary's too) or redis.cluster.RedisCluster client"
+        allowed += ", or a callable (app) -> client" if callable_allowed else ""
+        kind = f"{type(client).__module__}.{type(client).__qualname__}"
+        raise LockConfigurationError(f"{where}: {what} is a {kind}; allowed: {allowed}")
+    if isinstance(client, redis.Redis) and client.connection is not None:
+        raise LockConfigurationError(
+            f"{where}: {what} is a single_connection_client, whose one connection the watchdog "
+            "thread and forked pool children would share; give a client with a connection pool"
+        )
+
+
+def _client(problem: _Problem, app: Any) -> Any:
+    """``redislock_client``: a client (checked now), a callable (its client is checked when
+    called, in ``connection.client_for``), or ``None``; never together with ``redislock_url``."""
+    client = app.conf.get("redislock_client")
+    if client is None:
+        return None
+    if app.conf.get("redislock_url") is not None:
+        raise LockConfigurationError(
+            f"{problem.where}: redislock_url and redislock_client are both set; set one of them"
+        )
+    if not callable(client):
+        check_client(problem.where, client, "redislock_client", callable_allowed=True)
+    return client
+
+
 def app_settings(app: Any) -> AppSettings:
     """The app's ``redislock_*`` settings, validated (unknown ``redislock_*`` names included)."""
     problem = _Problem(f"app {app.main or app!r}")
@@ -260,6 +311,8 @@ def app_settings(app: Any) -> AppSettings:
         replicas=replicas,
         replica_timeout=replica_timeout,
         key_secret=_key_secret(problem, app.conf.get("redislock_key_secret")),
+        enabled=_enabled(problem, app),
+        client=_client(problem, app),
     )
 
 
@@ -305,5 +358,5 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
         wait_timeout=ttl if wait_value is None else _duration(problem, option, wait_value, 0),
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
         beat=_flag(problem, *raw("beat")),
-        rules=rules,
+        rules=rules if _enabled(problem, app) else UNLOCKED,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -25,12 +26,20 @@ import redis
 import redis.cluster
 import redis.sentinel
 
-from .config import URL_SCHEMES, app_settings
-from .exceptions import LockConfigurationError
-from .state import app_state
+from .config import URL_SCHEMES, app_settings, check_client
+from .exceptions import LockConfigurationError, RedisLockError
+from .state import LockClient, app_state
 from .telemetry import log_fields
 
-__all__ = ["DEFAULT_URL", "client_for", "lock_url", "masked", "redis_client"]
+__all__ = [
+    "DEFAULT_URL",
+    "ClientCallableFailed",
+    "client_for",
+    "client_location",
+    "lock_url",
+    "masked",
+    "redis_client",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +48,24 @@ DEFAULT_URL = "redis://localhost:6379/0"
 SOCKET_TIMEOUT = 5.0
 
 Client = redis.Redis | redis.cluster.RedisCluster
+
+#: Held while this process makes an app's lock client; a new one in a forked child, where a
+#: thread the child does not have may have held the parent's.
+_making = threading.Lock()
+
+
+def _new_making_lock() -> None:
+    global _making
+    _making = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_making_lock)
+
+
+class ClientCallableFailed(RedisLockError):
+    """The ``redislock_client`` callable raised (a token endpoint down, say): as Redis being
+    unreachable, ``redislock_on_error`` applies. The message names the exception's type
+    only (its text may hold a secret); the exception is its ``__cause__``."""
 
 
 def masked(url: str) -> str:
@@ -133,29 +160,79 @@ def redis_client(url: str, transport_options: Mapping[str, Any] | None = None, *
     return redis.Redis.from_url(url, **options)
 
 
-def client_for(app: Any) -> tuple[Client, str]:
-    """The app's lock client in this process, and its URL with the password masked.
+def client_location(client: Client) -> str:
+    """Where ``client`` points, read from it without connecting and without credentials:
+    ``redis://host:port/db`` (``rediss://`` over TLS), a socket, a Sentinel service or Cluster nodes."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        nodes = client.get_nodes()  # type: ignore[no-untyped-call]
+        return "Redis Cluster " + ",".join(node.name for node in nodes)
+    pool = client.connection_pool
+    service = getattr(pool, "service_name", None)
+    if service is not None:
+        return f"Sentinel service {service}"
+    kwargs = pool.connection_kwargs
+    db = kwargs.get("db", 0)
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={db}"
+    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+    return f"{scheme}://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
 
-    Created on first use (and again in a forked child, which must not share
-    its parent's sockets); the URL is logged once per process.
+
+def client_for(app: Any) -> tuple[Client, str]:
+    """The app's lock client in this process, and where it points (a URL with the password
+    masked, or ``client_location(client)`` for the ``redislock_client``).
+
+    Made on first use, and again in a forked child, which must not share its
+    parent's sockets: from the URL, or by calling ``redislock_client``'s
+    callable again. A client given as ``redislock_client`` is the same object
+    in the child; its connection pool resets itself there (redis-py compares
+    the pid). Where it points is logged once per process. A callable that
+    raises: ``ClientCallableFailed`` (callers apply ``redislock_on_error``).
     """
+    made = app_state(app).client
+    if made is None or made.pid != os.getpid():
+        with _making:  # two threads needing it at once make one
+            made = _made(app)
+    return made.client, made.where
+
+
+def _made(app: Any) -> LockClient:
+    """The app's lock client in this process: made, stored and logged unless it is already."""
     state = app_state(app)
-    cached = state.client
-    if cached is not None and cached[0] == os.getpid():
-        return cached[1], cached[2]
+    if state.client is not None and state.client.pid == os.getpid():
+        return state.client
+    given = app_settings(app).client  # an instance was checked with the settings
+    if given is None:
+        client, where, source = _url_client(app)
+    else:
+        client = _called(app, given) if callable(given) else given
+        where, source = client_location(client), "redislock_client"
+    # the package closes what it made (``forget_client``), never a client it was given
+    state.client = LockClient(os.getpid(), client, where, given is None or callable(given))
+    connected = log_fields(outcome="connected")
+    logger.info("celery-redislock: locks in Redis at %s (from %s)", where, source, extra=connected)
+    return state.client
+
+
+def _called(app: Any, make: Any) -> Client:
+    """The client that the ``redislock_client`` callable ``make`` returns for ``app``, checked."""
+    where = f"app {app.main or app!r}"
+    try:
+        client = make(app)
+    except Exception as exc:
+        raise ClientCallableFailed(
+            f"{where}: the redislock_client callable failed: {type(exc).__name__}"
+        ) from exc
+    check_client(where, client, "what the redislock_client callable returned", callable_allowed=False)
+    return client  # type: ignore[no-any-return]
+
+
+def _url_client(app: Any) -> tuple[Client, str, str]:
+    """A client for the app's lock URL: (client, the URL with the password masked, where it came from)."""
     url, source = lock_url(app)
     options: dict[str, Any] = {"socket_connect_timeout": SOCKET_TIMEOUT, "socket_timeout": SOCKET_TIMEOUT}
     ssl = app.conf.get("broker_use_ssl")
     if source == "broker_url" and url.startswith("rediss://") and isinstance(ssl, dict):
         options.update(ssl)
     transport_options = app_settings(app).transport_options or app.conf.get("broker_transport_options") or {}
-    client = redis_client(url, transport_options, **options)
-    safe_url = masked(url)
-    state.client = (os.getpid(), client, safe_url)
-    logger.info(
-        "celery-redislock: locks in Redis at %s (from %s)",
-        safe_url,
-        source,
-        extra=log_fields(outcome="connected"),
-    )
-    return client, safe_url
+    return redis_client(url, transport_options, **options), masked(url), source

@@ -32,7 +32,7 @@ from ._durations import to_ms
 from ._task_scripts import CLAIM, PARK, SETTLE
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
-from .connection import client_for
+from .connection import ClientCallableFailed, client_for
 from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
 from .inventory import free_ticket
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
@@ -89,12 +89,20 @@ class Execution:
         self.task_id: str | None = None if request is None else request.id
         self.retries: int = 0 if request is None else request.retries or 0
         self.node: str = (None if request is None else request.hostname) or socket.gethostname()
+        self.lock: ExecutionLock | None = None
+        if not settings.enabled:  # redislock_enabled=False: no ticket, slot, lock; ``client``, ``url`` unset
+            self.ticket = self.slot = None
+            return
         self.ticket = None if request is None else request_ticket(request)
         slot = None if request is None else request_slot(request)
         # a beat slot counts only if the task or its schedule entry opted in
         self.slot = slot if slot is not None and (options.beat or slot.get("claimed")) else None
-        self.client, self.url = client_for(task.app)
-        self.lock: ExecutionLock | None = None
+        try:
+            self.client, self.url = client_for(task.app)
+        except ClientCallableFailed as exc:  # as Redis unreachable: ``redislock_on_error``
+            self.ticket = self.slot = None  # ``client``, ``url`` unset: nothing reads them unlocked
+            self.unlocked(f"task {task.name!r}[{self.task_id}]: could not lock {key!r}: {exc}", exc)
+            return
         if options.rules.execution_lock:
             self.lock = ExecutionLock(
                 self.client,
@@ -126,15 +134,20 @@ class Execution:
                 f"task {self.task.name!r}[{self.task_id}]: "
                 f"could not lock {self.key!r} in Redis at {self.url}: {exc}"
             )
-            if self.settings.on_error == "fail":
-                raise RedisLockError(where) from exc
-            logger.warning(
-                "%s; running unlocked (redislock_on_error='run')",
-                where,
-                extra=telemetry.log_fields(self.key, self.task_id, outcome="unlocked"),
-            )
+            self.unlocked(where, exc)
             self.lock = None
             return True
+
+    def unlocked(self, where: str, exc: Exception) -> None:
+        """The lock could not be taken (``where`` says why): raise ``RedisLockError``, or with
+        ``redislock_on_error="run"`` log that the body runs unlocked."""
+        if self.settings.on_error == "fail":
+            raise RedisLockError(where) from exc
+        logger.warning(
+            "%s; running unlocked (redislock_on_error='run')",
+            where,
+            extra=telemetry.log_fields(self.key, self.task_id, outcome="unlocked"),
+        )
 
     def _begin(self) -> bool:
         """Claim the beat slot, take the lock, free the message's enqueue lock where the mode says."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["MODE_RULES", "QUEUED_SUFFIXES", "ModeRules"]
+__all__ = ["MODE_RULES", "QUEUED_SUFFIXES", "UNLOCKED", "ModeRules"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,10 @@ MODE_RULES: Mapping[str, ModeRules] = MappingProxyType({
     "until_expired": ModeRules(             True,   True,     True,  True,  False, True,  "",        "skip"),
 })
 # fmt: on
+
+#: The rules of every task of an app with ``redislock_enabled = False``, whatever its mode: it
+#: takes, keeps and frees nothing (``LockOptions.mode`` still names the mode it declares).
+UNLOCKED = ModeRules(False, False, False, False, False, False, "", "skip")
 
 #: The suffixes an enqueue lock's key may carry after the execution lock's key.
 QUEUED_SUFFIXES = frozenset(rules.queued_suffix for rules in MODE_RULES.values() if rules.queued_suffix)

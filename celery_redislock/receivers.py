@@ -45,11 +45,23 @@ def install(app: Any) -> None:
     ``dispatch_uid``, so connecting twice keeps one. In a beat process they
     include the beat guard (``celery_redislock.beat``): call ``install(app)``
     there yourself if that process binds no ``LockedTask``.
+
+    With ``redislock_enabled = False`` it connects nothing (no beat guard, no
+    receiver) and logs a WARNING, once per app per process: locks that are off
+    must not go unnoticed in production.
     """
     state = app_state(app)
-    if state.installed:
+    if state.installed or state.switched_off:
         return
-    app_settings(app)  # bad settings fail here, not at the first task
+    if not app_settings(app).enabled:  # bad settings fail here, not at the first task
+        state.switched_off = True
+        logger.warning(
+            "celery-redislock: redislock_enabled=False for app %s: every lock is off; tasks run "
+            "and are sent unlocked, beat sends every entry, and nothing connects to Redis",
+            app.main or app,
+            extra=log_fields(outcome="disabled"),
+        )
+        return
     celery_signals.task_postrun.connect(
         _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
     )
@@ -108,7 +120,11 @@ def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None =
 
 
 def _free_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
+    """Free ``ticket`` for ``app``; nothing for an app switched off (``redislock_enabled=False``),
+    whose receivers are off but another app's, connected for every app, are not."""
     try:
+        if not app_settings(app).enabled:  # nothing of it connects
+            return
         client, _ = client_for(app)
         if free_ticket(client, ticket):
             logger.info(

@@ -3,14 +3,15 @@
 One ``AppState`` per app, in a ``WeakKeyDictionary``: an app that is gone
 takes its state with it, and nothing is set on the app itself.
 ``forget_client(app)`` (also ``celery_redislock.testing.forget_client``)
-closes and drops the app's lock client, for tests that change an app's
-``redislock_url`` between uses; the rest of the state stays.
+drops the app's lock client (closing it if the package made it), for tests
+that change an app's ``redislock_url`` or ``redislock_client`` between uses;
+the rest of the state stays.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from weakref import WeakKeyDictionary
 
 import redis
@@ -19,16 +20,29 @@ import redis.cluster
 if TYPE_CHECKING:  # the state module imports no lock machinery at run time
     from .lock import RedisLock
 
-__all__ = ["AppState", "app_state", "forget_client"]
+__all__ = ["AppState", "LockClient", "app_state", "forget_client"]
+
+
+class LockClient(NamedTuple):
+    """An app's lock client in one process (``connection.client_for``)."""
+
+    #: the process that made it: a forked child makes its own
+    pid: int
+    client: redis.Redis | redis.cluster.RedisCluster
+    #: where it points, without credentials (logged once per process)
+    where: str
+    #: whether the package made it, and so closes it (``forget_client``); never a client it was given
+    owned: bool
 
 
 @dataclass
 class AppState:
     """One app's state in this process."""
 
-    #: (pid, client, URL with the password masked) of the app's lock client; a forked
-    #: child makes its own (``connection.client_for``)
-    client: tuple[int, redis.Redis | redis.cluster.RedisCluster, str] | None = None
+    #: the app's lock client, once made in this process or its parent
+    client: LockClient | None = None
+    #: whether ``install(app)`` found ``redislock_enabled = False`` (and logged it): nothing connected
+    switched_off: bool = False
     #: whether ``install(app)`` connected the receivers (``celery_redislock.receivers``)
     installed: bool = False
     #: the pid of this process if it is a prefork pool child (``worker_process_init``)
@@ -53,8 +67,10 @@ def app_state(app: Any) -> AppState:
 
 
 def forget_client(app: Any) -> None:
-    """Forget ``app``'s lock client (closing it): its next use reads the settings again."""
+    """Forget ``app``'s lock client (closing it if the package made it, not one given as
+    ``redislock_client``): its next use reads the settings again."""
     state = _STATES.get(app)
     if state is not None and state.client is not None:
-        client, state.client = state.client[1], None
-        client.close()
+        made, state.client = state.client, None
+        if made.owned:
+            made.client.close()

@@ -27,7 +27,8 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
-from .connection import client_for
+from .connection import ClientCallableFailed, client_for
+from .django import OnCommit
 from .exceptions import DuplicateTask, LockConfigurationError, LockLost, LockNotReplicated, RedisLockError
 from .execution import Execution
 from .keys import call_digest, lock_key
@@ -73,7 +74,7 @@ def _bound_options(task: Task[Any, Any]) -> tuple[LockOptions, AppSettings]:
     return options, settings
 
 
-class LockedTask(Task):  # type: ignore[type-arg]
+class LockedTask(OnCommit):
     """A task whose body runs under a per-signature Redis lock.
 
     Options are the ``lock_*`` attributes (docs/tasks.md, "Options"): set them with
@@ -194,15 +195,14 @@ class LockedTask(Task):  # type: ignore[type-arg]
             ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
         if lock_options.rules.settles:
             ttl = max(ttl, lock_options.period or 0)
-        client, url = client_for(self.app)
         holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
-        lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **settings.replication)
+        url = "the redislock_client's"  # until client_for returns: its callable can fail
         try:
+            client, url = client_for(self.app)
+            lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **settings.replication)
             acquired = lock.acquire(blocking=False)
-        except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
-            where = (
-                f"task {self.name!r}[{task_id}]: could not take enqueue lock {key!r} in Redis at {url}: {exc}"
-            )
+        except (redis.RedisError, LockNotReplicated, ClientCallableFailed) as exc:  # as unreachable
+            where = f"task {self.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
             if settings.on_error == "fail":
                 raise RedisLockError(where) from exc
             unlocked = log_fields(key, task_id, outcome="unlocked")

@@ -13,7 +13,8 @@
   is a ``redis-cluster://`` URL) and ``RedisSentinelServers`` a primary, a
   replica and sentinels watching them (``url`` is a ``sentinel://`` URL, the
   master name ``master_name``), all on 127.0.0.1, all stopped by pid.
-* ``use_redis(app, url)``: the app's locks go to ``url`` for a ``with`` block.
+* ``use_redis(app, url)``: the app's locks go to ``url`` for a ``with`` block (a
+  ``redislock_client`` set aside meanwhile).
 * ``hold(task, args, kwargs)``: hold the lock of one call, as a task running
   elsewhere would, to test what a busy lock or a duplicate does.
 * ``locks_left(app)`` and ``assert_no_locks(app)``: what a test left behind.
@@ -47,6 +48,7 @@ import redis.sentinel
 from ._durations import Duration
 from .config import app_settings
 from .connection import Client, client_for
+from .exceptions import LockConfigurationError
 from .inventory import HeldLock, held_locks
 from .keys import slot_markers
 from .lock import RedisLock
@@ -355,13 +357,15 @@ class RedisSentinelServers(_Group):
 def use_redis(app: Any, url: str) -> Iterator[Client]:
     """Within the block, ``app``'s locks are in the Redis at ``url`` (``redislock_url``,
     any URL it takes: ``redis://``, ``redis-cluster://``, ``sentinel://``...); yields the
-    app's lock client. The previous ``redislock_url`` is restored afterwards.
+    app's lock client. A ``redislock_client`` is set aside for the block; both settings
+    are restored afterwards.
 
     Only the locks move: a test that runs a worker or sends messages gives the
     app its broker and result backend itself (the same URL will do).
     """
     missing = object()
-    previous = app.conf.get("redislock_url", missing)
+    previous = {name: app.conf.get(name, missing) for name in ("redislock_url", "redislock_client")}
+    app.conf.redislock_client = None  # None, not popped: it may come from a config module
     app.conf.redislock_url = url
     forget_client(app)
     try:
@@ -369,10 +373,11 @@ def use_redis(app: Any, url: str) -> Iterator[Client]:
         yield client
     finally:
         forget_client(app)
-        if previous is missing:
-            app.conf.pop("redislock_url", None)
-        else:
-            app.conf.redislock_url = previous
+        for name, value in previous.items():
+            if value is missing:
+                app.conf.pop(name, None)
+            else:
+                app.conf[name] = value
 
 
 @contextmanager
@@ -391,9 +396,12 @@ def hold(
 
     The key is the task's execution lock (``task_lock_key``); for an
     ``until_and_while_executing`` task, that is the running task's lock, not
-    the enqueue lock of a queued one (``key + ":queued"``).
+    the enqueue lock of a queued one (``key + ":queued"``). With
+    ``redislock_enabled=False``: ``LockConfigurationError``.
     """
     key = task_lock_key(task, args, kwargs)  # LockConfigurationError unless a bound LockedTask
+    if not app_settings(task.app).enabled:  # the tasks would ignore the lock held
+        raise LockConfigurationError(f"task {task.name!r}: hold() needs redislock_enabled=True")
     client, _ = client_for(task.app)
     holder = holder_for(task_id, 0, "celery_redislock.testing", os.getpid())
     lock = RedisLock(client, key, ttl, holder=holder)
@@ -404,9 +412,13 @@ def hold(
 def locks_left(app: Any) -> list[str]:
     """What ``assert_no_locks`` objects to under ``app``'s ``redislock_prefix``: each lock
     still held (beat slot markers aside: they outlive their slot on purpose), and each key
-    there without a TTL, one line each."""
+    there without a TTL, one line each. None with ``redislock_enabled=False``: the app takes
+    nothing, and nothing connects."""
+    settings = app_settings(app)
+    if not settings.enabled:
+        return []
     client, _ = client_for(app)
-    prefix = app_settings(app).prefix
+    prefix = settings.prefix
     found: list[HeldLock] = held_locks(client, prefix)
     lines = [
         f"{lock.key} held by {lock.holder} ({'no TTL' if lock.ttl is None else f'{lock.ttl:.1f}s left'})"

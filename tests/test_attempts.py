@@ -28,7 +28,7 @@ from celery_redislock._task_scripts import ADOPT
 from celery_redislock.inventory import read_lock
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder
-from celery_redislock.state import app_state
+from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
 from tests.invariants import stored
 from tests.taskapp import make_app, recorder
@@ -247,7 +247,7 @@ def test_a_resent_adopt_is_recognised_as_its_own(redis_server: RedisServer, pref
     # (a client from a URL does not): this in-process worker uses it.
     retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)
     assert (retry := retrying.get_retry()) is not None and retry.get_retries() > 0
-    app_state(app).client = (os.getpid(), retrying, redis_server.url)
+    app_state(app).client = LockClient(os.getpid(), retrying, redis_server.url, False)
     x, task = fresh(), app.tasks["taskapp.until_executed"]
     result = task.delay(x)
     with first_reply_lost(ADOPT) as lost, threads_worker(app):

@@ -21,9 +21,9 @@ import pytest
 
 from celery_redislock.testing import RedisServer
 from tests.taskapp import Recorder
-from tests.workers import BeatProcess, WorkerProcess, _Subprocess, wait_for
+from tests.workers import BeatProcess, Subprocess, WorkerProcess, wait_for
 
-P = TypeVar("P", bound=_Subprocess)
+P = TypeVar("P", bound=Subprocess)
 
 #: the jobs' interval, seconds
 INTERVAL = 1.0
@@ -40,7 +40,7 @@ class Cluster:
         self.url, self.prefix, self.queue = url, prefix, f"q-{prefix}"
         self.conf = json.dumps(conf)
         self.recorder = Recorder(url, prefix)
-        self.started: list[_Subprocess] = []
+        self.started: list[Subprocess] = []
 
     def beat(self, name: str, skew: float = 0.0, scheduler: str | None = None) -> BeatProcess:
         beat = BeatProcess(
@@ -244,7 +244,7 @@ def test_when_the_leader_is_killed_another_sends_within_one_lease(
     assert 0 <= leads - resigned < LEASE / 3  # an expiry would come >= 2/3 of a lease after the last renewal
 
 
-def logged_at(process: _Subprocess, text: str) -> float:
+def logged_at(process: Subprocess, text: str) -> float:
     """When ``process`` first logged a line with ``text`` (from the log's timestamp)."""
     line = next(line for line in process.output().splitlines() if text in line)
     stamp = datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f")

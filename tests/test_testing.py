@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
@@ -123,6 +124,22 @@ def test_use_redis_restores_an_unset_redislock_url(redis_server: RedisServer) ->
     app.close()
 
 
+def test_use_redis_sets_a_redislock_client_aside_for_the_block(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    given = redis.Redis.from_url(NOWHERE)
+    app.conf.redislock_url = None
+    app.conf.redislock_client = given
+    skip = app.tasks["tests.test_testing.skip"]
+    with use_redis(app, redis_server.url) as client:
+        assert app.conf.get("redislock_client") is None
+        with hold(skip, (1,)) as lock:
+            assert client.get(lock.name) is not None
+            assert skip(1) is None  # busy: skipped
+    assert app.conf.redislock_client is given and app.conf.redislock_url is None
+    assert app_state(app).client is None  # the next use reads the settings again
+
+
 def test_hold_makes_a_call_find_its_lock_busy_and_an_enqueue_a_duplicate(
     app: Celery, redis_server: RedisServer
 ) -> None:
@@ -146,6 +163,17 @@ def test_hold_needs_a_bound_locked_task(app: Celery) -> None:
 
     with pytest.raises(LockConfigurationError, match="is not a LockedTask"):
         hold(plain).__enter__()
+
+
+def test_with_the_locks_off_hold_is_refused_and_nothing_is_left(app: Celery) -> None:
+    """``redislock_enabled=False``: a held lock would be one the tasks ignore; and the app takes
+    nothing, so nothing is left, said without connecting (nothing answers at its URL)."""
+    app.conf.redislock_enabled = False
+    with pytest.raises(LockConfigurationError, match=r"^task '.*\.skip': hold\(\) needs redislock_enabled"):
+        hold(app.tasks["tests.test_testing.skip"], (1,)).__enter__()
+    assert locks_left(app) == []
+    assert_no_locks(app)
+    assert app_state(app).client is None
 
 
 def test_assert_no_locks_names_what_is_left(app: Celery, redis_server: RedisServer, prefix: str) -> None:

@@ -113,3 +113,39 @@ def test_a_call_inside_another_on_the_same_thread_uses_another_connection(
     busy.release()
     client.close()
     other.close()
+
+
+def test_a_bounded_pool_lends_per_call_so_idle_threads_keep_none(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """With ``max_connections`` set, an idle thread keeps no connection out of the pool: six
+    threads that each locked, all still alive, leave the pool of four to the next caller."""
+    name = f"{prefix}-bounded"
+    client = redis.Redis.from_url(redis_server.url, client_name=name, max_connections=4)
+    one_at_a_time = threading.Lock()  # never more than one call at once: only kept ones can run out
+    done = threading.Barrier(7)
+    failed: list[BaseException] = []
+
+    def work(key: str) -> None:
+        try:
+            with one_at_a_time:
+                lock_calls(client, key)
+        except BaseException as exc:
+            failed.append(exc)
+        done.wait(30)  # alive, idle, while the main thread calls
+        done.wait(30)
+
+    threads = [threading.Thread(target=work, args=(f"{prefix}:{n}",)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    done.wait(30)
+    try:
+        assert failed == []
+        assert client.ping()
+        lock_calls(client, f"{prefix}:main")
+        assert named_connections(redis_server, name) <= 4
+    finally:
+        done.wait(30)
+        for thread in threads:
+            thread.join(30)
+    client.close()

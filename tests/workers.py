@@ -57,13 +57,15 @@ def threads_worker(app: Celery, concurrency: int = 4) -> Iterator[Any]:
         yield worker
 
 
-class _Subprocess:
-    """A ``celery -A tests.taskapp ...`` subprocess in a session of its own, logging to a file,
+class Subprocess:
+    """A ``celery -A {app} ...`` subprocess in a session of its own, logging to a file,
     signalled and stopped by its pid."""
 
-    def __init__(self, kind: str, name: str, env: dict[str, str], args: list[str]) -> None:
+    def __init__(
+        self, kind: str, name: str, env: dict[str, str], args: list[str], app: str = "tests.taskapp"
+    ) -> None:
         self.env = {**os.environ, **env}
-        self.args = [sys.executable, "-m", "celery", "-A", "tests.taskapp", *args]
+        self.args = [sys.executable, "-m", "celery", "-A", app, *args]
         self.log = Path(tempfile.mkstemp(prefix=f"{kind}-{name}-", suffix=".log")[1])
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -114,7 +116,7 @@ def _taskapp_env(url: str, prefix: str, queue: str, conf: str) -> dict[str, str]
     }
 
 
-class WorkerProcess(_Subprocess):
+class WorkerProcess(Subprocess):
     """``celery -A tests.taskapp worker``."""
 
     def __init__(
@@ -125,7 +127,7 @@ class WorkerProcess(_Subprocess):
         super().__init__("worker", name, _taskapp_env(url, prefix, queue, conf), args)
 
 
-class BeatProcess(_Subprocess):
+class BeatProcess(Subprocess):
     """``celery -A tests.taskapp beat`` with a schedule file of its own, its clock ``skew``
     seconds off, without the tasks named in ``without``."""
 
