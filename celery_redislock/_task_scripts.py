@@ -10,8 +10,11 @@ giving it a token of its own and a greater fence. An attempt that retries parks
 its hold (``PARK``) for the token its retry's message carries; the retry adopts
 that. A message's token therefore owns a hold only while it is queued: a copy of
 the message (a redelivery, a stale attempt) can neither adopt a running hold nor
-release it. Lock values are as in ``_scripts``: ``"<token>:<fence>:<holder>"``, read and
-written by the prelude every script opens with (``owns``, ``fence_of``, ``holder_of``, ``hold``).
+release it. With ``lock_duplicate="replace"``, ``apply_async`` takes the enqueue
+lock over from the queued message (``REPLACE``), marking it superseded, and gives it
+back if its own message could not be sent (``UNREPLACE``). Lock values are as in
+``_scripts``: ``"<token>:<fence>:<holder>"``, read and written by the prelude every
+script opens with (``owns``, ``fence_of``, ``holder_of``, ``hold``).
 """
 
 from __future__ import annotations
@@ -95,7 +98,49 @@ end
 return holder_of(value) or ''
 """
 
+_REPLACE = """
+-- REPLACE. KEYS[1] an enqueue lock; ARGV[1] the new message's token, ARGV[2] its holder
+-- (state=queued), ARGV[3] ttl in ms, ARGV[4] its task id.
+-- Last one wins: takes the lock for the new message, free or held by another queued
+-- message's first attempt (holder fields state=queued and try=0). That message is
+-- superseded: the companion key 'superseded:<its token>' names ARGV[4], for as long
+-- as either message's lock could live. A run's hold, or one parked for a retry, is left
+-- untouched. Scripts run one at a time, so the lock always names exactly one message,
+-- the last to take it; a hold ARGV[1] owns already is this call's own, sent again.
+-- Returns {'taken'}, {'replaced', the old value, its PTTL} or {'busy', PTTL, holder or false}.
+local value = redis.call('GET', lock)
+if owns(value, ARGV[1]) then return {'taken'} end
+local _, now_us = clock(redis.call('TIME'))
+if not value then
+  redis.call('SET', lock, hold(ARGV[1], now_us, ARGV[2]), 'PX', ARGV[3])
+  return {'taken'}
+end
+local fields = ' ' .. (holder_of(value) or '') .. ' '
+local ttl = redis.call('PTTL', lock)
+if not (string.find(fields, ' state=queued ', 1, true) and string.find(fields, ' try=0 ', 1, true)) then
+  return {'busy', ttl, holder_of(value) or false}
+end
+local superseded = prefix .. 'superseded:' .. string.sub(value, 1, 32)
+redis.call('SET', superseded, ARGV[4], 'PX', math.max(ttl, tonumber(ARGV[3])))
+redis.call('SET', lock, hold(ARGV[1], math.max(now_us, fence_of(value) + 1), ARGV[2]), 'PX', ARGV[3])
+return {'replaced', value, ttl}
+"""
+
+_UNREPLACE = """
+-- UNREPLACE. KEYS[1] an enqueue lock; ARGV[1] the token of a message REPLACE took it for
+-- and that was not sent, ARGV[2] the value it replaced, ARGV[3] that value's PTTL then (ms).
+-- Puts the replaced message back (no longer superseded) if ARGV[1] still owns the lock.
+-- Returns 1 if put back, 0 if the lock moved on (taken over by a later message, or gone).
+local value = redis.call('GET', lock)
+if not owns(value, ARGV[1]) then return 0 end
+redis.call('SET', lock, ARGV[2], 'PX', ARGV[3])
+redis.call('DEL', prefix .. 'superseded:' .. string.sub(ARGV[2], 1, 32))
+return 1
+"""
+
 ADOPT = Script(_ADOPT)
 CLAIM = Script(_CLAIM)
 PARK = Script(_PARK)
+REPLACE = Script(_REPLACE)
 SETTLE = Script(_SETTLE)
+UNREPLACE = Script(_UNREPLACE)

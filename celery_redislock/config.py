@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from celery import states
 from redis.connection import parse_url
 
 from ._durations import seconds
@@ -37,8 +38,8 @@ __all__ = [
 ]
 
 MODES = tuple(MODE_RULES)
-BUSY = ("skip", "retry", "wait", "raise")
-DUPLICATE = ("return", "raise")
+BUSY = ("skip", "retry", "wait", "raise", "reject")
+DUPLICATE = ("return", "raise", "replace")
 ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
 #: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
@@ -78,6 +79,7 @@ APP_SETTINGS: Mapping[str, Any] = {
     "replicas": 0,
     "replica_timeout": 1.0,
     "key_secret": None,
+    "skip_state": None,
 }
 
 
@@ -118,6 +120,8 @@ class AppSettings:
     replica_timeout: float = 1.0
     #: HMAC-SHA-256 key of the digests in lock keys (None: plain SHA-256); never shown
     key_secret: bytes | None = field(default=None, repr=False)
+    #: the result state a skipped run records (``None``: ``SUCCESS`` with ``None``, as a return)
+    skip_state: str | None = None
 
     @property
     def replication(self) -> dict[str, Any]:
@@ -216,6 +220,20 @@ def _key_secret(problem: _Problem, value: object) -> bytes | None:
     return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
 
 
+#: Celery's own states, which a skip state must not be.
+_CELERY_STATES = states.ALL_STATES | {states.IGNORED, states.REJECTED}
+
+
+def _skip_state(problem: _Problem, value: object) -> str | None:
+    """``redislock_skip_state``: a state of its own, not one Celery gives a meaning to."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]*", value) or value in _CELERY_STATES:
+        allowed = "allowed: None, or an upper-case name that is not one of Celery's states, e.g. 'SKIPPED'"
+        raise problem("redislock_skip_state", value, allowed)
+    return value
+
+
 def app_settings(app: Any) -> AppSettings:
     """The app's ``redislock_*`` settings, validated (unknown ``redislock_*`` names included)."""
     problem = _Problem(f"app {app.main or app!r}")
@@ -260,7 +278,24 @@ def app_settings(app: Any) -> AppSettings:
         replicas=replicas,
         replica_timeout=replica_timeout,
         key_secret=_key_secret(problem, app.conf.get("redislock_key_secret")),
+        skip_state=_skip_state(problem, app.conf.get("redislock_skip_state")),
     )
+
+
+def _check_outcomes(
+    problem: _Problem, app: Any, mode: str, busy: tuple[str, str], duplicate: tuple[str, str]
+) -> None:
+    """A task's own ``lock_duplicate="replace"`` needs an enqueue lock (and no replicas: not
+    supported yet), its own ``lock_busy="reject"`` an execution lock, the only lock a run can
+    find busy. The app's setting is the default of the tasks it applies to (the others never
+    read it)."""
+    rules = MODE_RULES[mode]
+    if duplicate[1] == "replace" and rules.enqueue_lock and app.conf.get("redislock_replicas"):
+        raise problem(*duplicate, "not supported with redislock_replicas")
+    if duplicate == ("lock_duplicate", "replace") and not rules.enqueue_lock:
+        raise problem(*duplicate, f"lock_mode {mode!r} takes no enqueue lock to replace")
+    if busy == ("lock_busy", "reject") and not rules.execution_lock:
+        raise problem(*busy, f"lock_mode {mode!r} takes no lock a run can find busy")
 
 
 def task_options(task: type[Any], app: Any) -> LockOptions:
@@ -284,21 +319,23 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
     mode = _choice(problem, *raw("mode"), MODES)
     option, ttl_value = raw("ttl")
     ttl = _duration(problem, option, ttl_value, MIN_WATCHDOG_TTL)
-    option, busy = raw("busy")
+    busy_option, busy = raw("busy")
     rules = MODE_RULES[mode]
-    busy = busy or rules.default_busy
-    busy = _choice(problem, option, busy, BUSY)
+    busy = _choice(problem, busy_option, busy or rules.default_busy, BUSY)
     option, period_value = raw("period")
     period = None if period_value is None else _duration(problem, option, period_value, 0.001)
     if rules.settles and period is None:
         raise problem("lock_period", None, f"{mode} needs it: how long the lock stays after a run")
     option, wait_value = raw("wait_timeout")
+    duplicate_option, duplicate = raw("duplicate")
+    duplicate = _choice(problem, duplicate_option, duplicate, DUPLICATE)
+    _check_outcomes(problem, app, mode, (busy_option, busy), (duplicate_option, duplicate))
     return LockOptions(
         mode=mode,
         on=_lock_on(problem, raw("on")[1], task.run),
         ttl=ttl,
         busy=busy,
-        duplicate=_choice(problem, *raw("duplicate"), DUPLICATE),
+        duplicate=duplicate,
         queue_ttl=_duration(problem, *raw("queue_ttl"), 0.001),
         period=period,
         retry_delay=_duration(problem, *raw("retry_delay"), 0),

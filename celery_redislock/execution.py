@@ -33,6 +33,7 @@ from ._task_scripts import CLAIM, PARK, SETTLE
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
 from .connection import client_for
+from .enqueue import superseded
 from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
 from .inventory import free_ticket
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
@@ -135,6 +136,8 @@ class Execution:
 
     def _begin(self) -> bool:
         """Claim the beat slot, take the lock, free the message's enqueue lock where the mode says."""
+        if self.options.duplicate == "replace" and superseded(self.task, self.client, self.request):
+            return False  # a later call took its enqueue lock over: that call's message runs instead
         if self.slot is not None and not self._claim_slot(self.slot):
             if self.ticket is not None:  # a duplicate never runs: its enqueue lock, if any, goes
                 free_ticket(self.client, self.ticket)

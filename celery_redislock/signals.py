@@ -20,7 +20,9 @@ a receiver is logged by Celery and never reaches the lock or the task.
   refused because an identical task is queued or running, or a worker
   dropped a message for a beat slot that another message has (``key`` is the
   slot's marker; ``existing_task_id`` is ``None`` while a beat's claim names
-  no task yet).
+  no task yet), or a worker dropped a message superseded by a later call
+  (``lock_duplicate="replace"``): then ``existing_task_id`` is that call's task
+  and the extra keyword ``superseded_task_id`` names the message dropped.
 """
 
 from __future__ import annotations

@@ -1,0 +1,191 @@
+"""A message's enqueue lock, taken by ``apply_async``, and what a duplicate call gets.
+
+In the modes with an enqueue lock, ``apply_async`` takes the lock before it
+sends the message, which carries the lock's ticket (key and token) to the
+worker. A call that finds the lock held gets what ``lock_duplicate`` says:
+
+* ``"return"``: the queued (or running) task's ``AsyncResult``, nothing sent;
+* ``"raise"``: ``DuplicateTask``, nothing sent;
+* ``"replace"``: last one wins. The call takes the lock over from the queued
+  message (``REPLACE``, one atomic step: the lock always names exactly one
+  message, the last to take it) and is sent. The message it superseded is
+  dropped by the worker that meets it (``superseded``), its body never run. A
+  run's hold, and one parked for a retry, are never taken over: a replacing
+  call that finds one gets its ``AsyncResult``, as with ``"return"``.
+
+Failure timeline: the lock is taken before the message is sent. If sending
+fails, a lock taken afresh is released, and a lock taken over is given back
+to the message it was taken from (``UNREPLACE``), which is then no longer
+superseded; if a later call took it over meanwhile, that call's message
+stands and the first stays superseded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import redis
+
+from . import signals
+from ._durations import to_ms
+from ._task_scripts import REPLACE, UNREPLACE
+from .attempt import companion_key
+from .config import AppSettings, LockOptions
+from .connection import client_for
+from .exceptions import DuplicateTask, LockNotReplicated, RedisLockError
+from .inventory import free_ticket
+from .lock import RedisLock
+from .protocol import (
+    HEADER,
+    holder_for,
+    message_delay,
+    parse_holder,
+    parse_value,
+    request_ticket,
+    seconds_until,
+    text,
+)
+from .run_lock import release
+from .telemetry import counted, log_fields
+
+__all__ = ["duplicate", "enqueue", "superseded"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """An enqueue lock taken for a message: its token, and how to give the lock back unsent."""
+
+    token: str
+    undo: Callable[[], object]
+
+
+#: (holder, seconds left) of an enqueue lock found held and not taken over.
+_Busy = tuple[str | None, float | None]
+
+
+def enqueue(
+    task: Any,
+    key: str,
+    task_id: str,
+    options: Mapping[str, Any],
+    headers: dict[str, Any],
+    send: Callable[[str | None], Any],
+) -> Any:
+    """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock."""
+    lock_options: LockOptions = task.lock_options
+    settings: AppSettings = task.lock_settings
+    client, url = client_for(task.app)
+    holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
+    ttl = _queue_ttl(lock_options, options)
+    take = _replace if lock_options.duplicate == "replace" else _acquire
+    try:
+        held = take(task, client, key, ttl, holder, task_id)
+    except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
+        where = f"task {task.name!r}[{task_id}]: could not take enqueue lock {key!r} in Redis at {url}: {exc}"
+        if settings.on_error == "fail":
+            raise RedisLockError(where) from exc
+        unlocked = log_fields(key, task_id, outcome="unlocked")
+        logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
+        return send(task_id)
+    if not isinstance(held, _Held):
+        return duplicate(task, key, *held)
+    headers[HEADER] = {"key": key, "token": held.token}
+    try:
+        return send(task_id)
+    except BaseException:
+        held.undo()  # nothing was sent: the lock must not name a message that does not exist
+        raise
+
+
+def _queue_ttl(lock_options: LockOptions, options: Mapping[str, Any]) -> float:
+    """How long the enqueue lock of a message sent with ``options`` lives: while it waits."""
+    ttl = lock_options.queue_ttl + message_delay(options)
+    if options.get("expires") is not None:
+        ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
+    if lock_options.rules.settles:
+        ttl = max(ttl, lock_options.period or 0)
+    return ttl
+
+
+def _acquire(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str) -> _Held | _Busy:
+    """Take ``key`` if it is free (``lock_duplicate`` ``"return"`` or ``"raise"``)."""
+    lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **task.lock_settings.replication)
+    if not lock.acquire(blocking=False):
+        return lock.busy
+    assert lock.token is not None
+    return _Held(lock.token, partial(release, task, lock, task_id))
+
+
+def _replace(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str) -> _Held | _Busy:
+    """Take ``key``, free or from the queued message holding it (``lock_duplicate="replace"``)."""
+    token = secrets.token_hex(16)
+    reply = REPLACE(client, [key], [token, holder, to_ms(ttl), task_id])
+    status = text(reply[0])
+    if status == "busy":
+        return (None if reply[2] is None else text(reply[2])), max(int(reply[1]), 0) / 1000
+    if status == "taken":
+        return _Held(token, partial(free_ticket, client, (key, token)))
+    old_value, old_ttl = reply[1], max(int(reply[2]), 1)
+    old = parse_value(old_value)
+    old_holder = None if old is None else old.holder
+    logger.info(
+        "task %s[%s]: takes enqueue lock %s over from task %s, which is superseded",
+        task.name,
+        task_id,
+        key,
+        parse_holder(old_holder).get("task"),
+        extra=log_fields(key, task_id, old_holder, outcome="duplicate-replaced"),
+    )
+    counted(task.name, task.lock_options.mode, "duplicate-replaced")
+    return _Held(token, partial(UNREPLACE, client, [key], [token, old_value, old_ttl]))
+
+
+def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:
+    """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``."""
+    existing = parse_holder(holder).get("task")
+    fields = log_fields(key, None, holder, None, "duplicate-refused")
+    logger.info("task %s: not sent, duplicate of %s (lock %s)", task.name, existing, key, extra=fields)
+    counted(task.name, task.lock_options.mode, "duplicate-refused")
+    signals.task_deduplicated.send(sender=task, key=key, existing_task_id=existing)
+    if task.lock_options.duplicate != "raise" and existing:
+        return task.AsyncResult(existing)
+    raise DuplicateTask(key, existing, holder, ttl)
+
+
+def superseded(task: Any, client: Any, request: Any) -> bool:
+    """Whether the worker's message ``request`` was superseded by a later replacing call (its
+    first attempt's enqueue lock taken over): then it is dropped, logged and signalled.
+
+    A retry (``self.retry``, autoretry) is never superseded: only a queued first
+    attempt is taken over. A busy retry's republished message is the same
+    first attempt, its body not run yet: it is.
+    """
+    ticket = None if request is None or request.retries else request_ticket(request)
+    if ticket is None:
+        return False
+    by = client.get(companion_key(ticket[0], f"superseded:{ticket[1]}"))
+    if by is None:
+        return False
+    by = text(by)
+    logger.info(
+        "task %s[%s] dropped: superseded by task %s, which took its enqueue lock %s over",
+        task.name,
+        request.id,
+        by,
+        ticket[0],
+        extra=log_fields(ticket[0], request.id, outcome="superseded"),
+    )
+    counted(task.name, task.lock_options.mode, "superseded")
+    signals.task_deduplicated.send(
+        sender=task, key=ticket[0], existing_task_id=by, superseded_task_id=request.id
+    )
+    return True

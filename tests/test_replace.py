@@ -1,0 +1,331 @@
+"""Last one wins (``lock_duplicate="replace"``), rejected messages (``lock_busy="reject"``) and the
+state of a skipped run (``redislock_skip_state``), on a real Redis (broker, results, locks) and a
+real worker: the superseded messages are dropped, the last call runs, once, with its arguments."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+from celery import Celery, Task
+from celery.exceptions import Reject
+from celery.result import AsyncResult
+from kombu.exceptions import EncodeError
+
+from celery_redislock import LockConfigurationError, LockedTask, signals, task_lock_key
+from celery_redislock._task_scripts import REPLACE, UNREPLACE
+from celery_redislock.attempt import companion_key
+from celery_redislock.protocol import holder_for, parse_holder, parse_value
+from tests.invariants import keys_of, stored
+from tests.taskapp import make_app, recorder
+from tests.workers import threads_worker, wait_for
+
+RESULT_TIMEOUT = 30
+ENQUEUE_MODES = ("until_executing", "until_executed", "until_and_while_executing")
+
+
+def define(app: Celery, name: str, **options: Any) -> Task[Any, Any]:
+    """A locked task ``name`` keyed by ``x``, recording its runs; gated where ``gate`` is set."""
+    rec = recorder(app)
+
+    def body(self: Task[Any, Any], x: object, call: int = 0, gate: bool = False) -> object:
+        rec.record(f"start@{call}", self, x)
+        if gate:
+            rec.wait_gate(x)
+        rec.record("end", self, x)
+        return call
+
+    decorate: Any = app.task(base=LockedTask, bind=True, shared=False, name=name, lock_on=("x",), **options)
+    return cast(Task[Any, Any], decorate(body))
+
+
+def runs(app: Celery, x: object) -> list[list[str]]:
+    """The starts of ``x``'s runs: ``["start@<call>", task, x, task id, ...]``."""
+    return [event for event in recorder(app).events() if event[0].startswith("start@") and event[2] == str(x)]
+
+
+def holder_task(app: Celery, key: str) -> str:
+    """The task id the lock ``key`` names now."""
+    value = parse_value(stored(recorder(app).client, key))
+    assert value is not None
+    return parse_holder(value.holder)["task"]
+
+
+@pytest.fixture
+def dropped() -> Iterator[list[dict[str, Any]]]:
+    """The ``task_deduplicated`` signals of superseded messages, as sent."""
+    seen: list[dict[str, Any]] = []
+
+    def receiver(sender: Any = None, **fields: Any) -> None:
+        if fields.get("superseded_task_id"):
+            seen.append(fields)
+
+    signals.task_deduplicated.connect(receiver, weak=False)
+    yield seen
+    signals.task_deduplicated.disconnect(receiver)
+
+
+def wait_all(results: list[AsyncResult[Any]]) -> None:
+    wait_for(lambda: all(result.ready() for result in results), timeout=120, what="every result ready")
+
+
+@pytest.mark.parametrize("mode", ENQUEUE_MODES)
+def test_a_storm_of_500_replacing_calls_from_4_threads_runs_once_the_last_to_take_the_lock(
+    app: Celery, mode: str, dropped: list[dict[str, Any]]
+) -> None:
+    task = define(app, f"storm_{mode}", lock_mode=mode, lock_duplicate="replace", lock_retry_delay=0.2)
+    key = task_lock_key(task, ("x",)) + (":queued" if mode == "until_and_while_executing" else "")
+    sent: dict[str, int] = {}
+    guard = threading.Lock()
+
+    def send(thread: int) -> None:
+        for i in range(125):
+            call = thread * 125 + i
+            result = task.apply_async(("x", call))
+            with guard:
+                sent[result.id] = call
+
+    threads = [threading.Thread(target=send, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(sent) == 500
+    winner = holder_task(app, key)  # the lock's own record of the last call to take it
+    assert recorder(app).client.llen(app.conf.task_default_queue) == 500
+    with threads_worker(app):
+        results: list[AsyncResult[Any]] = [task.AsyncResult(task_id) for task_id in sent]
+        wait_all(results)
+    started = runs(app, "x")
+    assert [(event[0], event[3]) for event in started] == [(f"start@{sent[winner]}", winner)]
+    assert task.AsyncResult(winner).get(timeout=RESULT_TIMEOUT) == sent[winner]
+    assert {result.id: result.result for result in results if result.id != winner} == {
+        task_id: None for task_id in sent if task_id != winner
+    }
+    assert len(dropped) == 499
+    assert {fields["superseded_task_id"] for fields in dropped} == set(sent) - {winner}
+    assert not recorder(app).client.exists(key)
+
+
+def test_a_superseded_message_is_logged_naming_both_tasks(
+    app: Celery, caplog: pytest.LogCaptureFixture, dropped: list[dict[str, Any]]
+) -> None:
+    task = define(app, "logged", lock_mode="until_executing", lock_duplicate="replace")
+    first, second = task.apply_async(("x", 1)), task.apply_async(("x", 2))
+    with caplog.at_level(logging.INFO, logger="celery_redislock"), threads_worker(app):
+        assert second.get(timeout=RESULT_TIMEOUT) == 2
+        assert first.get(timeout=RESULT_TIMEOUT) is None  # SUCCESS with None: dropped, not run
+    lines = [record.getMessage() for record in caplog.records if "superseded by" in record.getMessage()]
+    assert lines == [
+        f"task {task.name}[{first.id}] dropped: superseded by task {second.id}, "
+        f"which took its enqueue lock {task_lock_key(task, ('x',))} over"
+    ]
+    assert dropped == [
+        {"signal": signals.task_deduplicated, "key": task_lock_key(task, ("x",)),
+         "existing_task_id": second.id, "superseded_task_id": first.id}
+    ]  # fmt: skip
+    assert [event[0] for event in runs(app, "x")] == ["start@2"]
+
+
+def test_keep_latest_one_runs_and_the_latest_call_is_queued_behind_it(app: Celery) -> None:
+    task = define(
+        app, "latest", lock_mode="until_and_while_executing", lock_duplicate="replace", lock_retry_delay=0.2
+    )
+    with threads_worker(app):
+        running = task.apply_async(("x", 0), {"gate": True})
+        wait_for(lambda: runs(app, "x"), what="the first run")
+        calls = [task.apply_async(("x", call)) for call in range(1, 6)]
+        assert len({call.id for call in calls}) == 5  # each one sent, each taking the queued lock over
+        recorder(app).open_gate("x")
+        assert running.get(timeout=RESULT_TIMEOUT) == 0
+        assert calls[-1].get(timeout=RESULT_TIMEOUT) == 5
+        wait_all(calls)
+    started = runs(app, "x")
+    assert [event[0] for event in started] == ["start@0", "start@5"]
+    assert [call.result for call in calls] == [None, None, None, None, 5]
+
+
+def test_debounce_with_a_countdown_runs_once_with_the_last_calls_arguments(app: Celery) -> None:
+    task = define(app, "debounced", lock_mode="until_executing", lock_duplicate="replace")
+    with threads_worker(app):
+        calls = [task.apply_async(("x", call), countdown=1) for call in range(100)]
+        assert calls[-1].get(timeout=RESULT_TIMEOUT) == 99
+        wait_all(calls)
+    assert [event[0] for event in runs(app, "x")] == ["start@99"]
+
+
+@pytest.mark.parametrize("mode", ENQUEUE_MODES)
+def test_a_replacing_call_that_cannot_be_sent_gives_the_lock_back(app: Celery, mode: str) -> None:
+    task = define(app, f"unsent_{mode}", lock_mode=mode, lock_duplicate="replace")
+    key = task_lock_key(task, ("x",)) + (":queued" if mode == "until_and_while_executing" else "")
+    client = recorder(app).client
+    with pytest.raises(EncodeError):
+        task.apply_async(("x", object()))  # the key is made of x alone: only sending fails
+    assert not client.exists(key)
+    queued = task.apply_async(("x", 1))
+    before = stored(client, key)
+    with pytest.raises(EncodeError):
+        task.apply_async(("x", object()))
+    assert stored(client, key) == before  # the queued message owns its lock again
+    value = parse_value(before)
+    assert value is not None
+    assert not client.exists(companion_key(key, f"superseded:{value.token}"))  # and is not superseded
+    with threads_worker(app):
+        assert queued.get(timeout=RESULT_TIMEOUT) == 1
+    assert [event[0] for event in runs(app, "x")] == ["start@1"]
+
+
+def test_an_unsent_message_leaves_a_lock_taken_over_since_to_the_later_message(app: Celery) -> None:
+    client, key = recorder(app).client, f"{recorder(app).prefix}:manual"
+    queued = holder_for("a", 0, "node", 1, "queued")
+    tokens = ["a" * 32, "b" * 32, "c" * 32]
+    assert REPLACE(client, [key], [tokens[0], queued, 60_000, "a"]) == [b"taken"]
+    status, old_value, old_ttl = REPLACE(client, [key], [tokens[1], queued, 60_000, "b"])
+    assert status == b"replaced" and old_value.startswith(tokens[0].encode())
+    assert REPLACE(client, [key], [tokens[2], queued, 60_000, "c"])[0] == b"replaced"
+    assert UNREPLACE(client, [key], [tokens[1], old_value, old_ttl]) == 0  # c took it over: c stands
+    assert stored(client, key).startswith(tokens[2].encode())
+    assert client.get(companion_key(key, f"superseded:{tokens[0]}")) == b"b"
+    assert client.get(companion_key(key, f"superseded:{tokens[1]}")) == b"c"
+    assert all(client.pttl(name) > 0 for name in keys_of(client, recorder(app).prefix))
+    client.delete(key)
+
+
+def test_a_retry_on_its_way_is_not_replaced(app: Celery) -> None:
+    """until_executed keeps the lock for the retry (parked, try=1): a replacing call gets its result."""
+    rec = recorder(app)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="retried", lock_on=("x",),
+              lock_mode="until_executed", lock_duplicate="replace")  # fmt: skip
+    def retried(self: Task[Any, Any], x: object, call: int = 0) -> object:
+        rec.record(f"start@{call}", self, x)
+        if self.request.retries == 0:
+            raise self.retry(countdown=1)
+        return call
+
+    with threads_worker(app):
+        first = retried.apply_async(("x", 1))
+        wait_for(lambda: runs(app, "x"), what="the first attempt")
+        key = task_lock_key(retried, ("x",))
+        wait_for(lambda: "try=1" in stored(rec.client, key).decode(), what="the hold parked for the retry")
+        again = retried.apply_async(("x", 2))
+        assert again.id == first.id
+        assert first.get(timeout=RESULT_TIMEOUT) == 1
+    assert [(event[0], event[6]) for event in runs(app, "x")] == [("start@1", "0"), ("start@1", "1")]
+
+
+def test_a_retry_of_a_message_marked_superseded_runs(app: Celery) -> None:
+    """A replacing call can take a message's enqueue lock over in the instant its run starts (before
+    the run frees it): the run goes on, and so must its retry, which carries the same ticket."""
+    rec = recorder(app)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="retries", lock_on=("x",),
+              lock_mode="until_executing", lock_duplicate="replace")  # fmt: skip
+    def retries(self: Task[Any, Any], x: object) -> object:
+        rec.record(f"start@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            ticket = (self.request.headers or {})["redislock"]
+            mark = companion_key(ticket["key"], f"superseded:{ticket['token']}")
+            rec.client.set(mark, "a-later-call", px=60_000)  # as that replacing call leaves it
+            raise self.retry(countdown=0)
+        return self.request.retries
+
+    with threads_worker(app):
+        assert retries.apply_async(("x",)).get(timeout=RESULT_TIMEOUT) == 1
+    assert [event[0] for event in runs(app, "x")] == ["start@0", "start@1"]
+
+
+@pytest.mark.parametrize("mode", ["while_executing", "until_and_while_executing"])
+def test_reject_rejects_the_message_and_records_its_failure(app: Celery, mode: str) -> None:
+    task = define(app, f"reject_{mode}", lock_mode=mode, lock_busy="reject", acks_late=True)
+    client = recorder(app).client
+    with threads_worker(app):
+        holder = task.apply_async(("x", 1), {"gate": True})
+        wait_for(lambda: runs(app, "x"), what="the holder's run")
+        rejected = task.apply_async(("x", 2))
+        with pytest.raises(Reject):
+            rejected.get(timeout=RESULT_TIMEOUT)
+        assert rejected.state == "FAILURE"
+        if mode == "until_and_while_executing":
+            assert not client.exists(task_lock_key(task, ("x",)) + ":queued")  # its enqueue lock went
+        recorder(app).open_gate("x")
+        assert holder.get(timeout=RESULT_TIMEOUT) == 1
+    assert client.llen(app.conf.task_default_queue) == 0  # not requeued
+    assert [event[0] for event in runs(app, "x")] == ["start@1"]
+
+
+@pytest.fixture
+def skip_app(redis_server: Any, prefix: str) -> Iterator[Celery]:
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_skip_state="SKIPPED")
+    yield app
+    app.close()
+
+
+def state(result: AsyncResult[Any]) -> str:
+    """The state in the result backend (typed as any state: Celery's stubs list only its own)."""
+    return str(result.state)
+
+
+def test_a_skipped_run_records_the_skip_state(skip_app: Celery) -> None:
+    app = skip_app
+    task = define(app, "skipped", lock_busy="skip")
+    replaced = define(app, "replaced", lock_mode="until_executing", lock_duplicate="replace")
+    superseded, latest = replaced.apply_async(("y", 1)), replaced.apply_async(("y", 2))
+    with threads_worker(app):
+        holder = task.apply_async(("x", 1), {"gate": True})
+        wait_for(lambda: runs(app, "x"), what="the holder's run")
+        skipped = task.apply_async(("x", 2))
+        wait_for(lambda: state(skipped) == "SKIPPED", what="the skip state")
+        recorder(app).open_gate("x")
+        assert holder.get(timeout=RESULT_TIMEOUT) == 1
+        assert latest.get(timeout=RESULT_TIMEOUT) == 2
+        wait_for(lambda: state(superseded) == "SKIPPED", what="the superseded message's state")
+        assert state(skipped) == "SKIPPED" and skipped.result is None  # nothing stored over it
+        assert not skipped.ready()  # not a ready state: .get() waits until its timeout
+    assert [event[0] for event in runs(app, "x")] == ["start@1"]
+    assert task.apply(("x", 3)).get() == 3  # eager: the skip state is a worker's
+
+
+def test_without_a_skip_state_a_skipped_run_succeeds_with_none(app: Celery) -> None:
+    task = define(app, "plain_skip", lock_busy="skip")
+    with threads_worker(app):
+        holder = task.apply_async(("x", 1), {"gate": True})
+        wait_for(lambda: runs(app, "x"), what="the holder's run")
+        skipped = task.apply_async(("x", 2))
+        assert skipped.get(timeout=RESULT_TIMEOUT) is None and skipped.state == "SUCCESS"
+        recorder(app).open_gate("x")
+        assert holder.get(timeout=RESULT_TIMEOUT) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "conf", "message"),
+    [
+        ({"lock_duplicate": "replace"}, {},
+         "task 'bad': lock_duplicate='replace' is not valid; lock_mode 'while_executing' takes no enqueue"),
+        ({"lock_mode": "until_executing", "lock_duplicate": "replace"}, {"redislock_replicas": 1},
+         "task 'bad': lock_duplicate='replace' is not valid; not supported with redislock_replicas"),
+        ({"lock_mode": "until_executing", "lock_busy": "reject"}, {},
+         "task 'bad': lock_busy='reject' is not valid; lock_mode 'until_executing' takes no lock a run"),
+        ({"lock_duplicate": "last"}, {}, "task 'bad': lock_duplicate='last' is not valid; allowed:"),
+        ({}, {"redislock_skip_state": "SUCCESS"}, "redislock_skip_state='SUCCESS' is not valid; allowed:"),
+        ({}, {"redislock_skip_state": "skipped"}, "redislock_skip_state='skipped' is not valid"),
+        ({}, {"redislock_skip_state": 5}, "redislock_skip_state=5 is not valid"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_named_and_leaves_nothing_in_redis(
+    redis_server: Any, prefix: str, options: dict[str, Any], conf: dict[str, Any], message: str
+) -> None:
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", **conf)
+    define(app, "bad", **options)
+    try:
+        with pytest.raises(LockConfigurationError, match=re.escape(message)):
+            app.tasks["bad"].apply_async(("x",))
+    finally:
+        app.close()
+    client = redis_server.client()
+    assert keys_of(client, prefix) == []
+    client.close()
