@@ -103,10 +103,11 @@ _REPLACE = """
 -- (state=queued), ARGV[3] ttl in ms, ARGV[4] its task id.
 -- Last one wins: takes the lock for the new message, free or held by another queued
 -- message's first attempt (holder fields state=queued and try=0). That message is
--- superseded: the companion key 'superseded:<its token>' names ARGV[4], for as long
--- as either message's lock could live. A run's hold, or one parked for a retry, is left
--- untouched. Scripts run one at a time, so the lock always names exactly one message,
--- the last to take it; a hold ARGV[1] owns already is this call's own, sent again.
+-- superseded: the companion key 'superseded:<its token>' names ARGV[4] until the worker
+-- that meets it drops it (at most as long as either message's lock could live). A run's
+-- hold, or one parked for a retry, is left untouched. Scripts run one at a time, so the
+-- lock always names exactly one message, the last to take it; a hold ARGV[1] owns
+-- already is this call's own, sent again.
 -- Returns {'taken'}, {'replaced', the old value, its PTTL} or {'busy', PTTL, holder or false}.
 local value = redis.call('GET', lock)
 if owns(value, ARGV[1]) then return {'taken'} end

@@ -26,6 +26,7 @@ from . import signals, telemetry
 from ._durations import to_ms
 from ._scripts import RENEW
 from .config import LockOptions
+from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .inventory import free_ticket
 from .protocol import parse_holder, request_ticket
@@ -100,6 +101,8 @@ def policy_for(found: Found) -> BusyPolicy:
             if found.options.rules.parks_for_retry and ticket is not None and ticket[0] == found.lock.name:
                 return AdoptParked(ticket[1])
             return _wait
+    if found.options.duplicate == "replace" and superseded(found.task, found.lock.client, request):
+        return _dropped  # taken over after the run checked, before it took its lock: as superseded
     if request is not None and (request.group or request.chord):
         return _wait  # a group or chord member is never skipped: its chord would never complete
     if request is None or request.is_eager:  # an eager or direct call has no message to act on
@@ -108,6 +111,11 @@ def policy_for(found: Found) -> BusyPolicy:
         if found.options.busy == "reject":
             return _raise  # nor rejected
     return POLICIES[found.options.busy]
+
+
+def _dropped(found: Found) -> bool:
+    """The message was superseded (``enqueue.superseded`` logged it): its body does not run."""
+    return False
 
 
 def _skip(found: Found) -> bool:
@@ -186,7 +194,8 @@ POLICIES: Mapping[str, BusyPolicy] = MappingProxyType(
 def skipped(task: Any, request: Any) -> None:
     """What a run whose body did not run returns (skipped, a duplicate, superseded): ``None``
     (``SUCCESS`` with ``None``); with ``redislock_skip_state`` set, a worker's run stores that
-    state as its result and raises ``Ignore``, so that Celery stores nothing over it."""
+    state as its result and raises ``Ignore``, so that Celery stores nothing over it (not a
+    member of a group or chord, whose ``Ignore`` would leave it waiting forever)."""
     state = task.lock_settings.skip_state
     if state is None or request is None or request.is_eager or request.ignore_result:
         return
@@ -287,5 +296,6 @@ OUTCOMES: Mapping[BusyPolicy, str] = MappingProxyType(
         _raise: "busy-raise",
         _reject: "busy-reject",
         _stale_copy: "busy-skip",
+        _dropped: "superseded",
     }
 )

@@ -167,12 +167,15 @@ def superseded(task: Any, client: Any, request: Any) -> bool:
 
     A retry (``self.retry``, autoretry) is never superseded: only a queued first
     attempt is taken over. A busy retry's republished message is the same
-    first attempt, its body not run yet: it is.
+    first attempt, its body not run yet: it is. The mark is consumed by the
+    drop: a copy of the message delivered again after it was dropped (a worker
+    that died before acknowledging it, with ``acks_late``) finds none, and goes
+    on as a message whose enqueue lock is gone.
     """
     ticket = None if request is None or request.retries else request_ticket(request)
     if ticket is None:
         return False
-    by = client.get(companion_key(ticket[0], f"superseded:{ticket[1]}"))
+    by = client.getdel(companion_key(ticket[0], f"superseded:{ticket[1]}"))  # one mark, one drop
     if by is None:
         return False
     by = text(by)

@@ -13,7 +13,6 @@ is a ``celery_redislock.execution.Execution``.
 from __future__ import annotations
 
 import contextvars
-import logging
 import secrets
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -33,8 +32,6 @@ from .receivers import install
 from .run_lock import ExecutionLock, raise_if_lost
 
 __all__ = ["LockedTask", "task_lock_key"]
-
-logger = logging.getLogger(__name__)
 
 #: Key -> execution lock (``None`` when running unlocked) of the runs under way in this thread
 #: (or task): a task called directly from inside another holding the same key runs under

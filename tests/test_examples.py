@@ -21,6 +21,12 @@ EXAMPLES = {
         "1 distinct task id among the 100 results, 1 message in the queue",
         "the worker received 1 rebuild_index message",
     ],
+    "examples.debounce": [
+        "100 messages sent: each took the lock over",
+        "the last call runs: 'user 7 reindexed at version 99'",
+        "the 99 calls before it were dropped unrun (99 INFO lines)",
+        "reindex_user ran 1 time",
+    ],
     "examples.mutual_exclusion": ["account 7's runs never overlap; account 8's ran alongside them"],
     "examples.long_task": ["redislock list` shows it too", "lock_lost=False", "and its lock is released"],
     "examples.fencing": [
