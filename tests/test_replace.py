@@ -162,6 +162,19 @@ def test_keep_latest_one_runs_and_the_latest_call_is_queued_behind_it(app: Celer
     assert [call.result for call in calls] == [None, None, None, None, 5]
 
 
+def test_a_running_task_is_not_replaced(app: Celery) -> None:
+    """until_executed: the lock is the run's once it started; a replacing call gets its result."""
+    task = define(app, "running", lock_mode="until_executed", lock_duplicate="replace")
+    with threads_worker(app):
+        running = task.apply_async(("x", 1), {"gate": True})
+        wait_for(lambda: runs(app, "x"), what="the run")
+        again = task.apply_async(("x", 2))
+        assert again.id == running.id  # nothing sent: a sent call would have an id of its own
+        recorder(app).open_gate("x")
+        assert again.get(timeout=RESULT_TIMEOUT) == 1
+    assert [event[0] for event in runs(app, "x")] == ["start@1"]
+
+
 def test_debounce_with_a_countdown_runs_once_with_the_last_calls_arguments(app: Celery) -> None:
     task = define(app, "debounced", lock_mode="until_executing", lock_duplicate="replace")
     with threads_worker(app):
@@ -277,6 +290,34 @@ def test_a_retry_of_a_message_marked_superseded_runs(app: Celery) -> None:
     with threads_worker(app):
         assert retries.apply_async(("x",)).get(timeout=RESULT_TIMEOUT) == 1
     assert [event[0] for event in runs(app, "x")] == ["start@0", "start@1"]
+
+
+def test_a_redelivered_copy_is_not_superseded_by_a_later_call(
+    app: Celery, dropped: list[dict[str, Any]]
+) -> None:
+    """A redelivery (acks_late, a visibility timeout) of a message whose run started is the same
+    message again: same task id, retry count and ticket. A call sent since holds the queued key,
+    fresh (the run had freed it): the copy is handled as a redelivery, not dropped as superseded."""
+    task = define(
+        app, "redelivered", lock_mode="until_and_while_executing", lock_duplicate="replace", acks_late=True
+    )
+    client, queued_key = recorder(app).client, task_lock_key(task, ("x",)) + ":queued"
+    first = task.apply_async(("x", 1), {"gate": True})
+    ticket = parse_value(stored(client, queued_key))
+    assert ticket is not None
+    with threads_worker(app):
+        wait_for(lambda: runs(app, "x"), what="the first run")
+        later = task.apply_async(("x", 2))
+        assert holder_task(app, queued_key) == later.id
+        header = {HEADER: {"key": queued_key, "token": ticket.token}}
+        task.apply_async(("x", 1), {"gate": True}, task_id=first.id, headers=header)  # type: ignore[arg-type]
+        wait_for(lambda: [e for e in recorder(app).events() if e[0] == "busy" and e[3] == first.id])
+        recorder(app).open_gate("x")
+        assert first.get(timeout=RESULT_TIMEOUT) == 1
+        assert later.get(timeout=RESULT_TIMEOUT) == 2
+    assert dropped == []
+    started = [(event[0], event[3]) for event in runs(app, "x")]
+    assert started == [("start@1", first.id), ("start@2", later.id)]
 
 
 @pytest.mark.parametrize("mode", ["while_executing", "until_and_while_executing"])
