@@ -16,10 +16,12 @@ import logging
 import random
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol, cast
 
+import redis
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals, telemetry
@@ -101,16 +103,24 @@ def policy_for(found: Found) -> BusyPolicy:
             if found.options.rules.parks_for_retry and ticket is not None and ticket[0] == found.lock.name:
                 return AdoptParked(ticket[1])
             return _wait
-    if found.options.duplicate == "replace" and superseded(found.task, found.lock.client, request):
-        return _dropped  # taken over after the run checked, before it took its lock: as superseded
     if request is not None and (request.group or request.chord):
         return _wait  # a group or chord member is never skipped: its chord would never complete
+    if found.options.rules.adopts_ticket and found.options.duplicate == "replace" and _superseded(found):
+        return _dropped  # taken over after the run checked, before it adopted its lock: as superseded
     if request is None or request.is_eager:  # an eager or direct call has no message to act on
         if found.options.busy == "retry":
             return _wait  # it cannot be retried later
         if found.options.busy == "reject":
             return _raise  # nor rejected
     return POLICIES[found.options.busy]
+
+
+def _superseded(found: Found) -> bool:
+    """Whether ``found``'s message was superseded meanwhile (counted once: as the run's outcome).
+    A Redis error here is not one: the busy policy still applies, never an unlocked run."""
+    with suppress(redis.RedisError):
+        return superseded(found.task, found.lock.client, found.request, count=False)
+    return False
 
 
 def _dropped(found: Found) -> bool:
@@ -181,7 +191,8 @@ def _reject(found: Found) -> bool:
     )
     ticket = request_ticket(found.request)
     if ticket is not None and found.options.rules.frees_ticket:
-        free_ticket(lock.client, ticket)
+        with suppress(redis.RedisError):  # rejected is the outcome, never an unlocked run (on_error)
+            free_ticket(lock.client, ticket)
     raise Reject(f"lock {lock.name} is held by {holder}", requeue=False)
 
 
@@ -195,9 +206,12 @@ def skipped(task: Any, request: Any) -> None:
     """What a run whose body did not run returns (skipped, a duplicate, superseded): ``None``
     (``SUCCESS`` with ``None``); with ``redislock_skip_state`` set, a worker's run stores that
     state as its result and raises ``Ignore``, so that Celery stores nothing over it (not a
-    member of a group or chord, whose ``Ignore`` would leave it waiting forever)."""
+    member of a group or chord, whose ``Ignore`` would leave it waiting forever, nor a run
+    whose result is ignored: the request's ``ignore_result`` or the task's)."""
     state = task.lock_settings.skip_state
-    if state is None or request is None or request.is_eager or request.ignore_result:
+    if state is None or request is None or request.is_eager or request.group or request.chord:
+        return
+    if request.ignore_result or task.ignore_result:
         return
     task.update_state(state=state, meta=None)
     raise Ignore()

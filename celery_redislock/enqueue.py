@@ -14,10 +14,15 @@ worker. A call that finds the lock held gets what ``lock_duplicate`` says:
   call that finds one gets its ``AsyncResult``, as with ``"return"``.
 
 Failure timeline: the lock is taken before the message is sent. If sending
-fails, a lock taken afresh is released, and a lock taken over is given back
-to the message it was taken from (``UNREPLACE``), which is then no longer
-superseded; if a later call took it over meanwhile, that call's message
-stands and the first stays superseded.
+fails, a lock taken afresh is released. With ``"replace"``, any exception
+out of the take or the send (a failed send, a lost reply, an interrupt)
+undoes the take (``UNREPLACE``, owner-checked by the call's own token): the
+lock goes back to the message it was taken from, no longer superseded, unless
+a worker dropped that message already; then it is freed. If a later call took
+the lock over meanwhile, that call's message stands, and its own undo would
+give the lock back past the unsent message. A superseded message is marked
+until a worker meets it, for as long as either lock could live: a copy of it
+delivered again is dropped too.
 """
 
 from __future__ import annotations
@@ -35,11 +40,10 @@ import redis
 
 from . import signals
 from ._durations import to_ms
-from ._task_scripts import REPLACE, UNREPLACE
-from .attempt import companion_key
+from ._task_scripts import DROP, REPLACE, UNREPLACE
 from .config import AppSettings, LockOptions
 from .connection import client_for
-from .exceptions import DuplicateTask, LockNotReplicated, RedisLockError
+from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
 from .inventory import free_ticket
 from .lock import RedisLock
 from .protocol import (
@@ -86,6 +90,11 @@ def enqueue(
     client, url = client_for(task.app)
     holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
     ttl = _queue_ttl(lock_options, options)
+    if lock_options.duplicate == "replace" and (options.get("group_id") or options.get("chord")):
+        raise LockConfigurationError(
+            f"task {task.name!r}: lock_duplicate='replace' cannot take lock_in_canvas=True: a superseded "
+            "group or chord member would leave its chord waiting forever"
+        )
     take = _replace if lock_options.duplicate == "replace" else _acquire
     try:
         held = take(task, client, key, ttl, holder, task_id)
@@ -102,8 +111,24 @@ def enqueue(
     try:
         return send(task_id)
     except BaseException:
-        held.undo()  # nothing was sent: the lock must not name a message that does not exist
+        _undo(task, key, task_id, held.undo)  # nothing was sent: the lock must not name it
         raise
+
+
+def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None:
+    """Give back the lock ``key`` taken for the unsent message ``task_id``; an error doing so is
+    logged (the lock expires within its ttl), so that the caller raises its own."""
+    try:
+        undo()
+    except Exception as exc:
+        logger.warning(
+            "task %s[%s]: could not give back enqueue lock %s (%s); it expires within its ttl",
+            task.name,
+            task_id,
+            key,
+            exc,
+            extra=log_fields(key, task_id, outcome="error"),
+        )
 
 
 def _queue_ttl(lock_options: LockOptions, options: Mapping[str, Any]) -> float:
@@ -128,25 +153,28 @@ def _acquire(task: Any, client: Any, key: str, ttl: float, holder: str, task_id:
 def _replace(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str) -> _Held | _Busy:
     """Take ``key``, free or from the queued message holding it (``lock_duplicate="replace"``)."""
     token = secrets.token_hex(16)
-    reply = REPLACE(client, [key], [token, holder, to_ms(ttl), task_id])
+    undo = partial(UNREPLACE, client, [key], [token])  # owner-checked: a no-op if REPLACE did nothing
+    try:
+        reply = REPLACE(client, [key], [token, holder, to_ms(ttl), task_id])
+    except BaseException:  # the script may have run (a lost reply, an interrupt): undo it
+        _undo(task, key, task_id, undo)
+        raise
     status = text(reply[0])
     if status == "busy":
         return (None if reply[2] is None else text(reply[2])), max(int(reply[1]), 0) / 1000
-    if status == "taken":
-        return _Held(token, partial(free_ticket, client, (key, token)))
-    old_value, old_ttl = reply[1], max(int(reply[2]), 1)
-    old = parse_value(old_value)
-    old_holder = None if old is None else old.holder
-    logger.info(
-        "task %s[%s]: takes enqueue lock %s over from task %s, which is superseded",
-        task.name,
-        task_id,
-        key,
-        parse_holder(old_holder).get("task"),
-        extra=log_fields(key, task_id, old_holder, outcome="duplicate-replaced"),
-    )
-    counted(task.name, task.lock_options.mode, "duplicate-replaced")
-    return _Held(token, partial(UNREPLACE, client, [key], [token, old_value, old_ttl]))
+    if status == "replaced":
+        old = parse_value(reply[1])
+        old_holder = None if old is None else old.holder
+        logger.info(
+            "task %s[%s]: takes enqueue lock %s over from task %s, which is superseded",
+            task.name,
+            task_id,
+            key,
+            parse_holder(old_holder).get("task"),
+            extra=log_fields(key, task_id, old_holder, outcome="duplicate-replaced"),
+        )
+        counted(task.name, task.lock_options.mode, "duplicate-replaced")
+    return _Held(token, undo)
 
 
 def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:
@@ -161,24 +189,30 @@ def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any
     raise DuplicateTask(key, existing, holder, ttl)
 
 
-def superseded(task: Any, client: Any, request: Any) -> bool:
+def superseded(task: Any, client: Any, request: Any, *, free: bool = False, count: bool = True) -> bool:
     """Whether the worker's message ``request`` was superseded by a later replacing call (its
     first attempt's enqueue lock taken over): then it is dropped, logged and signalled.
 
-    A retry (``self.retry``, autoretry) is never superseded: only a queued first
-    attempt is taken over. A busy retry's republished message is the same
-    first attempt, its body not run yet: it is. The mark is consumed by the
-    drop: a copy of the message delivered again after it was dropped (a worker
-    that died before acknowledging it, with ``acks_late``) finds none, and goes
-    on as a message whose enqueue lock is gone.
+    With ``free``, a message not superseded has its enqueue lock freed in the
+    same step (owner-checked): no replacing call can land between the check
+    and the free. A retry (``self.retry``, autoretry) is never superseded:
+    only a queued first attempt is taken over. A busy retry's republished
+    message is the same first attempt, its body not run yet: it is. The mark
+    stays, as dropped, as long as the lock could have lived: a copy of the
+    message delivered again (``acks_late``) is dropped too. ``count``: record
+    the outcome ``superseded`` (not where the caller records the run's own).
     """
-    ticket = None if request is None or request.retries else request_ticket(request)
+    ticket = None if request is None else request_ticket(request)
     if ticket is None:
         return False
-    by = client.getdel(companion_key(ticket[0], f"superseded:{ticket[1]}"))  # one mark, one drop
-    if by is None:
+    if request.retries:
+        if free:
+            free_ticket(client, ticket)
         return False
-    by = text(by)
+    reply = DROP(client, [ticket[0]], [ticket[1], "1" if free else "0"])
+    if text(reply[0]) != "superseded":
+        return False
+    by = text(reply[1])
     logger.info(
         "task %s[%s] dropped: superseded by task %s, which took its enqueue lock %s over",
         task.name,
@@ -187,7 +221,8 @@ def superseded(task: Any, client: Any, request: Any) -> bool:
         ticket[0],
         extra=log_fields(ticket[0], request.id, outcome="superseded"),
     )
-    counted(task.name, task.lock_options.mode, "superseded")
+    if count:
+        counted(task.name, task.lock_options.mode, "superseded")
     signals.task_deduplicated.send(
         sender=task, key=ticket[0], existing_task_id=by, superseded_task_id=request.id
     )

@@ -17,27 +17,32 @@ from celery import Celery, Task
 from celery.app.task import Context
 from celery.exceptions import Reject
 from celery.result import AsyncResult
-from kombu.exceptions import EncodeError
+from kombu.exceptions import EncodeError, OperationalError
 
 from celery_redislock import LockConfigurationError, LockedTask, busy, signals, task_lock_key
 from celery_redislock._task_scripts import REPLACE, UNREPLACE
 from celery_redislock.attempt import companion_key
 from celery_redislock.busy import Found, policy_for
+from celery_redislock.enqueue import superseded
 from celery_redislock.protocol import HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.run_lock import ExecutionLock
 from tests.invariants import keys_of, stored
 from tests.taskapp import make_app, recorder
+from tests.test_interrupted_calls import Interrupt, interrupt_read, on_this_thread  # noqa: F401 (a fixture)
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
-ENQUEUE_MODES = ("until_executing", "until_executed", "until_and_while_executing")
+ENQUEUE_MODES = ("until_executing", "until_executed", "until_and_while_executing", "until_expired")
 #: Celery 5.7 records a message rejected without requeue as failed (celery/celery#10369).
 CELERY_RECORDS_REJECT = tuple(int(part) for part in celery.__version__.split(".")[:2]) >= (5, 7)
 
 
 def define(app: Celery, name: str, **options: Any) -> Task[Any, Any]:
-    """A locked task ``name`` keyed by ``x``, recording its runs; gated where ``gate`` is set."""
+    """A locked task ``name`` keyed by ``x``, recording its runs; gated where ``gate`` is set
+    (``until_expired``: kept for 60 s after a run)."""
     rec = recorder(app)
+    if options.get("lock_mode") == "until_expired":
+        options.setdefault("lock_period", 60)
 
     def body(self: Task[Any, Any], x: object, call: int = 0, gate: bool = False) -> object:
         rec.record(f"start@{call}", self, x)
@@ -120,8 +125,14 @@ def test_a_storm_of_500_replacing_calls_from_4_threads_runs_once_the_last_to_tak
     }
     assert len(dropped) == 499
     assert {fields["superseded_task_id"] for fields in dropped} == set(sent) - {winner}
-    assert not recorder(app).client.exists(key)
-    assert not list(recorder(app).client.scan_iter(companion_key(key, "superseded:*")))  # marks consumed
+    client = recorder(app).client
+    if mode == "until_expired":  # kept for its period after the run
+        assert holder_task(app, key) == winner
+        client.delete(key)
+    assert not client.exists(key)
+    marks = list(client.scan_iter(companion_key(key, "superseded:*")))
+    assert len(marks) == 499  # kept, as dropped, so that a copy delivered again is dropped too
+    assert all(stored(client, mark).startswith(b"d:") and client.pttl(mark) > 0 for mark in marks)
 
 
 def test_a_superseded_message_is_logged_naming_both_tasks(
@@ -177,8 +188,8 @@ def test_a_running_task_is_not_replaced(app: Celery) -> None:
 
 def test_debounce_with_a_countdown_runs_once_with_the_last_calls_arguments(app: Celery) -> None:
     task = define(app, "debounced", lock_mode="until_executing", lock_duplicate="replace")
-    with threads_worker(app):
-        calls = [task.apply_async(("x", call), countdown=1) for call in range(100)]
+    calls = [task.apply_async(("x", call), countdown=1) for call in range(100)]
+    with threads_worker(app):  # started after the burst: however slow the burst, its calls wait
         assert calls[-1].get(timeout=RESULT_TIMEOUT) == 99
         wait_all(calls)
     assert [event[0] for event in runs(app, "x")] == ["start@99"]
@@ -203,22 +214,144 @@ def test_a_replacing_call_that_cannot_be_sent_gives_the_lock_back(app: Celery, m
     with threads_worker(app):
         assert queued.get(timeout=RESULT_TIMEOUT) == 1
     assert [event[0] for event in runs(app, "x")] == ["start@1"]
+    client.delete(key)  # until_expired keeps it for its period
+
+
+QUEUED = holder_for("a", 0, "node", 1, "queued")
+TOKENS = ["a" * 32, "b" * 32, "c" * 32]
+
+
+def replace(client: Any, key: str, n: int) -> list[bytes]:
+    """REPLACE for the n-th message (token ``TOKENS[n]``, task id ``"abc"[n]``)."""
+    return cast(list[bytes], REPLACE(client, [key], [TOKENS[n], QUEUED, 60_000, "abc"[n]]))
 
 
 def test_an_unsent_message_leaves_a_lock_taken_over_since_to_the_later_message(app: Celery) -> None:
     client, key = recorder(app).client, f"{recorder(app).prefix}:manual"
-    queued = holder_for("a", 0, "node", 1, "queued")
-    tokens = ["a" * 32, "b" * 32, "c" * 32]
-    assert REPLACE(client, [key], [tokens[0], queued, 60_000, "a"]) == [b"taken"]
-    status, old_value, old_ttl = REPLACE(client, [key], [tokens[1], queued, 60_000, "b"])
-    assert status == b"replaced" and old_value.startswith(tokens[0].encode())
-    assert REPLACE(client, [key], [tokens[2], queued, 60_000, "c"])[0] == b"replaced"
-    assert UNREPLACE(client, [key], [tokens[1], old_value, old_ttl]) == 0  # c took it over: c stands
-    assert stored(client, key).startswith(tokens[2].encode())
-    assert client.get(companion_key(key, f"superseded:{tokens[0]}")) == b"b"
-    assert client.get(companion_key(key, f"superseded:{tokens[1]}")) == b"c"
+    assert replace(client, key, 0) == [b"taken"]
+    status, old_value = replace(client, key, 1)
+    assert status == b"replaced" and old_value.startswith(TOKENS[0].encode())
+    assert replace(client, key, 2)[0] == b"replaced"
+    assert UNREPLACE(client, [key], [TOKENS[1]]) == 0  # c took it over: c stands
+    assert stored(client, key).startswith(TOKENS[2].encode())
+    assert client.get(companion_key(key, f"superseded:{TOKENS[0]}")) == f"s:{TOKENS[2]}:c".encode()
+    assert not client.exists(companion_key(key, f"superseded:{TOKENS[1]}"))  # b was never sent
     assert all(client.pttl(name) > 0 for name in keys_of(client, recorder(app).prefix))
     client.delete(key)
+
+
+def test_two_failed_sends_in_a_row_give_the_lock_back_to_the_message_that_was_sent(app: Celery) -> None:
+    """b replaces a, c replaces b, then both sends fail, b's undo first: the lock goes back to a
+    (sent, queued), not to b (never sent); in the other order too."""
+    client, key = recorder(app).client, f"{recorder(app).prefix}:chain"
+    for undo_order in ((1, 2), (2, 1)):
+        assert replace(client, key, 0) == [b"taken"]
+        first = stored(client, key)
+        replace(client, key, 1)
+        replace(client, key, 2)
+        for n in undo_order:
+            UNREPLACE(client, [key], [TOKENS[n]])
+        assert stored(client, key) == first  # a owns its lock again
+        assert not client.exists(companion_key(key, f"superseded:{TOKENS[0]}"))  # and is not superseded
+        assert all(client.pttl(name) > 0 for name in keys_of(client, recorder(app).prefix))
+        client.delete(key)
+
+
+def test_a_replace_sent_again_after_a_lost_reply_gets_the_same_answer(app: Celery) -> None:
+    """redis-py sends a script again when its reply was lost: the call's undo must still know what
+    it replaced, and give the lock back to it."""
+    client, key = recorder(app).client, f"{recorder(app).prefix}:again"
+    replace(client, key, 0)
+    first = stored(client, key)
+    answer = replace(client, key, 1)
+    assert answer[0] == b"replaced"
+    assert replace(client, key, 1) == answer
+    assert UNREPLACE(client, [key], [TOKENS[1]]) == 1
+    assert stored(client, key) == first
+    assert not client.exists(companion_key(key, f"superseded:{TOKENS[0]}"))
+    client.delete(key)
+
+
+def test_a_failed_send_after_the_worker_dropped_the_replaced_message_frees_the_lock(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, dropped: list[dict[str, Any]]
+) -> None:
+    """Debounce: a countdown message waits in a worker's memory, and is dropped there when due. If
+    the replacing call's send then fails, the lock must not go back to the dropped message."""
+    task = define(app, "dropped_then_failed", lock_mode="until_executing", lock_duplicate="replace")
+    client, key = recorder(app).client, task_lock_key(task, ("x",))
+    first = task.apply_async(("x", 1))
+    ticket = parse_value(stored(client, key))
+    assert ticket is not None
+    request = Context(id=first.id, retries=0, headers={HEADER: {"key": key, "token": ticket.token}})
+    send_task_message = app.amqp.send_task_message
+
+    def worker_drops_the_first_then_the_send_fails(*args: Any, **kwargs: Any) -> Any:
+        assert superseded(task, client, request)  # what the worker does when the first is due
+        raise OperationalError("the broker went away")
+
+    monkeypatch.setattr(app.amqp, "send_task_message", worker_drops_the_first_then_the_send_fails)
+    with pytest.raises(OperationalError):
+        task.apply_async(("x", 2))
+    monkeypatch.setattr(app.amqp, "send_task_message", send_task_message)
+    assert [fields["superseded_task_id"] for fields in dropped] == [first.id]
+    assert not client.exists(key)  # freed: the message it named was dropped, the other never sent
+    assert stored(client, companion_key(key, f"superseded:{ticket.token}")).startswith(b"d:")
+    assert superseded(task, client, request)  # its copy delivered again is dropped too
+    later = task.apply_async(("x", 3))  # and nothing blocks the next call
+    with threads_worker(app):
+        assert later.get(timeout=RESULT_TIMEOUT) == 3
+    assert [event[0] for event in runs(app, "x")] == ["start@3"]
+
+
+def test_an_interrupted_replace_is_undone(app: Celery, interrupt_read: Any) -> None:  # noqa: F811
+    """A replacing call interrupted after its REPLACE was sent (a soft time limit, a signal): the
+    lock goes back to the queued message, which runs."""
+    task = define(app, "interrupted", lock_mode="until_executing", lock_duplicate="replace")
+    client, key = recorder(app).client, task_lock_key(task, ("x",))
+    queued = task.apply_async(("x", 1))
+    before = stored(client, key)
+    seen: list[str] = []
+
+    def replaced() -> None:  # the REPLACE was sent: it runs on the server
+        wait_for(lambda: holder_task(app, key) == "interrupted-call", what="the replace")
+        seen.append(holder_task(app, key))
+
+    fired = interrupt_read(on_this_thread(), then=replaced)
+    with pytest.raises(Interrupt):
+        task.apply_async(("x", 2), task_id="interrupted-call")
+    assert fired and seen == ["interrupted-call"]
+    assert stored(client, key) == before  # given back
+    value = parse_value(before)
+    assert value is not None
+    assert not client.exists(companion_key(key, f"superseded:{value.token}"))
+    with threads_worker(app):
+        assert queued.get(timeout=RESULT_TIMEOUT) == 1
+    assert [event[0] for event in runs(app, "x")] == ["start@1"]
+
+
+def test_a_message_taken_over_after_its_check_but_before_its_enqueue_lock_went_is_dropped(
+    app: Celery, dropped: list[dict[str, Any]]
+) -> None:
+    """until_and_while_executing: a replacing call lands after the run checked for being superseded,
+    before it freed its enqueue lock: the run is dropped (its execution lock released), and the
+    replacing call's message runs, once."""
+    task = define(app, "late_replace", lock_mode="until_and_while_executing", lock_duplicate="replace")
+    later: list[AsyncResult[Any]] = []
+
+    def replace_now(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        if sender.name == task.name and not later:
+            later.append(task.apply_async(("x", 2)))
+
+    signals.lock_acquired.connect(replace_now, weak=False)
+    try:
+        first = task.apply_async(("x", 1))
+        with threads_worker(app):
+            assert first.get(timeout=RESULT_TIMEOUT) is None
+            assert later[0].get(timeout=RESULT_TIMEOUT) == 2
+    finally:
+        signals.lock_acquired.disconnect(replace_now)
+    assert [fields["superseded_task_id"] for fields in dropped] == [first.id]
+    assert [event[0] for event in runs(app, "x")] == ["start@2"]
 
 
 def test_a_message_taken_over_after_its_check_is_dropped_when_it_finds_its_lock_busy(
@@ -239,9 +372,9 @@ def test_a_message_taken_over_after_its_check_is_dropped_when_it_finds_its_lock_
     lock = ExecutionLock(client, key, 30, holder_for(first.id, 0, "node", 1), settings,
                          task_name=task.name, raise_on_lost=False, stop_child=False)  # fmt: skip
     found = Found(task, options, lock, request, ("x", 1), {}, taken_over.holder, 30.0, time.monotonic())
-    assert policy_for(found) is busy._dropped  # the mark consumed: a message is dropped once
+    assert busy.OUTCOMES[policy_for(found)] == "superseded"
     assert [fields["superseded_task_id"] for fields in dropped] == [first.id]
-    assert policy_for(found) is busy.POLICIES["skip"]
+    assert busy.OUTCOMES[policy_for(found)] == "superseded"  # a copy delivered again: dropped too
     with threads_worker(app):  # its message finds the lock held by the second's, and is skipped
         assert second.get(timeout=RESULT_TIMEOUT) == 2
         assert first.get(timeout=RESULT_TIMEOUT) is None
@@ -283,7 +416,7 @@ def test_a_retry_of_a_message_marked_superseded_runs(app: Celery) -> None:
         if self.request.retries == 0:
             ticket = (self.request.headers or {})["redislock"]
             mark = companion_key(ticket["key"], f"superseded:{ticket['token']}")
-            rec.client.set(mark, "a-later-call", px=60_000)  # as that replacing call leaves it
+            rec.client.set(mark, f"s:{'f' * 32}:a-later-call", px=60_000)  # as that replacing call leaves it
             raise self.retry(countdown=0)
         return self.request.retries
 
