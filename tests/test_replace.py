@@ -13,13 +13,14 @@ from typing import Any, cast
 
 import celery
 import pytest
+import redis
 from celery import Celery, Task
 from celery.app.task import Context
 from celery.exceptions import Reject
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError, OperationalError
 
-from celery_redislock import LockConfigurationError, LockedTask, busy, signals, task_lock_key
+from celery_redislock import LockConfigurationError, LockedTask, RedisLock, busy, signals, task_lock_key
 from celery_redislock._task_scripts import REPLACE, UNREPLACE
 from celery_redislock.attempt import companion_key
 from celery_redislock.busy import Found, policy_for
@@ -555,3 +556,71 @@ def test_bad_input_is_named_and_leaves_nothing_in_redis(
     client = redis_server.client()
     assert keys_of(client, prefix) == []
     client.close()
+
+
+def test_replace_refuses_lock_in_canvas_and_leaves_nothing_in_redis(app: Celery) -> None:
+    """A superseded group or chord member would leave its chord waiting forever."""
+    task = define(app, "canvas", lock_mode="until_executing", lock_duplicate="replace")
+    message = f"task '{task.name}': lock_duplicate='replace' cannot take lock_in_canvas=True"
+    with pytest.raises(LockConfigurationError, match=re.escape(message)):
+        task.apply_async(("x", 1), group_id="a-group", lock_in_canvas=True)  # type: ignore[call-arg]
+    assert keys_of(recorder(app).client, recorder(app).prefix) == []
+    assert recorder(app).client.llen(app.conf.task_default_queue) == 0
+
+
+def skip(task: Task[Any, Any], **request: Any) -> None:
+    """``busy.skipped`` for a worker's run of ``task`` with ``request`` (pushed as its current one)."""
+    task.push_request(retries=0, is_eager=False, **request)
+    try:
+        busy.skipped(task, task.request)
+    finally:
+        task.pop_request()
+
+
+def test_a_group_member_is_never_ignored_with_a_skip_state(skip_app: Celery) -> None:
+    """``Ignore`` would leave the member's chord waiting forever: it succeeds with ``None``."""
+    task = define(skip_app, "member")
+    skip(task, id="a-member", group="a-group")  # returns: no Ignore
+    skip(task, id="a-member", chord={"task": "callback"})
+    assert state(task.AsyncResult("a-member")) == "PENDING"  # nothing stored
+
+
+def test_a_skip_state_is_not_stored_for_a_task_that_ignores_its_results(skip_app: Celery) -> None:
+    task = define(skip_app, "ignoring", ignore_result=True)
+    skip(task, id="ignored")  # returns: no Ignore
+    assert state(task.AsyncResult("ignored")) == "PENDING"
+
+
+@pytest.mark.parametrize("step", ["reject", "superseded"])
+def test_a_redis_error_after_the_lock_was_found_busy_never_runs_the_body_unlocked(
+    redis_server: Any, prefix: str, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """With ``redislock_on_error="run"``, a Redis error is an unlocked run only where the lock could
+    not be looked at: once it was found held, the busy policy applies (reject, skip)."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_on_error="run")
+    if step == "reject":
+        task = define(app, "rejects", lock_mode="until_and_while_executing", lock_busy="reject")
+    else:
+        task = define(app, "skips", lock_mode="until_executed", lock_duplicate="replace")
+    client, key = recorder(app).client, task_lock_key(task, ("x",))
+    failed: list[str] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        failed.append(step)
+        raise redis.ConnectionError(f"injected: {step} failed")
+
+    monkeypatch.setattr(busy, "free_ticket" if step == "reject" else "superseded", failing)
+    queued = task.apply_async(("x", 1))
+    if step == "superseded":  # the queued message's lock taken by a run (not a replacing call)
+        client.delete(key)
+    holder = RedisLock(client, key, 30)
+    assert holder.acquire(blocking=False)
+    try:
+        with threads_worker(app):
+            wait_for(queued.ready, what="the queued message's outcome")
+    finally:
+        holder.release()
+        client.delete(key + ":queued")  # the reject's enqueue lock, left to its ttl by the error
+        app.close()
+    assert failed == [step]
+    assert runs(app, "x") == []
