@@ -20,7 +20,15 @@ from celery.exceptions import Reject
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError, OperationalError
 
-from celery_redislock import LockConfigurationError, LockedTask, RedisLock, busy, signals, task_lock_key
+from celery_redislock import (
+    LockConfigurationError,
+    LockedTask,
+    RedisLock,
+    busy,
+    enqueue,
+    signals,
+    task_lock_key,
+)
 from celery_redislock._task_scripts import REPLACE, UNREPLACE
 from celery_redislock.attempt import companion_key
 from celery_redislock.busy import Found, policy_for
@@ -624,3 +632,22 @@ def test_a_redis_error_after_the_lock_was_found_busy_never_runs_the_body_unlocke
         app.close()
     assert failed == [step]
     assert runs(app, "x") == []
+
+
+def test_an_error_giving_the_lock_back_is_logged_and_the_send_error_raised(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    task = define(app, "undo_fails", lock_mode="until_executing", lock_duplicate="replace")
+    key = task_lock_key(task, ("x",))
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("injected: the undo failed")
+
+    monkeypatch.setattr(enqueue, "UNREPLACE", unreachable)
+    with caplog.at_level(logging.WARNING, logger="celery_redislock"), pytest.raises(EncodeError):
+        task.apply_async(("x", object()))  # the send's error, not the undo's
+    assert [record.getMessage() for record in caplog.records] == [
+        f"task {task.name}[{holder_task(app, key)}]: could not give back enqueue lock {key} "
+        "(injected: the undo failed); it expires within its ttl"
+    ]
+    recorder(app).client.delete(key)
