@@ -643,6 +643,7 @@ def test_an_error_giving_the_lock_back_is_logged_and_the_send_error_raised(
     def unreachable(*args: Any, **kwargs: Any) -> Any:
         raise redis.ConnectionError("injected: the undo failed")
 
+    task.apply_async(("x", 1))  # queued: the failing call takes its lock over
     monkeypatch.setattr(enqueue, "UNREPLACE", unreachable)
     with caplog.at_level(logging.WARNING, logger="celery_redislock"), pytest.raises(EncodeError):
         task.apply_async(("x", object()))  # the send's error, not the undo's
