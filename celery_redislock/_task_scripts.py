@@ -190,9 +190,11 @@ _DROP = """
 -- '1' to free the lock (owner-checked) in the same step if the message is not superseded.
 -- A worker met the message: if REPLACE marked it superseded, the mark becomes
 -- 'd:...' (dropped, its TTL kept), so that UNREPLACE no longer gives it the lock back
--- and a copy delivered again is dropped too.
+-- and a copy delivered again is dropped too. The message was sent: the record of what
+-- its own REPLACE took over ('replaced:<ARGV[1]>', for an undo) goes.
 -- Returns {'superseded', the superseding task id}, or {'freed'}, {'gone'} (not owned:
 -- nothing freed), {'kept'} (ARGV[2] not '1').
+redis.call('DEL', prefix .. 'replaced:' .. ARGV[1])
 local mark = prefix .. 'superseded:' .. ARGV[1]
 local state = redis.call('GET', mark)
 if state then
