@@ -26,6 +26,8 @@ from celery_redislock import (
     RedisLock,
     busy,
     enqueue,
+    execution,
+    run_lock,
     signals,
     task_lock_key,
 )
@@ -38,6 +40,7 @@ from celery_redislock.run_lock import ExecutionLock
 from tests.invariants import keys_of, stored
 from tests.taskapp import make_app, recorder
 from tests.test_interrupted_calls import Interrupt, interrupt_read, on_this_thread  # noqa: F401 (a fixture)
+from tests.test_telemetry import Otel, otel  # noqa: F401 (a fixture)
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
@@ -653,3 +656,34 @@ def test_an_error_giving_the_lock_back_is_logged_and_the_send_error_raised(
         "(injected: the undo failed); it expires within its ttl"
     ]
     recorder(app).client.delete(key)
+
+
+def test_a_message_superseded_after_its_check_counts_one_outcome(
+    app: Celery,
+    monkeypatch: pytest.MonkeyPatch,
+    otel: Otel,  # noqa: F811
+) -> None:
+    """until_executed: a replacing call lands between the run's check and its adoption of the lock;
+    the run, dropped, counts one outcome (its acquisition's), not also ``superseded``."""
+    task = define(app, "counted_once", lock_mode="until_executed", lock_duplicate="replace")
+    later: list[AsyncResult[Any]] = []
+    adopt = run_lock.adopt
+
+    def replaced_first(lock: Any, token: str) -> Any:
+        if not later:
+            later.append(task.apply_async(("x", 2)))
+        return adopt(lock, token)
+
+    monkeypatch.setattr(execution, "adopt", replaced_first)
+    first = task.apply_async(("x", 1))
+    with threads_worker(app):
+        assert first.get(timeout=RESULT_TIMEOUT) is None
+        assert later[0].get(timeout=RESULT_TIMEOUT) == 2
+    assert [event[0] for event in runs(app, "x")] == ["start@2"]
+    outcomes = {
+        outcome: otel.count(
+            "redislock.lock.acquisitions", task=task.name, mode="until_executed", outcome=outcome
+        )
+        for outcome in ("acquired", "busy-skip", "superseded")
+    }
+    assert outcomes == {"acquired": 1, "busy-skip": 1, "superseded": 0}
