@@ -10,8 +10,13 @@ giving it a token of its own and a greater fence. An attempt that retries parks
 its hold (``PARK``) for the token its retry's message carries; the retry adopts
 that. A message's token therefore owns a hold only while it is queued: a copy of
 the message (a redelivery, a stale attempt) can neither adopt a running hold nor
-release it. Lock values are as in ``_scripts``: ``"<token>:<fence>:<holder>"``, read and
-written by the prelude every script opens with (``owns``, ``fence_of``, ``holder_of``, ``hold``).
+release it. With ``lock_duplicate="replace"``, ``apply_async`` takes the enqueue
+lock over from the queued message (``REPLACE``), marking it superseded, and gives it
+back if its own message could not be sent (``UNREPLACE``); the worker that meets a
+superseded message drops it (``DROP``, which also frees a message's lock where the mode
+frees it, in the same step). Lock values are as in
+``_scripts``: ``"<token>:<fence>:<holder>"``, read and written by the prelude every
+script opens with (``owns``, ``fence_of``, ``holder_of``, ``hold``).
 """
 
 from __future__ import annotations
@@ -95,7 +100,120 @@ end
 return holder_of(value) or ''
 """
 
+_REPLACE = """
+-- REPLACE. KEYS[1] an enqueue lock; ARGV[1] the new message's token, ARGV[2] its holder
+-- (state=queued), ARGV[3] ttl in ms, ARGV[4] its task id.
+-- Last one wins: takes the lock for the new message, free or held by another queued
+-- message's first attempt (holder fields state=queued and try=0). That message is
+-- superseded: its mark 'superseded:<its token>' reads 's:<ARGV[1]>:<ARGV[4]>' until a
+-- worker drops it (DROP), and 'replaced:<ARGV[1]>' keeps '<its expiry, server ms>:<its
+-- value>' for UNREPLACE; both live as long as either message's lock could. A run's hold,
+-- or one parked for a retry, is left untouched. Scripts run one at a time, so the lock
+-- always names exactly one message, the last to take it. A hold ARGV[1] owns already is
+-- this call's own, sent again: the same answer is returned.
+-- Returns {'taken'}, {'replaced', the old value} or {'busy', PTTL, holder or false}.
+local record = prefix .. 'replaced:' .. ARGV[1]
+local value = redis.call('GET', lock)
+if owns(value, ARGV[1]) then
+  local replaced = redis.call('GET', record)
+  if not replaced then return {'taken'} end
+  return {'replaced', string.match(replaced, '^%d+:(.*)$')}
+end
+local now_ms, now_us = clock(redis.call('TIME'))
+if not value then
+  redis.call('SET', lock, hold(ARGV[1], now_us, ARGV[2]), 'PX', ARGV[3])
+  return {'taken'}
+end
+local fields = ' ' .. (holder_of(value) or '') .. ' '
+local ttl = redis.call('PTTL', lock)
+if not (string.find(fields, ' state=queued ', 1, true) and string.find(fields, ' try=0 ', 1, true)) then
+  return {'busy', ttl, holder_of(value) or false}
+end
+local keep = math.max(ttl, tonumber(ARGV[3]))
+local mark = prefix .. 'superseded:' .. string.sub(value, 1, 32)
+redis.call('SET', mark, 's:' .. ARGV[1] .. ':' .. ARGV[4], 'PX', keep)
+redis.call('SET', record, string.format('%.0f', now_ms + ttl) .. ':' .. value, 'PX', keep)
+redis.call('SET', lock, hold(ARGV[1], math.max(now_us, fence_of(value) + 1), ARGV[2]), 'PX', ARGV[3])
+return {'replaced', value}
+"""
+
+_UNREPLACE = """
+-- UNREPLACE. KEYS[1] an enqueue lock; ARGV[1] the token of a message REPLACE took it for
+-- (or tried to: owner-checked) and that was not sent.
+-- If ARGV[1] owns the lock: gives it back to the message it replaced (no longer
+-- superseded) if that message's mark is still 's:' (not dropped by a worker) and its
+-- lock would still live; else frees it. If a later message took it over from ARGV[1]
+-- meanwhile, that message's undo is pointed at what ARGV[1] replaced (or at nothing),
+-- and that message's mark names it: an unsent message is never given the lock back.
+-- Returns 1 if ARGV[1] owned the lock, else 0.
+local record, mark = prefix .. 'replaced:' .. ARGV[1], prefix .. 'superseded:' .. ARGV[1]
+local replaced = redis.call('GET', record)
+redis.call('DEL', record)
+local value = redis.call('GET', lock)
+if not owns(value, ARGV[1]) then
+  local by = redis.call('GET', mark)
+  redis.call('DEL', mark)
+  local later = by and string.match(by, '^s:(%x+):')
+  if not later then return 0 end
+  local later_record = prefix .. 'replaced:' .. later
+  local points_here = redis.call('GET', later_record)
+  if not (points_here and string.match(points_here, '^%d+:(%x+):') == ARGV[1]) then return 0 end
+  if not replaced then
+    redis.call('DEL', later_record)
+    return 0
+  end
+  redis.call('SET', later_record, replaced, 'KEEPTTL')
+  local old_mark = prefix .. 'superseded:' .. string.match(replaced, '^%d+:(%x+):')
+  if string.sub(redis.call('GET', old_mark) or '', 1, 2) == 's:' then
+    redis.call('SET', old_mark, by, 'KEEPTTL')
+  end
+  return 0
+end
+local now_ms, now_us = clock(redis.call('TIME'))
+if replaced then
+  local expiry, old = string.match(replaced, '^(%d+):(.*)$')
+  local old_mark = prefix .. 'superseded:' .. string.sub(old, 1, 32)
+  local left = tonumber(expiry) - now_ms
+  if left > 0 and string.sub(redis.call('GET', old_mark) or '', 1, 2) == 's:' then
+    redis.call('SET', lock, old, 'PX', left)
+    redis.call('DEL', old_mark)
+    return 1
+  end
+end
+redis.call('DEL', lock)
+wake_next(fence_of(value), now_ms, now_us)
+return 1
+"""
+
+_DROP = """
+-- DROP. KEYS[1] a message's enqueue lock; ARGV[1] the token the message carries, ARGV[2]
+-- '1' to free the lock (owner-checked) in the same step if the message is not superseded.
+-- A worker met the message: if REPLACE marked it superseded, the mark becomes
+-- 'd:...' (dropped, its TTL kept), so that UNREPLACE no longer gives it the lock back
+-- and a copy delivered again is dropped too. The message was sent: the record of what
+-- its own REPLACE took over ('replaced:<ARGV[1]>', for an undo) goes.
+-- Returns {'superseded', the superseding task id}, or {'freed'}, {'gone'} (not owned:
+-- nothing freed), {'kept'} (ARGV[2] not '1').
+redis.call('DEL', prefix .. 'replaced:' .. ARGV[1])
+local mark = prefix .. 'superseded:' .. ARGV[1]
+local state = redis.call('GET', mark)
+if state then
+  redis.call('SET', mark, 'd' .. string.sub(state, 2), 'KEEPTTL')
+  return {'superseded', string.match(state, '^[sd]:%x+:(.*)$')}
+end
+if ARGV[2] ~= '1' then return {'kept'} end
+local value = redis.call('GET', lock)
+if not owns(value, ARGV[1]) then return {'gone'} end
+redis.call('DEL', lock)
+local now_ms, now_us = clock(redis.call('TIME'))
+wake_next(fence_of(value), now_ms, now_us)
+return {'freed'}
+"""
+
 ADOPT = Script(_ADOPT)
 CLAIM = Script(_CLAIM)
+DROP = Script(_DROP)
 PARK = Script(_PARK)
+REPLACE = Script(_REPLACE)
 SETTLE = Script(_SETTLE)
+UNREPLACE = Script(_UNREPLACE)

@@ -16,21 +16,25 @@ import logging
 import random
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol, cast
 
-from celery.exceptions import Ignore, Retry
+import redis
+from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals, telemetry
 from ._durations import to_ms
 from ._scripts import RENEW
 from .config import LockOptions
+from .enqueue import superseded
 from .exceptions import LockNotAcquired
+from .inventory import free_ticket
 from .protocol import parse_holder, request_ticket
 from .run_lock import ExecutionLock, acquired, adopt, release
 
-__all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "when_busy"]
+__all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "skipped", "when_busy"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +105,27 @@ def policy_for(found: Found) -> BusyPolicy:
             return _wait
     if request is not None and (request.group or request.chord):
         return _wait  # a group or chord member is never skipped: its chord would never complete
-    if found.options.busy == "retry" and (request is None or request.is_eager):
-        return _wait  # an eager or direct call cannot be retried later
+    if found.options.rules.adopts_ticket and found.options.duplicate == "replace" and _superseded(found):
+        return _dropped  # taken over after the run checked, before it adopted its lock: as superseded
+    if request is None or request.is_eager:  # an eager or direct call has no message to act on
+        if found.options.busy == "retry":
+            return _wait  # it cannot be retried later
+        if found.options.busy == "reject":
+            return _raise  # nor rejected
     return POLICIES[found.options.busy]
+
+
+def _superseded(found: Found) -> bool:
+    """Whether ``found``'s message was superseded meanwhile (counted once: as the run's outcome).
+    A Redis error here is not one: the busy policy still applies, never an unlocked run."""
+    with suppress(redis.RedisError):
+        return superseded(found.task, found.lock.client, found.request, count=False)
+    return False
+
+
+def _dropped(found: Found) -> bool:
+    """The message was superseded (``enqueue.superseded`` logged it): its body does not run."""
+    return False
 
 
 def _skip(found: Found) -> bool:
@@ -155,10 +177,44 @@ def _raise(found: Found) -> bool:
     raise LockNotAcquired(found.lock.name, found.holder, found.ttl)
 
 
+def _reject(found: Found) -> bool:
+    """Reject the message, not requeued (``Reject``): dead-lettered where the broker does it (with
+    ``acks_late``; else it was acknowledged when received). Its enqueue lock, if any, goes."""
+    lock, holder = found.lock, found.holder
+    logger.info(
+        "task %s[%s] rejected: lock %s is held by task %s",
+        found.task.name,
+        found.task_id,
+        lock.name,
+        parse_holder(holder).get("task"),
+        extra=found.log_fields("busy-reject"),
+    )
+    ticket = request_ticket(found.request)
+    if ticket is not None and found.options.rules.frees_ticket:
+        with suppress(redis.RedisError):  # rejected is the outcome, never an unlocked run (on_error)
+            free_ticket(lock.client, ticket)
+    raise Reject(f"lock {lock.name} is held by {holder}", requeue=False)
+
+
 #: ``lock_busy`` -> its policy.
 POLICIES: Mapping[str, BusyPolicy] = MappingProxyType(
-    {"skip": _skip, "retry": _retry, "wait": _wait, "raise": _raise}
+    {"skip": _skip, "retry": _retry, "wait": _wait, "raise": _raise, "reject": _reject}
 )
+
+
+def skipped(task: Any, request: Any) -> None:
+    """What a run whose body did not run returns (skipped, a duplicate, superseded): ``None``
+    (``SUCCESS`` with ``None``); with ``redislock_skip_state`` set, a worker's run stores that
+    state as its result and raises ``Ignore``, so that Celery stores nothing over it (not a
+    member of a group or chord, whose ``Ignore`` would leave it waiting forever, nor a run
+    whose result is ignored: the request's ``ignore_result`` or the task's)."""
+    state = task.lock_settings.skip_state
+    if state is None or request is None or request.is_eager or request.group or request.chord:
+        return
+    if request.ignore_result or task.ignore_result:
+        return
+    task.update_state(state=state, meta=None)
+    raise Ignore()
 
 
 def _stale_copy(found: Found) -> bool:
@@ -252,6 +308,8 @@ OUTCOMES: Mapping[BusyPolicy, str] = MappingProxyType(
         _retry: "busy-retry",
         _wait: "busy-wait",
         _raise: "busy-raise",
+        _reject: "busy-reject",
         _stale_copy: "busy-skip",
+        _dropped: "superseded",
     }
 )

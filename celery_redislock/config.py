@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import redis
 import redis.cluster
+from celery import states
 from redis.connection import parse_url
 
 from ._durations import seconds
@@ -40,8 +41,8 @@ __all__ = [
 ]
 
 MODES = tuple(MODE_RULES)
-BUSY = ("skip", "retry", "wait", "raise")
-DUPLICATE = ("return", "raise")
+BUSY = ("skip", "retry", "wait", "raise", "reject")
+DUPLICATE = ("return", "raise", "replace")
 ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
 #: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
@@ -83,6 +84,7 @@ APP_SETTINGS: Mapping[str, Any] = {
     "key_secret": None,
     "enabled": True,
     "client": None,
+    "skip_state": None,
 }
 #: What ``redislock_client`` is, or its callable returns: a client of one server (a Sentinel
 #: primary's too) or of a Cluster, whose connection pool redis-py resets in a forked child.
@@ -131,6 +133,8 @@ class AppSettings:
     enabled: bool = True
     #: a redis-py client, or a callable ``(app) -> client``, used instead of a URL (``redislock_client``)
     client: Any = field(default=None, repr=False)
+    #: the result state a skipped run records (``None``: ``SUCCESS`` with ``None``, as a return)
+    skip_state: str | None = None
 
     @property
     def replication(self) -> dict[str, Any]:
@@ -265,6 +269,18 @@ def _client(problem: _Problem, app: Any) -> Any:
     if not callable(client):
         check_client(problem.where, client, "redislock_client", callable_allowed=True)
     return client
+#: Celery's own states, which a skip state must not be.
+_CELERY_STATES = states.ALL_STATES | {states.IGNORED, states.REJECTED}
+
+
+def _skip_state(problem: _Problem, value: object) -> str | None:
+    """``redislock_skip_state``: a state of its own, not one Celery gives a meaning to."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]*", value) or value in _CELERY_STATES:
+        allowed = "allowed: None, or an upper-case name that is not one of Celery's states, e.g. 'SKIPPED'"
+        raise problem("redislock_skip_state", value, allowed)
+    return value
 
 
 def app_settings(app: Any) -> AppSettings:
@@ -313,7 +329,24 @@ def app_settings(app: Any) -> AppSettings:
         key_secret=_key_secret(problem, app.conf.get("redislock_key_secret")),
         enabled=_enabled(problem, app),
         client=_client(problem, app),
+        skip_state=_skip_state(problem, app.conf.get("redislock_skip_state")),
     )
+
+
+def _check_outcomes(
+    problem: _Problem, app: Any, mode: str, busy: tuple[str, str], duplicate: tuple[str, str]
+) -> None:
+    """A task's own ``lock_duplicate="replace"`` needs an enqueue lock (and no replicas: not
+    supported yet), its own ``lock_busy="reject"`` an execution lock, the only lock a run can
+    find busy. The app's setting is the default of the tasks it applies to (the others never
+    read it)."""
+    rules = MODE_RULES[mode]
+    if duplicate[1] == "replace" and rules.enqueue_lock and app.conf.get("redislock_replicas"):
+        raise problem(*duplicate, "not supported with redislock_replicas")
+    if duplicate == ("lock_duplicate", "replace") and not rules.enqueue_lock:
+        raise problem(*duplicate, f"lock_mode {mode!r} takes no enqueue lock to replace")
+    if busy == ("lock_busy", "reject") and not rules.execution_lock:
+        raise problem(*busy, f"lock_mode {mode!r} takes no lock a run can find busy")
 
 
 def task_options(task: type[Any], app: Any) -> LockOptions:
@@ -337,21 +370,23 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
     mode = _choice(problem, *raw("mode"), MODES)
     option, ttl_value = raw("ttl")
     ttl = _duration(problem, option, ttl_value, MIN_WATCHDOG_TTL)
-    option, busy = raw("busy")
+    busy_option, busy = raw("busy")
     rules = MODE_RULES[mode]
-    busy = busy or rules.default_busy
-    busy = _choice(problem, option, busy, BUSY)
+    busy = _choice(problem, busy_option, busy or rules.default_busy, BUSY)
     option, period_value = raw("period")
     period = None if period_value is None else _duration(problem, option, period_value, 0.001)
     if rules.settles and period is None:
         raise problem("lock_period", None, f"{mode} needs it: how long the lock stays after a run")
     option, wait_value = raw("wait_timeout")
+    duplicate_option, duplicate = raw("duplicate")
+    duplicate = _choice(problem, duplicate_option, duplicate, DUPLICATE)
+    _check_outcomes(problem, app, mode, (busy_option, busy), (duplicate_option, duplicate))
     return LockOptions(
         mode=mode,
         on=_lock_on(problem, raw("on")[1], task.run),
         ttl=ttl,
         busy=busy,
-        duplicate=_choice(problem, *raw("duplicate"), DUPLICATE),
+        duplicate=duplicate,
         queue_ttl=_duration(problem, *raw("queue_ttl"), 0.001),
         period=period,
         retry_delay=_duration(problem, *raw("retry_delay"), 0),

@@ -33,6 +33,7 @@ from ._task_scripts import CLAIM, PARK, SETTLE
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
 from .connection import ClientCallableFailed, client_for
+from .enqueue import superseded
 from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
 from .inventory import free_ticket
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
@@ -151,6 +152,8 @@ class Execution:
 
     def _begin(self) -> bool:
         """Claim the beat slot, take the lock, free the message's enqueue lock where the mode says."""
+        if self.options.duplicate == "replace" and superseded(self.task, self.client, self.request):
+            return False  # a later call took its enqueue lock over: that call's message runs instead
         if self.slot is not None and not self._claim_slot(self.slot):
             if self.ticket is not None:  # a duplicate never runs: its enqueue lock, if any, goes
                 free_ticket(self.client, self.ticket)
@@ -167,8 +170,10 @@ class Execution:
                 with suppress(redis.RedisError):
                     self._free_message_lock(ticket_to_free, None)
             raise
-        if ticket_to_free is not None:
-            self._free_message_lock(ticket_to_free, self.lock)
+        if ticket_to_free is not None and self._free_message_lock(ticket_to_free, self.lock):
+            if taken and self.lock is not None:  # superseded since the check above: dropped
+                release(self.task, self.lock, self.task_id)
+            return False
         return taken
 
     def take(self, lock: ExecutionLock) -> bool:
@@ -308,13 +313,16 @@ class Execution:
             )
         return False
 
-    def _free_message_lock(self, ticket: tuple[str, str], lock: ExecutionLock | None) -> None:
-        """Free the message's enqueue lock, the run being under way (``lock``: its execution lock).
+    def _free_message_lock(self, ticket: tuple[str, str], lock: ExecutionLock | None) -> bool:
+        """Free the message's enqueue lock, the run being under way (``lock``: its execution lock);
+        ``True``: it was superseded instead (``lock_duplicate="replace"``), and is to be dropped.
 
         If that fails, nothing stays held: ``lock`` is released, the enqueue
         lock is tried once more (owner-checked), and the error propagates.
         """
         try:
+            if self.options.duplicate == "replace":  # checked and freed in one step
+                return superseded(self.task, self.client, self.request, free=True)
             if not free_ticket(self.client, ticket):
                 logger.debug(
                     "task %s[%s]: its enqueue lock had already gone",
@@ -337,6 +345,7 @@ class Execution:
                     extra=telemetry.log_fields(ticket[0], self.task_id, outcome="error"),
                 )
             raise
+        return False
 
     def _claim_slot(self, slot: dict[str, Any]) -> bool:
         """Claim the beat slot the message was sent for; ``False`` if another message has it.

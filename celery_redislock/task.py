@@ -13,34 +13,26 @@ is a ``celery_redislock.execution.Execution``.
 from __future__ import annotations
 
 import contextvars
-import logging
-import os
 import secrets
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-import redis
 from celery import Task
 from kombu.utils.uuid import uuid
 
-from . import signals
+from .busy import skipped
 from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
-from .connection import ClientCallableFailed, client_for
 from .django import OnCommit
-from .exceptions import DuplicateTask, LockConfigurationError, LockLost, LockNotReplicated, RedisLockError
+from .enqueue import enqueue
+from .exceptions import LockConfigurationError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
-from .lock import RedisLock
-from .protocol import HEADER, holder_for, message_delay, parse_holder, seconds_until
+from .protocol import HEADER, message_delay
 from .receivers import install
-from .run_lock import ExecutionLock, raise_if_lost, release
-from .telemetry import counted, log_fields
+from .run_lock import ExecutionLock, raise_if_lost
 
 __all__ = ["LockedTask", "task_lock_key"]
-
-logger = logging.getLogger(__name__)
 
 #: Key -> execution lock (``None`` when running unlocked) of the runs under way in this thread
 #: (or task): a task called directly from inside another holding the same key runs under
@@ -104,11 +96,13 @@ class LockedTask(OnCommit):
     #: Lease of a held execution lock (seconds or ``timedelta``), renewed every third of it. [30]
     lock_ttl: ClassVar[Any] = None
     #: A run that finds its lock held: ``"skip"``, ``"retry"`` (after ``lock_retry_delay``),
-    #: ``"wait"`` (up to ``lock_wait_timeout``) or ``"raise"`` (``LockNotAcquired``).
+    #: ``"wait"`` (up to ``lock_wait_timeout``), ``"raise"`` (``LockNotAcquired``) or
+    #: ``"reject"`` (the message, not requeued).
     #: [``"retry"`` for ``until_and_while_executing``, else ``"skip"``]
     lock_busy: ClassVar[str | None] = None
-    #: An enqueue that finds its lock held: ``"return"`` the queued task's ``AsyncResult``, or
-    #: ``"raise"`` ``DuplicateTask``. [``"return"``]
+    #: An enqueue that finds its lock held: ``"return"`` the queued task's ``AsyncResult``,
+    #: ``"raise"`` ``DuplicateTask``, or ``"replace"`` the queued message (last one wins; see
+    #: ``celery_redislock.enqueue``). [``"return"``]
     lock_duplicate: ClassVar[str | None] = None
     #: Longest life of an enqueue lock while its message waits (plus its countdown). [3600]
     lock_queue_ttl: ClassVar[Any] = None
@@ -150,7 +144,8 @@ class LockedTask(OnCommit):
         """Send the task; in the enqueue modes, first take its enqueue lock (one round trip).
 
         A duplicate returns the ``AsyncResult`` of the task already queued or
-        running (``lock_duplicate="return"``) or raises ``DuplicateTask``. A
+        running (``lock_duplicate="return"``), raises ``DuplicateTask``, or takes
+        the lock over from the queued message and is sent (``"replace"``). A
         republish of a message that carries its lock, and a member of a group
         or chord (unless sent with ``lock_in_canvas=True``), pass. So does a
         retry of the attempt running here (``self.retry``, autoretry), however
@@ -178,44 +173,7 @@ class LockedTask(OnCommit):
             return result
         if running is not None or not rules.enqueue_lock or HEADER in headers or in_canvas:
             return send(task_id)
-        return self._enqueue(key + rules.queued_suffix, task_id or uuid(), options, headers, send)
-
-    def _enqueue(
-        self,
-        key: str,
-        task_id: str,
-        options: Mapping[str, Any],
-        headers: dict[str, Any],
-        send: Callable[[str | None], Any],
-    ) -> Any:
-        """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock."""
-        lock_options, settings = _bound_options(self)
-        ttl = lock_options.queue_ttl + message_delay(options)
-        if options.get("expires") is not None:
-            ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
-        if lock_options.rules.settles:
-            ttl = max(ttl, lock_options.period or 0)
-        holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
-        url = "the redislock_client's"  # until client_for returns: its callable can fail
-        try:
-            client, url = client_for(self.app)
-            lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **settings.replication)
-            acquired = lock.acquire(blocking=False)
-        except (redis.RedisError, LockNotReplicated, ClientCallableFailed) as exc:  # as unreachable
-            where = f"task {self.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
-            if settings.on_error == "fail":
-                raise RedisLockError(where) from exc
-            unlocked = log_fields(key, task_id, outcome="unlocked")
-            logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
-            return send(task_id)
-        if not acquired:
-            return self._duplicate(key, *lock.busy)
-        headers[HEADER] = {"key": key, "token": lock.token}
-        try:
-            return send(task_id)
-        except BaseException:
-            release(self, lock, task_id)  # nothing was sent: nothing must stay locked
-            raise
+        return enqueue(self, key + rules.queued_suffix, task_id or uuid(), options, headers, send)
 
     def _retried_attempt(self, key: str, task_id: str | None, options: Mapping[str, Any]) -> Any:
         """The request of the attempt running here that a message for ``task_id`` with
@@ -229,17 +187,6 @@ class LockedTask(OnCommit):
         ):
             return None
         return running
-
-    def _duplicate(self, key: str, holder: str | None, ttl: float | None) -> Any:
-        """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``."""
-        existing = parse_holder(holder).get("task")
-        fields = log_fields(key, None, holder, None, "duplicate-refused")
-        logger.info("task %s: not sent, duplicate of %s (lock %s)", self.name, existing, key, extra=fields)
-        counted(self.name, _bound_options(self)[0].mode, "duplicate-refused")
-        signals.task_deduplicated.send(sender=self, key=key, existing_task_id=existing)
-        if self.lock_options is not None and self.lock_options.duplicate == "return" and existing:
-            return self.AsyncResult(existing)
-        raise DuplicateTask(key, existing, holder, ttl)
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         pending = _pending_request.get()
@@ -278,7 +225,7 @@ class LockedTask(OnCommit):
             request = None
         run = Execution(self, options, settings, key, request, args, kwargs)
         if not run.begin():
-            return None
+            return skipped(self, request)
         held_token = _held_locks.set({**held, key: run.lock})
         try:
             with run.body():

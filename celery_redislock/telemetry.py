@@ -29,7 +29,7 @@ import time
 from types import TracebackType
 from typing import Any, TypeVar
 
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from .exceptions import LockNotAcquired
 
@@ -54,8 +54,9 @@ __all__ = [
 #: ``acquired`` (the lock was free), ``busy-wait`` (held: waited, then took it), ``busy-skip``
 #: (held: skipped, or ignored as a redelivered or stale copy), ``busy-retry`` (held: retried
 #: later), ``busy-raise`` (held: ``LockNotAcquired``, also a wait that timed out),
-#: ``duplicate-refused`` (an enqueue refused), ``duplicate-replaced`` (an enqueue that replaces
-#: the queued one: no mode does yet, so it is never counted), ``slot-dropped`` (a beat slot's
+#: ``busy-reject`` (held: the message rejected), ``duplicate-refused`` (an enqueue refused),
+#: ``duplicate-replaced`` (an enqueue that took the lock over from the queued message),
+#: ``superseded`` (that message dropped by a worker), ``slot-dropped`` (a beat slot's
 #: duplicate message dropped).
 OUTCOMES = (
     "acquired",
@@ -63,14 +64,16 @@ OUTCOMES = (
     "busy-skip",
     "busy-retry",
     "busy-raise",
+    "busy-reject",
     "duplicate-refused",
     "duplicate-replaced",
+    "superseded",
     "slot-dropped",
 )
 #: Bucket bounds (seconds) of the two histograms: a millisecond to an hour.
 BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 #: What a busy policy raising this means (``Acquisition``).
-_RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise"}
+_RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise", Reject: "busy-reject"}
 
 
 class Instruments:

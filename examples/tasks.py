@@ -57,3 +57,16 @@ def send_digest(self: Task[Any, Any]) -> str:
     once per slot of its schedule, however many beats send it; ``self.request.lock_slot``
     names the slot."""
     return f"digest of slot {self.request.lock_slot} sent by task {self.request.id}"
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    lock_mode="until_executing",
+    lock_duplicate="replace",
+    lock_on=("user_id",),
+)
+def reindex_user(self: Task[Any, Any], user_id: int, version: int) -> str:
+    """Debounced per user: each call takes the queued one's place (``lock_duplicate="replace"``),
+    so a burst of calls sent with a ``countdown`` runs once, with the last call's arguments."""
+    return f"user {user_id} reindexed at version {version}"

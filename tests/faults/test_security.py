@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu.exceptions import EncodeError
 
 import celery_redislock
 from celery_redislock import LockedTask, LockNotOwned, RedisLock, RedisLockError, task_lock_key
@@ -373,12 +374,26 @@ def test_the_documented_acl_list_is_enough(acl_server: RedisServer, prefix: str)
     assert lock_workload(url, prefix, admin) == []
     # The task paths too: an enqueue lock adopted by the worker and kept across a retry (ADOPT,
     # PARK), a period kept after the run (SETTLE); the broker uses the default user.
+    # And lock_duplicate="replace": a call taking the queued message's lock over (REPLACE), one
+    # that cannot be sent giving it back (UNREPLACE), the superseded message dropped (DROP).
     app = make_app(acl_server.url, prefix, f"q-{prefix}", redislock_url=url)
-    x, y = fresh(), fresh()
+
+    def last_call(x: str, call: object = 0) -> object:
+        return call
+
+    replaced: Any = app.task(base=LockedTask, shared=False, name="acl_replace", lock_on=("x",),
+                             lock_mode="until_executing", lock_duplicate="replace")(last_call)  # fmt: skip
+    x, y, z = fresh(), fresh(), fresh()
+    superseded = replaced.delay(z, 1)
+    with pytest.raises(EncodeError):
+        replaced.delay(z, object())  # the key is made of x alone: only sending fails
+    latest = replaced.delay(z, 2)
     app.recorder.open_gate(x, times=2)  # type: ignore[attr-defined]
     with threads_worker(app, concurrency=2):
         assert app.tasks["taskapp.retry_twice"].delay(x).get(timeout=RESULT_TIMEOUT) == x
         assert app.tasks["taskapp.until_expired"].delay(y).get(timeout=RESULT_TIMEOUT) == y
+        assert latest.get(timeout=RESULT_TIMEOUT) == 2
+        assert superseded.get(timeout=RESULT_TIMEOUT) is None  # dropped
     until_expired = task_lock_key(app.tasks["taskapp.until_expired"], (y,))
     assert 0 < admin.pttl(until_expired) <= 600_000
     admin.delete(until_expired)

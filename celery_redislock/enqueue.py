@@ -1,0 +1,230 @@
+"""A message's enqueue lock, taken by ``apply_async``, and what a duplicate call gets.
+
+In the modes with an enqueue lock, ``apply_async`` takes the lock before it
+sends the message, which carries the lock's ticket (key and token) to the
+worker. A call that finds the lock held gets what ``lock_duplicate`` says:
+
+* ``"return"``: the queued (or running) task's ``AsyncResult``, nothing sent;
+* ``"raise"``: ``DuplicateTask``, nothing sent;
+* ``"replace"``: last one wins. The call takes the lock over from the queued
+  message (``REPLACE``, one atomic step: the lock always names exactly one
+  message, the last to take it) and is sent. The message it superseded is
+  dropped by the worker that meets it (``superseded``), its body never run. A
+  run's hold, and one parked for a retry, are never taken over: a replacing
+  call that finds one gets its ``AsyncResult``, as with ``"return"``.
+
+Failure timeline: the lock is taken before the message is sent. If sending
+fails, a lock taken afresh is released. With ``"replace"``, any exception
+out of the take or the send (a failed send, a lost reply, an interrupt)
+undoes the take (``UNREPLACE``, owner-checked by the call's own token): the
+lock goes back to the message it was taken from, no longer superseded, unless
+a worker dropped that message already; then it is freed. If a later call took
+the lock over meanwhile, that call's message stands, and its own undo would
+give the lock back past the unsent message. A superseded message is marked
+until a worker meets it, for as long as either lock could live: a copy of it
+delivered again is dropped too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import redis
+
+from . import signals
+from ._durations import to_ms
+from ._task_scripts import DROP, REPLACE, UNREPLACE
+from .config import AppSettings, LockOptions
+from .connection import ClientCallableFailed, client_for
+from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
+from .inventory import free_ticket
+from .lock import RedisLock
+from .protocol import (
+    HEADER,
+    holder_for,
+    message_delay,
+    parse_holder,
+    parse_value,
+    request_ticket,
+    seconds_until,
+    text,
+)
+from .run_lock import release
+from .telemetry import counted, log_fields
+
+__all__ = ["duplicate", "enqueue", "superseded"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """An enqueue lock taken for a message: its token, and how to give the lock back unsent."""
+
+    token: str
+    undo: Callable[[], object]
+
+
+#: (holder, seconds left) of an enqueue lock found held and not taken over.
+_Busy = tuple[str | None, float | None]
+
+
+def enqueue(
+    task: Any,
+    key: str,
+    task_id: str,
+    options: Mapping[str, Any],
+    headers: dict[str, Any],
+    send: Callable[[str | None], Any],
+) -> Any:
+    """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock."""
+    lock_options: LockOptions = task.lock_options
+    settings: AppSettings = task.lock_settings
+    holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
+    ttl = _queue_ttl(lock_options, options)
+    if lock_options.duplicate == "replace" and (options.get("group_id") or options.get("chord")):
+        raise LockConfigurationError(
+            f"task {task.name!r}: lock_duplicate='replace' cannot take lock_in_canvas=True: a superseded "
+            "group or chord member would leave its chord waiting forever"
+        )
+    take = _replace if lock_options.duplicate == "replace" else _acquire
+    url = "the redislock_client's"  # until client_for returns: its callable can fail
+    try:
+        client, url = client_for(task.app)
+        held = take(task, client, key, ttl, holder, task_id)
+    except (redis.RedisError, LockNotReplicated, ClientCallableFailed) as exc:  # as unreachable
+        where = f"task {task.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
+        if settings.on_error == "fail":
+            raise RedisLockError(where) from exc
+        unlocked = log_fields(key, task_id, outcome="unlocked")
+        logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
+        return send(task_id)
+    if not isinstance(held, _Held):
+        return duplicate(task, key, *held)
+    headers[HEADER] = {"key": key, "token": held.token}
+    try:
+        return send(task_id)
+    except BaseException:
+        _undo(task, key, task_id, held.undo)  # nothing was sent: the lock must not name it
+        raise
+
+
+def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None:
+    """Give back the lock ``key`` taken for the unsent message ``task_id``; an error doing so is
+    logged (the lock expires within its ttl), so that the caller raises its own."""
+    try:
+        undo()
+    except Exception as exc:
+        logger.warning(
+            "task %s[%s]: could not give back enqueue lock %s (%s); it expires within its ttl",
+            task.name,
+            task_id,
+            key,
+            exc,
+            extra=log_fields(key, task_id, outcome="error"),
+        )
+
+
+def _queue_ttl(lock_options: LockOptions, options: Mapping[str, Any]) -> float:
+    """How long the enqueue lock of a message sent with ``options`` lives: while it waits."""
+    ttl = lock_options.queue_ttl + message_delay(options)
+    if options.get("expires") is not None:
+        ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
+    if lock_options.rules.settles:
+        ttl = max(ttl, lock_options.period or 0)
+    return ttl
+
+
+def _acquire(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str) -> _Held | _Busy:
+    """Take ``key`` if it is free (``lock_duplicate`` ``"return"`` or ``"raise"``)."""
+    lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **task.lock_settings.replication)
+    if not lock.acquire(blocking=False):
+        return lock.busy
+    assert lock.token is not None
+    return _Held(lock.token, partial(release, task, lock, task_id))
+
+
+def _replace(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str) -> _Held | _Busy:
+    """Take ``key``, free or from the queued message holding it (``lock_duplicate="replace"``)."""
+    token = secrets.token_hex(16)
+    undo = partial(UNREPLACE, client, [key], [token])  # owner-checked: a no-op if REPLACE did nothing
+    try:
+        reply = REPLACE(client, [key], [token, holder, to_ms(ttl), task_id])
+    except BaseException:  # the script may have run (a lost reply, an interrupt): undo it
+        _undo(task, key, task_id, undo)
+        raise
+    status = text(reply[0])
+    if status == "busy":
+        return (None if reply[2] is None else text(reply[2])), max(int(reply[1]), 0) / 1000
+    if status == "replaced":
+        old = parse_value(reply[1])
+        old_holder = None if old is None else old.holder
+        logger.info(
+            "task %s[%s]: takes enqueue lock %s over from task %s, which is superseded",
+            task.name,
+            task_id,
+            key,
+            parse_holder(old_holder).get("task"),
+            extra=log_fields(key, task_id, old_holder, outcome="duplicate-replaced"),
+        )
+        counted(task.name, task.lock_options.mode, "duplicate-replaced")
+    return _Held(token, undo)
+
+
+def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:
+    """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``."""
+    existing = parse_holder(holder).get("task")
+    fields = log_fields(key, None, holder, None, "duplicate-refused")
+    logger.info("task %s: not sent, duplicate of %s (lock %s)", task.name, existing, key, extra=fields)
+    counted(task.name, task.lock_options.mode, "duplicate-refused")
+    signals.task_deduplicated.send(sender=task, key=key, existing_task_id=existing)
+    if task.lock_options.duplicate != "raise" and existing:
+        return task.AsyncResult(existing)
+    raise DuplicateTask(key, existing, holder, ttl)
+
+
+def superseded(task: Any, client: Any, request: Any, *, free: bool = False, count: bool = True) -> bool:
+    """Whether the worker's message ``request`` was superseded by a later replacing call (its
+    first attempt's enqueue lock taken over): then it is dropped, logged and signalled.
+
+    With ``free``, a message not superseded has its enqueue lock freed in the
+    same step (owner-checked): no replacing call can land between the check
+    and the free. A retry (``self.retry``, autoretry) is never superseded:
+    only a queued first attempt is taken over. A busy retry's republished
+    message is the same first attempt, its body not run yet: it is. The mark
+    stays, as dropped, as long as the lock could have lived: a copy of the
+    message delivered again (``acks_late``) is dropped too. ``count``: record
+    the outcome ``superseded`` (not where the caller records the run's own).
+    """
+    ticket = None if request is None else request_ticket(request)
+    if ticket is None:
+        return False
+    if request.retries:
+        if free:
+            free_ticket(client, ticket)
+        return False
+    reply = DROP(client, [ticket[0]], [ticket[1], "1" if free else "0"])
+    if text(reply[0]) != "superseded":
+        return False
+    by = text(reply[1])
+    logger.info(
+        "task %s[%s] dropped: superseded by task %s, which took its enqueue lock %s over",
+        task.name,
+        request.id,
+        by,
+        ticket[0],
+        extra=log_fields(ticket[0], request.id, outcome="superseded"),
+    )
+    if count:
+        counted(task.name, task.lock_options.mode, "superseded")
+    signals.task_deduplicated.send(
+        sender=task, key=ticket[0], existing_task_id=by, superseded_task_id=request.id
+    )
+    return True
