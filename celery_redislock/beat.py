@@ -80,7 +80,7 @@ from celery.utils.time import maybe_make_aware
 from ._durations import to_ms
 from ._task_scripts import CLAIM
 from .config import app_settings, bound_options
-from .connection import client_for
+from .connection import GIVEN_CLIENT, client_for
 from .exceptions import LockConfigurationError, LockNotOwned, RedisLockError
 from .inventory import free_ticket
 from .keys import leader_key, slot_key
@@ -216,9 +216,10 @@ class Leadership:
             if not lock.lost.is_set():
                 return None
             self.step_down("the watchdog found it lost")
-        client, url = client_for(self.app)
-        candidate = RedisLock(client, self.key, self.ttl, holder=self.holder)
+        url = GIVEN_CLIENT
         try:
+            client, url = client_for(self.app)
+            candidate = RedisLock(client, self.key, self.ttl, holder=self.holder)
             leads = candidate.acquire(blocking=False)
             if not leads:
                 leader = candidate.busy[0]
@@ -423,8 +424,9 @@ class BeatGuard:
 
     def _claim(self, header: dict[str, Any]) -> bool:
         """Claim the slot in ``header`` for its token; ``False`` if another beat has it."""
-        client, url = client_for(self.app)
+        url = GIVEN_CLIENT
         try:
+            client, url = client_for(self.app)
             reply = CLAIM(client, [header["key"]], [header["token"], self.holder, header["ttl"]])
         except redis.RedisError as exc:
             entry, slot = header["entry"], header["slot"]

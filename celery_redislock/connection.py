@@ -33,6 +33,7 @@ from .telemetry import log_fields
 
 __all__ = [
     "DEFAULT_URL",
+    "GIVEN_CLIENT",
     "ClientCallableFailed",
     "client_for",
     "client_location",
@@ -62,9 +63,15 @@ def _new_making_lock() -> None:
 os.register_at_fork(after_in_child=_new_making_lock)
 
 
-class ClientCallableFailed(RedisLockError):
+#: Where an error message says the locks' Redis is when ``client_for`` itself failed: only
+#: the ``redislock_client`` callable can fail there.
+GIVEN_CLIENT = "the redislock_client's"
+
+
+class ClientCallableFailed(RedisLockError, redis.exceptions.ConnectionError):
     """The ``redislock_client`` callable raised (a token endpoint down, say): as Redis being
-    unreachable, ``redislock_on_error`` applies. The message names the exception's type
+    unreachable, so it is also a ``redis.ConnectionError``, and every path that handles one
+    (``redislock_on_error``, a beat's claim, a receiver) handles it. The message names the exception's type
     only (its text may hold a secret); the exception is its ``__cause__``."""
 
 

@@ -42,7 +42,7 @@ from . import signals
 from ._durations import to_ms
 from ._task_scripts import DROP, REPLACE, UNREPLACE
 from .config import AppSettings, LockOptions
-from .connection import ClientCallableFailed, client_for
+from .connection import GIVEN_CLIENT, client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
 from .inventory import free_ticket
 from .lock import RedisLock
@@ -95,11 +95,11 @@ def enqueue(
             "group or chord member would leave its chord waiting forever"
         )
     take = _replace if lock_options.duplicate == "replace" else _acquire
-    url = "the redislock_client's"  # until client_for returns: its callable can fail
+    url = GIVEN_CLIENT
     try:
         client, url = client_for(task.app)
         held = take(task, client, key, ttl, holder, task_id)
-    except (redis.RedisError, LockNotReplicated, ClientCallableFailed) as exc:  # as unreachable
+    except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
         where = f"task {task.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
         if settings.on_error == "fail":
             raise RedisLockError(where) from exc

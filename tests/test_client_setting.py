@@ -7,18 +7,24 @@ Cluster and Sentinel clients work; a wrong value is refused naming the setting.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import redis
 import redis.asyncio
 from celery import Celery
+from celery.beat import Scheduler
+from celery.schedules import schedule
 
 from celery_redislock import LockConfigurationError, LockedTask, RedisLockError
+from celery_redislock.beat import guard
 from celery_redislock.connection import client_for, client_location, redis_client
+from celery_redislock.protocol import BEAT_HEADER
 from celery_redislock.state import forget_client
 from celery_redislock.testing import RedisClusterServers, RedisSentinelServers, RedisServer
 from tests.taskapp import Recorder, make_app
@@ -116,6 +122,45 @@ def test_a_failing_callable_runs_the_task_unlocked_with_on_error_run(
     assert unlocked and all("the redislock_client callable failed: OSError" in line for line in unlocked)
     assert not any("secret" in line for line in unlocked)
     app.close()
+
+
+@pytest.mark.parametrize("on_error", ["fail", "run"])
+def test_a_failing_callable_at_a_beat_slot_claim_follows_on_error(
+    redis_server: RedisServer, prefix: str, on_error: str
+) -> None:
+    """A beat whose ``redislock_client`` callable raises treats it as Redis unreachable, as a
+    task does: ``"fail"`` raises ``RedisLockError`` and sends nothing, ``"run"`` sends the
+    entry unclaimed."""
+    app = Celery("client-beat", set_as_current=False, broker=redis_server.url)
+    queue = f"q-{prefix}"
+    app.conf.update(
+        redislock_client=failing_callable,
+        redislock_prefix=prefix,
+        redislock_on_error=on_error,
+        task_default_queue=queue,
+    )
+
+    @app.task(base=LockedTask, shared=False, name="client.beat_job", lock_beat=True)
+    def beat_job() -> None:
+        return None
+
+    scheduler = Scheduler(app, lazy=True)
+    guard(scheduler)
+    entry = scheduler.Entry(name="job", task="client.beat_job", schedule=schedule(timedelta(seconds=10)), app=app)
+    client = redis_server.client()
+    try:
+        if on_error == "fail":
+            with pytest.raises(RedisLockError, match="the redislock_client callable failed: OSError"):
+                scheduler.apply_async(entry)
+            assert client.llen(queue) == 0
+        else:
+            scheduler.apply_async(entry)
+            (raw,) = client.lrange(queue, 0, -1)
+            assert json.loads(raw)["headers"][BEAT_HEADER]["claimed"] is False
+    finally:
+        client.delete(queue)
+        scheduler.close()
+        app.close()
 
 
 def test_a_cluster_client(cluster: RedisClusterServers, prefix: str) -> None:
