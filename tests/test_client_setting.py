@@ -146,7 +146,8 @@ def test_a_failing_callable_at_a_beat_slot_claim_follows_on_error(
 
     scheduler = Scheduler(app, lazy=True)
     guard(scheduler)
-    entry = scheduler.Entry(name="job", task="client.beat_job", schedule=schedule(timedelta(seconds=10)), app=app)
+    every_10s = schedule(timedelta(seconds=10))
+    entry = scheduler.Entry(name="job", task="client.beat_job", schedule=every_10s, app=app)
     client = redis_server.client()
     try:
         if on_error == "fail":
