@@ -494,7 +494,7 @@ def profile(variants: list[str], tasks: int, concurrency: int, lines: int) -> No
                 if not files:
                     raise RuntimeError(f"{variant}: no pool child wrote its profile")
                 print(f"\n== {variant}: {tasks} tasks under cProfile, wall {row['wall_s']:.2f}s")
-                stats = pstats.Stats(*files)
+                stats = pstats.Stats(*files).strip_dirs()  # no absolute paths in what people paste
                 for order in ("tottime", "cumulative"):
                     stats.sort_stats(order).print_stats(lines)
 

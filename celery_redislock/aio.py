@@ -35,7 +35,7 @@ from . import telemetry
 from ._durations import Duration, to_ms
 from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW
-from .attempt import Attempt, LockCore, companion_key, ending_block, lease_seconds, owns
+from .attempt import Attempt, LockCore, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
 from .watchdog import (
     Lease,
@@ -114,7 +114,6 @@ class AsyncRedisLock(LockCore):
         self.client = client
         self.lost = asyncio.Event()
         self._keys = (self.name,)
-        self._wake_prefix = companion_key(self.name, "wake:")
         self._lease: Lease | None = None
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
@@ -157,7 +156,7 @@ class AsyncRedisLock(LockCore):
     async def _sleep(self, attempt: Attempt) -> Any:
         """Blocks until woken by a release, the holder's TTL runs out, or the deadline."""
         wait = attempt.pause()
-        key = self._wake_prefix + attempt.token
+        key = self.wake_prefix + attempt.token
         reply = await call_with_timeout_async(self.client, wait + 1.0, "BLPOP", key, f"{wait:.3f}")
         return None if reply is None else reply[1]
 

@@ -79,9 +79,9 @@ def companion_key(name: str, suffix: str) -> str:
 
 def lease_seconds(ttl: object, watchdog: bool) -> float:
     """A lease length in seconds, or ``LockConfigurationError`` saying what is allowed."""
-    # a float (the common case, as every task's lock_ttl is) needs no conversion: the range
-    # check below refuses what ``seconds`` would (NaN, infinities, negatives)
-    value = ttl if type(ttl) is float else seconds(ttl, "ttl")
+    # a float in range (the common case, as every task's lock_ttl is) needs no conversion;
+    # anything else goes through ``seconds``, whose errors say what is wrong (NaN, infinities)
+    value = ttl if type(ttl) is float and 0 < ttl <= MAX_TTL else seconds(ttl, "ttl")
     if not 0 < value <= MAX_TTL:
         raise LockConfigurationError(f"ttl must be > 0 and <= {MAX_TTL:.0f} seconds, got {ttl!r}")
     if watchdog and value < MIN_WATCHDOG_TTL:

@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import threading
-from contextlib import AbstractContextManager, nullcontext, suppress
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 import redis
@@ -37,15 +37,12 @@ from .enqueue import superseded
 from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
 from .inventory import free_ticket
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
-from .run_lock import ExecutionLock, acquired, adopt, release
+from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release
 from .state import app_state
 
 __all__ = ["Execution"]
 
 logger = logging.getLogger(__name__)
-
-#: The block of a body run unlocked (stateless: one serves every run).
-_EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
 
 
 class Execution:
@@ -206,7 +203,7 @@ class Execution:
 
     def body(self) -> AbstractContextManager[None]:
         """The block the body runs in (``ExecutionLock.body``)."""
-        return _EMPTY_BLOCK if self.lock is None else self.lock.body()
+        return EMPTY_BLOCK if self.lock is None else self.lock.body()
 
     def fields(self) -> dict[str, Any]:
         """The ``lock_*`` fields of the request the body sees."""

@@ -88,7 +88,7 @@ def holder_for(task_id: str | None, retries: int, node: str, pid: int, state: st
 
 def _field(value: str) -> str:
     """``value`` as a holder field: as it is when every character is kept (a uuid, a host name)."""
-    return value if _KEPT.fullmatch(value) else quote(value, safe=_FIELD_SAFE)
+    return value if type(value) is str and _KEPT.fullmatch(value) else quote(value, safe=_FIELD_SAFE)
 
 
 def parse_holder(holder: str | None) -> dict[str, str]:

@@ -29,12 +29,13 @@ from .exceptions import LockLost, LockNotOwned
 from .lock import RedisLock
 from .watchdog import Lease
 
-__all__ = ["ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
+__all__ = ["EMPTY_BLOCK", "ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
 
 logger = logging.getLogger(__name__)
 
 #: The block of a body whose lock need not mark it (stateless: one serves every run).
-_EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
+#: The block of a body that needs no marking: ``nullcontext`` keeps no state, so one serves every run.
+EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
 
 
 class ExecutionLock(RedisLock):
@@ -99,7 +100,7 @@ class ExecutionLock(RedisLock):
     def body(self) -> AbstractContextManager[None]:
         """The block the body runs in: only then does a loss stop the pool child (``stop_child``);
         without ``stop_child`` nothing needs marking, and the block is empty."""
-        return self._marked_body() if self._stop_child else _EMPTY_BLOCK
+        return self._marked_body() if self._stop_child else EMPTY_BLOCK
 
     @contextmanager
     def _marked_body(self) -> Iterator[None]:
