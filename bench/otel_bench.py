@@ -6,11 +6,13 @@ between rounds: ``off`` as task_bench runs it (opentelemetry-api installed, no p
 hooks are the API's proxies); ``metrics``, with ``TASK_BENCH_OTEL=metrics``, under which the worker
 (its main process, before the pool forks) sets an SDK ``MeterProvider`` (an in-memory reader, read
 by nobody: every measurement is aggregated, as for an exporter); ``all``, which also sets a
-``TracerProvider`` (a batch processor into an exporter that drops the spans): every lock's
-metrics and its two spans are recorded. The headline is, for each instrumented way, the median
-over the rounds of the per-round wall ratio to ``off`` (target < 1.03), with the worker pool's
-CPU per task; before the runs, the hooks' own cost per run in this process without the API,
-with no provider, and with the SDK; the load average before and after. Results go to
+``TracerProvider`` (a batch processor into an exporter that drops the spans) under the default
+``redislock_spans="auto"``: Celery is not instrumented, so no task span, and no lock span;
+``spans``, the same with ``redislock_spans="always"``: every lock's metrics and its two spans
+are recorded. The headline is, for each instrumented way, the median over the rounds of the
+per-round ratio to ``off`` of the worker pool's CPU per task and of the wall time (target
+< 1.03); before the runs, the hooks' own cost per run in this process without the API, with no
+provider, and with the SDK each way; the load average before and after. Results go to
 ``bench/results/otel_bench.json``.
 
 Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 2 min at the
@@ -32,13 +34,17 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "otel_bench.json"
 #: The environment variable that turns the SDK on in task_bench's worker (``metrics`` or ``all``).
 SWITCH = "TASK_BENCH_OTEL"
-#: Uninstrumented, then the SDK's metrics, then its metrics and spans.
-WAYS = ("off", "metrics", "all")
+#: Uninstrumented, then the SDK's metrics, then its metrics and tracer (spans "auto"), then
+#: its metrics and spans ("always").
+WAYS = ("off", "metrics", "all", "spans")
+#: ``redislock_spans`` each way (the default elsewhere).
+SPANS = {"spans": "always"}
 
 
-def instrument(way: str) -> None:
-    """Set the SDK's global providers: the ``MeterProvider``, and for ``way="all"`` the
-    ``TracerProvider`` too (the worker calls this with ``SWITCH``'s value)."""
+def instrument(way: str) -> dict[str, Any]:
+    """Set the SDK's global providers: the ``MeterProvider``, and for ``way`` ``"all"`` and
+    ``"spans"`` the ``TracerProvider`` too (the worker calls this with ``SWITCH``'s value); return
+    the app settings of the way."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -52,13 +58,14 @@ def instrument(way: str) -> None:
             return SpanExportResult.SUCCESS
 
     metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
-    if way == "all":
+    if way in ("all", "spans"):
         tracer_provider = TracerProvider()
         tracer_provider.add_span_processor(BatchSpanProcessor(Dropping()))
         trace.set_tracer_provider(tracer_provider)
+    return {"redislock_spans": SPANS.get(way, "auto")}
 
 
-def hook_cost_us(rounds: int = 100_000) -> float:
+def hook_cost_us(rounds: int = 100_000, spans: str = "auto") -> float:
     """Microseconds per run spent in the hooks a run calls (``Acquisition``, ``Release``), with
     this process's providers (none is set here: the API's proxies, or no API at all)."""
     from celery_redislock import telemetry
@@ -68,16 +75,16 @@ def hook_cost_us(rounds: int = 100_000) -> float:
 
     hold, began = Hold(), time.perf_counter()
     for _ in range(rounds):
-        with telemetry.Acquisition("bench", "while_executing", hold) as acquisition:
+        with telemetry.Acquisition("bench", "while_executing", hold, spans) as acquisition:
             acquisition.taken = True
-        with telemetry.Release("bench", "while_executing", hold) as release:
+        with telemetry.Release("bench", "while_executing", hold, spans) as release:
             release.outcome = "released"
     return (time.perf_counter() - began) / rounds * 1e6
 
 
-def hook_cost_elsewhere_us(setup: str) -> float:
+def hook_cost_elsewhere_us(setup: str, spans: str = "auto") -> float:
     """``hook_cost_us`` in a fresh process after ``setup`` (Python)."""
-    code = f"{setup}; from otel_bench import hook_cost_us; print(hook_cost_us(20_000))"
+    code = f"{setup}; from otel_bench import hook_cost_us; print(hook_cost_us(20_000, {spans!r}))"
     done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
     return float(done.stdout)
 
@@ -92,6 +99,21 @@ def run(way: str, tasks: int, concurrency: int, broker: Any, locks: Any) -> dict
         return run_once("LockedTask", tasks, concurrency, broker, locks)
     finally:
         os.environ.pop(SWITCH, None)
+
+
+def pool_cpu_of(row: dict[str, Any]) -> float:
+    """The worker pool's CPU per task of a run (ms)."""
+    return float(row["cpu_ms_per_task"]["worker pool"])
+
+
+def wall_of(row: dict[str, Any]) -> float:
+    """The wall time of a run (s)."""
+    return float(row["wall_s"])
+
+
+def paired_ratio(on: list[dict[str, Any]], off: list[dict[str, Any]], read: Any) -> float:
+    """The median over the rounds of ``read(on) / read(off)``, each round's runs paired."""
+    return statistics.median(read(one) / read(other) for one, other in zip(on, off, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,33 +131,34 @@ def main(argv: list[str] | None = None) -> int:
         "no API": hook_cost_elsewhere_us("import sys; sys.modules['opentelemetry'] = None"),
         "API, no provider": hook_cost_us(),
         "SDK metrics": hook_cost_elsewhere_us("import otel_bench; otel_bench.instrument('metrics')"),
-        "SDK metrics and spans": hook_cost_elsewhere_us("import otel_bench; otel_bench.instrument('all')"),
+        "SDK metrics and tracer, spans auto": hook_cost_elsewhere_us(
+            "import otel_bench; otel_bench.instrument('all')"
+        ),
+        "SDK metrics and spans always": hook_cost_elsewhere_us(
+            "import otel_bench; otel_bench.instrument('spans')", "always"
+        ),
     }
     print("hooks per run: " + ", ".join(f"{cost:.1f}us ({where})" for where, cost in hooks.items()))
     load_before, started = os.getloadavg(), time.monotonic()
     runs: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
     with RedisServer() as broker, RedisServer() as locks:
         for repeat in range(args.repeats):
-            for way in WAYS[repeat % 3 :] + WAYS[: repeat % 3]:
+            for way in WAYS[repeat % len(WAYS) :] + WAYS[: repeat % len(WAYS)]:
                 row = run(way, args.tasks, args.concurrency, broker, locks)
                 runs[way].append(row)
                 print(f"  round {repeat + 1}/{args.repeats} {way:<7} {row['wall_s']:.2f}s", flush=True)
     load_after = os.getloadavg()
     ratios = {
-        way: statistics.median(
-            on["wall_s"] / off["wall_s"] for on, off in zip(runs[way], runs["off"], strict=True)
-        )
-        for way in WAYS[1:]
+        measure: {way: paired_ratio(runs[way], runs["off"], read) for way in WAYS[1:]}
+        for measure, read in (("pool_cpu", pool_cpu_of), ("wall", wall_of))
     }
-    pool_cpu = {
-        way: statistics.median(row["cpu_ms_per_task"]["worker pool"] for row in rows)
-        for way, rows in runs.items()
-    }
+    pool_cpu = {way: statistics.median(pool_cpu_of(row) for row in rows) for way, rows in runs.items()}
     print(f"\n{args.tasks} LockedTask tasks, prefork -c {args.concurrency}, {args.repeats} rounds")
-    print("  x off: the median of the per-round wall ratios (target < 1.03); pool CPU per task")
-    print(f"  off      {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
-    for way, ratio in ratios.items():
-        print(f"  {way:<8} {ratio:.3f}  {pool_cpu[way] * 1000:.0f}us")
+    print("  x off: the median of the per-round ratios (target < 1.03): pool CPU, wall; pool CPU per task")
+    print(f"  off      {1:.3f}  {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
+    for way in WAYS[1:]:
+        cpu, wall = ratios["pool_cpu"][way], ratios["wall"][way]
+        print(f"  {way:<8} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us")
     print(f"  load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
     write_json(
         args.json,

@@ -157,16 +157,16 @@ def bare_lock_task(app: Celery, lock_url: str) -> Task[Any, Any]:
 
 
 if os.environ.get("TASK_BENCH_VARIANT"):  # imported by the worker
-    if os.environ.get("TASK_BENCH_OTEL"):  # bench/otel_bench.py: OpenTelemetry's SDK on, before the fork
-        from otel_bench import instrument
-
-        instrument(os.environ["TASK_BENCH_OTEL"])
     app, _ = make_app(
         os.environ["TASK_BENCH_VARIANT"],
         os.environ["TASK_BENCH_BROKER"],
         os.environ["TASK_BENCH_LOCKS"],
         os.environ["TASK_BENCH_QUEUE"],
     )
+    if os.environ.get("TASK_BENCH_OTEL"):  # bench/otel_bench.py: OpenTelemetry's SDK on, before the fork
+        from otel_bench import instrument
+
+        app.conf.update(instrument(os.environ["TASK_BENCH_OTEL"]))
 
 
 # -- one run ---------------------------------------------------------------------

@@ -41,6 +41,8 @@ BUSY = ("skip", "retry", "wait", "raise")
 DUPLICATE = ("return", "raise")
 ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
+#: ``redislock_spans``: lock spans under a recording span only, also as roots, or none
+SPANS = ("auto", "always", "never")
 #: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
 RESOLVED = frozenset({"lock_options", "lock_settings"})
 
@@ -78,6 +80,7 @@ APP_SETTINGS: Mapping[str, Any] = {
     "replicas": 0,
     "replica_timeout": 1.0,
     "key_secret": None,
+    "spans": "auto",
 }
 
 
@@ -118,6 +121,8 @@ class AppSettings:
     replica_timeout: float = 1.0
     #: HMAC-SHA-256 key of the digests in lock keys (None: plain SHA-256); never shown
     key_secret: bytes | None = field(default=None, repr=False)
+    #: when a run's lock spans are made (``SPANS``, ``celery_redislock.telemetry``)
+    spans: str = "auto"
 
     @property
     def replication(self) -> dict[str, Any]:
@@ -260,6 +265,7 @@ def app_settings(app: Any) -> AppSettings:
         replicas=replicas,
         replica_timeout=replica_timeout,
         key_secret=_key_secret(problem, app.conf.get("redislock_key_secret")),
+        spans=_choice(problem, "redislock_spans", app.conf.get("redislock_spans") or "auto", SPANS),
     )
 
 

@@ -35,11 +35,16 @@ from .telemetry import log_fields
 __all__ = [
     "HeldLock",
     "force_release",
-    "free_ticket",
     "held_locks",
+    "is_queued",
+    "parse_lock",
     "read_lock",
     "read_locks",
+    "read_values",
     "release_held_by",
+    "release_token",
+    "scan_keys",
+    "task_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,16 +129,29 @@ class HeldLock:
         }
 
 
-def _parse(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLock | None:
-    """The lock at ``key`` from what ``READ`` read of it; ``None`` if the value is not a lock."""
+def task_of(key: str, prefix: str) -> str | None:
+    """The task whose lock key ``key`` is under ``prefix`` (``None``: not a task's key)."""
+    if not key.startswith(prefix + ":"):
+        return None
+    task_match = _TASK_KEY.fullmatch(key, len(prefix) + 1)
+    return task_match.group(1) if task_match else None
+
+
+def is_queued(holder: str) -> bool:
+    """Whether ``holder`` (``protocol.holder_for``'s) says ``state=queued``, as ``parse_holder``
+    would read it, without decoding the other fields: each field is ``name=value`` between
+    spaces, and no value holds a space or ``=`` unencoded."""
+    return holder.startswith("task=") and " state=queued " in f" {holder} "
+
+
+def parse_lock(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLock | None:
+    """The lock at ``key`` from what ``READ`` read of it (``read_values``); ``None`` if the
+    value is not a lock."""
     lock = parse_value(value)
     if lock is None or pttl == -2:
         return None
     token, fence, holder = lock
-    task = None
-    if key.startswith(prefix + ":"):
-        task_match = _TASK_KEY.fullmatch(key, len(prefix) + 1)
-        task = task_match.group(1) if task_match else None
+    task = task_of(key, prefix)
     fields = parse_holder(holder)
     node, pid = fields.get("node"), fields.get("pid")
     if not fields:
@@ -156,21 +174,27 @@ def _parse(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLo
 
 
 def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
-    """The locks among ``keys``, in their order, each with its waiters.
+    """The locks among ``keys``, in their order, each with its waiters."""
+    found = {}
+    for read in read_values(client, keys):
+        lock = parse_lock(*read, prefix)
+        if lock is not None:
+            found[read[0]] = lock
+    return [found[key] for key in keys if key in found]
 
-    Read by ``READ``, a read-only script, 500 keys a call (in a Cluster, per
-    hash slot).
+
+def read_values(client: Client, keys: Sequence[str]) -> Iterator[tuple[str, int, int, str]]:
+    """What ``READ`` read of each of ``keys`` that can be a lock, in batches: (key, PTTL in
+    ms, live waiters, value), the value ``""`` unless it is a lock value (``parse_lock``).
+
+    ``READ`` is a read-only script, sent 500 keys a call (in a Cluster, per hash slot).
     """
     batches = _slot_batches(client, [key for key in keys if _has_companions(key)])
-    found = {}
     for batch, reply in zip(batches, _reads(client, batches), strict=True):
         # a holder not in UTF-8 (a value written by hand) shows U+FFFD where it is not
         reads = json.loads(reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply)
         for key, (pttl, waiters, value) in zip(batch, reads, strict=True):
-            lock = _parse(key, pttl, waiters, value, prefix)
-            if lock is not None:
-                found[key] = lock
-    return [found[key] for key in keys if key in found]
+            yield key, pttl, waiters, value
 
 
 def _has_companions(key: str) -> bool:
@@ -237,12 +261,18 @@ def held_locks(client: Client, prefix: str, task: str | None = None) -> list[Hel
     walk may be missed or included. Companion keys (a lock's waiter queue and
     wake lists) are not locks.
     """
-    pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
-    keys = sorted({text(key) for key in client.scan_iter(match=pattern, count=1000)})
+    keys = sorted(scan_keys(client, prefix, task))
     found = read_locks(client, keys, prefix)
     if task is not None:
         found = [lock for lock in found if lock.task == task]
     return found
+
+
+def scan_keys(client: Client, prefix: str, task: str | None = None) -> set[str]:
+    """The keys under ``{prefix}:`` (``{prefix}:{task}:`` if given), found with SCAN (in a
+    Cluster, on each primary): locks and their companion keys, maybe others."""
+    pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
+    return {text(key) for key in client.scan_iter(match=pattern, count=1000)}
 
 
 def force_release(client: Client, lock: HeldLock, why: str) -> bool:
@@ -251,7 +281,7 @@ def force_release(client: Client, lock: HeldLock, why: str) -> bool:
     ``False`` when that hold is gone or was taken over since it was read:
     Redis is then unchanged. Logged at WARNING, naming ``why``.
     """
-    released = free_ticket(client, (lock.key, lock.token))
+    released = release_token(client, lock.key, lock.token)
     if released:
         logger.warning(
             "lock %s force-released (%s); it was held by %s, fence %d",
@@ -264,9 +294,9 @@ def force_release(client: Client, lock: HeldLock, why: str) -> bool:
     return released
 
 
-def free_ticket(client: Client, ticket: tuple[str, str]) -> bool:
-    """Release the hold ``ticket`` (key, token) names, owner-checked by its token; whether it was released."""
-    key, token = ticket
+def release_token(client: Client, key: str, token: str) -> bool:
+    """Release the hold of ``key`` whose token is ``token`` (a message's enqueue lock, a beat
+    slot's marker, a forced release), owner-checked by the token; whether it was released."""
     return bool(int(RELEASE(client, [key], [token])))
 
 
@@ -280,4 +310,4 @@ def release_held_by(client: Client, key: str, holder: str) -> bool:
     value = parse_value(client.get(key))
     if value is None or value.holder != holder:
         return False
-    return free_ticket(client, (key, value.token))
+    return release_token(client, key, value.token)

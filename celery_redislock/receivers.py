@@ -26,7 +26,7 @@ from celery import signals as celery_signals
 from .beat import connect as connect_beat
 from .config import app_settings, bound_options
 from .connection import client_for
-from .inventory import free_ticket
+from .inventory import release_token
 from .protocol import message_ticket, request_ticket
 from .run_lock import release
 from .state import app_state
@@ -110,7 +110,7 @@ def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None =
 def _free_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
     try:
         client, _ = client_for(app)
-        if free_ticket(client, ticket):
+        if release_token(client, *ticket):
             logger.info(
                 "%s: released its enqueue lock %s",
                 why,
