@@ -11,11 +11,12 @@ owner's own release.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,14 +184,14 @@ def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLoc
     return [found[key] for key in keys if key in found]
 
 
-def read_values(client: Client, keys: Sequence[str]) -> Iterator[tuple[str, int, int, str]]:
+def read_values(client: Client, keys: Iterable[str]) -> Iterator[tuple[str, int, int, str]]:
     """What ``READ`` read of each of ``keys`` that can be a lock, in batches: (key, PTTL in
     ms, live waiters, value), the value ``""`` unless it is a lock value (``parse_lock``).
 
-    ``READ`` is a read-only script, sent 500 keys a call (in a Cluster, per hash slot).
+    ``READ`` is a read-only script, sent 500 keys a call (in a Cluster, per hash slot). The
+    keys are taken as the calls go (``scan_keys``' while SCAN walks on), except in a Cluster.
     """
-    batches = _slot_batches(client, [key for key in keys if _has_companions(key)])
-    for batch, reply in zip(batches, _reads(client, batches), strict=True):
+    for batch, reply in _reads(client, _slot_batches(client, filter(_has_companions, keys))):
         # a holder not in UTF-8 (a value written by hand) shows U+FFFD where it is not
         reads = json.loads(reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply)
         for key, (pttl, waiters, value) in zip(batch, reads, strict=True):
@@ -208,36 +209,48 @@ def _has_companions(key: str) -> bool:
     return True
 
 
-def _slot_batches(client: Client, keys: Sequence[str]) -> list[list[str]]:
-    """``keys`` in ``READ`` calls of up to ``_BATCH`` keys, of one hash slot in a Cluster."""
+def _slot_batches(client: Client, keys: Iterable[str]) -> Iterator[list[str]]:
+    """``keys`` in ``READ`` calls of up to ``_BATCH`` keys, of one hash slot in a Cluster
+    (which takes them all first)."""
     if not isinstance(client, redis.cluster.RedisCluster):
-        return [list(keys[i : i + _BATCH]) for i in range(0, len(keys), _BATCH)]
+        keys = iter(keys)
+        while batch := list(itertools.islice(keys, _BATCH)):
+            yield batch
+        return
     groups: dict[int, list[str]] = {}
     for key in keys:
         groups.setdefault(key_slot(key.encode()), []).append(key)
-    return [group[i : i + _BATCH] for group in groups.values() for i in range(0, len(group), _BATCH)]
+    for group in groups.values():
+        yield from (group[i : i + _BATCH] for i in range(0, len(group), _BATCH))
 
 
-def _reads(client: Client, batches: Sequence[Sequence[str]]) -> Iterator[Any]:
-    """``READ``'s reply to each of ``batches``, in order. A plain ``redis.Redis`` gets the
-    script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent before
-    their replies are read: the server runs those while the caller reads this one. Any other
-    client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
+def _reads(client: Client, batches: Iterator[list[str]]) -> Iterator[tuple[list[str], Any]]:
+    """Each of ``batches`` with ``READ``'s reply to it, in order. A plain ``redis.Redis`` gets
+    the script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent
+    before their replies are read: the server runs those while the caller reads this one. Any
+    other client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
     if not plain_client(client):
         for batch in batches:
-            yield READ(client, batch, [])
+            yield batch, READ(client, batch, [])
         return
     with PooledConnection(client) as connection:
         encoding, errors = connection.encoder.encoding, connection.encoder.encoding_errors
-        calls = (READ.pack([bulk(key.encode(encoding, errors)) for key in batch], []) for batch in batches)
+        sent: collections.deque[list[str]] = collections.deque()
+
+        def send(calls: int) -> None:
+            for batch in itertools.islice(batches, calls):
+                call = READ.pack([bulk(key.encode(encoding, errors)) for key in batch], [])
+                connection.send_packed_command([call])
+                sent.append(batch)
+
         connection.send_packed_command(connection.pack_command("SCRIPT", "LOAD", READ.source))
-        connection.send_packed_command(list(itertools.islice(calls, _AHEAD)))
         try:
+            send(_AHEAD)
             connection.read_response()  # the script is loaded: no call can be refused with NOSCRIPT
-            for _ in batches:
+            while sent:
                 reply = connection.read_response()
-                connection.send_packed_command(list(itertools.islice(calls, 1)))
-                yield reply
+                send(1)
+                yield sent.popleft(), reply
         except redis.exceptions.ResponseError:
             connection.disconnect()  # the replies to the later calls are left unread
             raise
@@ -268,11 +281,16 @@ def held_locks(client: Client, prefix: str, task: str | None = None) -> list[Hel
     return found
 
 
-def scan_keys(client: Client, prefix: str, task: str | None = None) -> set[str]:
-    """The keys under ``{prefix}:`` (``{prefix}:{task}:`` if given), found with SCAN (in a
-    Cluster, on each primary): locks and their companion keys, maybe others."""
+def scan_keys(client: Client, prefix: str, task: str | None = None) -> Iterator[str]:
+    """The keys under ``{prefix}:`` (``{prefix}:{task}:`` if given), each once, as SCAN (in a
+    Cluster, on each primary) finds them: locks and their companion keys, maybe others."""
     pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
-    return {text(key) for key in client.scan_iter(match=pattern, count=1000)}
+    seen: set[str] = set()
+    for found in client.scan_iter(match=pattern, count=1000):
+        key = text(found)
+        if key not in seen:  # SCAN can return a key twice
+            seen.add(key)
+            yield key
 
 
 def force_release(client: Client, lock: HeldLock, why: str) -> bool:

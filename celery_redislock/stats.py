@@ -78,7 +78,7 @@ class _Read(NamedTuple):
 def _read(client: Client, prefix: str) -> list[_Read]:
     """Every lock under ``prefix``, as counted (``_Read``), in no order."""
     found = []
-    for key, pttl, waiters, value in read_values(client, list(scan_keys(client, prefix))):
+    for key, pttl, waiters, value in read_values(client, scan_keys(client, prefix)):
         lock = parse_value(value)
         if lock is not None and pttl != -2:
             queued = is_queued(lock.holder)
