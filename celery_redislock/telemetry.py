@@ -30,6 +30,7 @@ current span, the task's when Celery is instrumented.
 from __future__ import annotations
 
 import abc
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -82,11 +83,19 @@ _RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-rais
 
 class Counts:
     """The cumulative sums of a counter, by attributes: ``add`` costs a dict update, and the
-    SDK reads them at each collection (``observe``, the asynchronous counter's callback)."""
+    SDK reads them at each collection (``observe``, the asynchronous counter's callback).
+
+    A forked child starts from its parent's sums, as the SDK's own aggregations do, with a
+    new lock (the parent's may have been held by another thread at the fork).
+    """
 
     def __init__(self) -> None:
         self._sums: dict[tuple[tuple[str, str], ...], int] = {}
         self._lock = threading.Lock()  # watchdog and pool threads add too
+        os.register_at_fork(after_in_child=self._new_lock)
+
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
 
     def add(self, amount: int, attributes: tuple[tuple[str, str], ...]) -> None:
         """Add ``amount`` at ``attributes`` (name, value pairs, the same order each time)."""
@@ -134,7 +143,7 @@ def _counter(meter: Any, name: str, description: str) -> Counts:
     return counts
 
 
-# The API's proxies (no SDK, no state of this package's): they forward once the app sets providers.
+# The API's proxies, which forward once the app sets providers, and the counters' sums.
 if metrics is not None:
     _on = Instruments(metrics.get_meter("celery_redislock"))
     _tracer = trace.get_tracer("celery_redislock")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
 import re
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -342,3 +344,27 @@ def test_every_logging_call_of_the_package_passes_its_fields() -> None:
         and not any(keyword.arg == "extra" for keyword in call.keywords)
     ]
     assert missing == []
+
+
+def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own() -> None:
+    """The fork happens while another thread holds the sums' lock: the child still counts."""
+    counts, at = telemetry.Counts(), (("task", "t"),)
+    counts.add(1, at)
+    with counts._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: count once more, exit 0 if the sum is 2
+            counts.add(1, at)
+            os._exit(0 if [seen.value for seen in counts.observe(None)] == [2] else 1)
+
+    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return (status,) if done == pid else ()
+
+    try:
+        [status] = wait_for(ended, 10, "the child to count")
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [seen.value for seen in counts.observe(None)] == [1]
