@@ -12,10 +12,11 @@ by nobody: every measurement is aggregated, as for an exporter); ``all``, which 
 are recorded. The headline is, for each instrumented way, the median over the rounds of the
 per-round ratio to ``off`` of the worker pool's CPU per task and of the wall time (target
 < 1.03); before the runs, the hooks' own cost per run in this process without the API, with no
-provider, and with the SDK each way; the load average before and after. Results go to
-``bench/results/otel_bench.json``.
+provider, and with the SDK each way, and from it an estimate of each way's ratio with less noise
+on a shared machine: the hooks' extra cost per run over ``off``'s pool CPU per task; the load
+average before and after. Results go to ``bench/results/otel_bench.json``.
 
-Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 2 min at the
+Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 3 min at the
 defaults). Needs the SDK: ``pip install -e '.[test]'``.
 """
 
@@ -127,16 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (default 2)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
+    # by way ("off": the API, no provider), and without the API at all
     hooks = {
         "no API": hook_cost_elsewhere_us("import sys; sys.modules['opentelemetry'] = None"),
-        "API, no provider": hook_cost_us(),
-        "SDK metrics": hook_cost_elsewhere_us("import otel_bench; otel_bench.instrument('metrics')"),
-        "SDK metrics and tracer, spans auto": hook_cost_elsewhere_us(
-            "import otel_bench; otel_bench.instrument('all')"
-        ),
-        "SDK metrics and spans always": hook_cost_elsewhere_us(
-            "import otel_bench; otel_bench.instrument('spans')", "always"
-        ),
+        "off": hook_cost_us(),
+        **{
+            way: hook_cost_elsewhere_us(
+                f"import otel_bench; otel_bench.instrument({way!r})", SPANS.get(way, "auto")
+            )
+            for way in WAYS[1:]
+        },
     }
     print("hooks per run: " + ", ".join(f"{cost:.1f}us ({where})" for where, cost in hooks.items()))
     load_before, started = os.getloadavg(), time.monotonic()
@@ -155,10 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     pool_cpu = {way: statistics.median(pool_cpu_of(row) for row in rows) for way, rows in runs.items()}
     print(f"\n{args.tasks} LockedTask tasks, prefork -c {args.concurrency}, {args.repeats} rounds")
     print("  x off: the median of the per-round ratios (target < 1.03): pool CPU, wall; pool CPU per task")
+    # the hooks' extra cost per run over off's pool CPU per task: an estimate with less noise
+    estimates = {way: (hooks[way] - hooks["off"]) / (pool_cpu["off"] * 1000) for way in WAYS[1:]}
     print(f"  off      {1:.3f}  {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
     for way in WAYS[1:]:
         cpu, wall = ratios["pool_cpu"][way], ratios["wall"][way]
-        print(f"  {way:<8} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us")
+        print(
+            f"  {way:<8} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us"
+            f"  (hooks: +{hooks[way] - hooks['off']:.1f}us a run, {1 + estimates[way]:.3f} x off's pool CPU)"
+        )
     print(f"  load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
     write_json(
         args.json,
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": time.monotonic() - started,
             "ratio_to_off": ratios,
             "hook_us_per_run": hooks,
+            "hook_estimate_to_off": {way: 1 + estimate for way, estimate in estimates.items()},
             "pool_cpu_ms_per_task": pool_cpu,
             "load_average": {"before": load_before, "after": load_after},
             "runs": runs,
