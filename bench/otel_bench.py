@@ -12,9 +12,10 @@ by nobody: every measurement is aggregated, as for an exporter); ``all``, which 
 are recorded. The headline is, for each instrumented way, the median over the rounds of the
 per-round ratio to ``off`` of the worker pool's CPU per task and of the wall time (target
 < 1.03); before the runs, the hooks' own cost per run in this process without the API, with no
-provider, and with the SDK each way, and from it an estimate of each way's ratio with less noise
-on a shared machine: the hooks' extra cost per run over ``off``'s pool CPU per task; the load
-average before and after. Results go to ``bench/results/otel_bench.json``.
+provider, and with the SDK each way (a tight loop: a lower bound), then what the SDK's metrics
+add to a run among its other work (``metrics_in_runs_us``) and from it an estimate of the
+``metrics`` ratio with less noise on a shared machine; the load average before and after.
+Results go to ``bench/results/otel_bench.json``.
 
 Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 3 min at the
 defaults). Needs the SDK: ``pip install -e '.[test]'``.
@@ -90,6 +91,47 @@ def hook_cost_elsewhere_us(setup: str, spans: str = "auto") -> float:
     return float(done.stdout)
 
 
+def noop(i: int) -> int:
+    """The trivial task's body."""
+    return i
+
+
+def metrics_in_runs_us(url: str, rounds: int = 30, batch: int = 200) -> float:
+    """What the SDK's metrics add to a run among a run's other work (µs): in this process, a
+    LockedTask's ``apply()`` against the server at ``url``, in batches that alternate the
+    package's instruments made by an SDK ``MeterProvider`` and by the API's no-op one; the
+    median over ``rounds`` of the paired difference in CPU per run. A tight loop of the hooks
+    (``hook_cost_us``) keeps the SDK's code and data in the CPU's caches: it says less."""
+    from celery import Celery
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from celery_redislock import LockedTask, telemetry
+
+    ways = {
+        "sdk": telemetry.Instruments(MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("b")),
+        "no-op": telemetry.Instruments(NoOpMeterProvider().get_meter("b")),
+    }
+    app = Celery("otel_bench", broker=url, set_as_current=False)
+    app.conf.redislock_url = url
+    task = app.task(base=LockedTask, name="otel_bench.noop", shared=False)(noop)
+    kept, differences = telemetry._on, []
+    try:
+        for repeat in range(rounds + 1):  # the first round warms up
+            cpu = {}
+            for way in sorted(ways, reverse=repeat % 2 == 1):
+                telemetry._on, began = ways[way], time.process_time()
+                for i in range(batch):
+                    task.apply((i,))
+                cpu[way] = (time.process_time() - began) / batch * 1e6
+            differences.append(cpu["sdk"] - cpu["no-op"])
+    finally:
+        telemetry._on = kept
+        app.close()
+    return statistics.median(differences[1:])
+
+
 def run(way: str, tasks: int, concurrency: int, broker: Any, locks: Any) -> dict[str, Any]:
     """One task_bench run of LockedTask, its worker instrumented ``way`` (``WAYS``)."""
     from task_bench import run_once
@@ -139,10 +181,15 @@ def main(argv: list[str] | None = None) -> int:
             for way in WAYS[1:]
         },
     }
-    print("hooks per run: " + ", ".join(f"{cost:.1f}us ({where})" for where, cost in hooks.items()))
+    print(
+        "hooks per run, a tight loop: "
+        + ", ".join(f"{cost:.1f}us ({where})" for where, cost in hooks.items())
+    )
     load_before, started = os.getloadavg(), time.monotonic()
     runs: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
     with RedisServer() as broker, RedisServer() as locks:
+        in_runs = metrics_in_runs_us(locks.url)
+        print(f"the SDK's metrics among a run's other work (apply(), paired): +{in_runs:.1f}us a run")
         for repeat in range(args.repeats):
             for way in WAYS[repeat % len(WAYS) :] + WAYS[: repeat % len(WAYS)]:
                 row = run(way, args.tasks, args.concurrency, broker, locks)
@@ -156,15 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     pool_cpu = {way: statistics.median(pool_cpu_of(row) for row in rows) for way, rows in runs.items()}
     print(f"\n{args.tasks} LockedTask tasks, prefork -c {args.concurrency}, {args.repeats} rounds")
     print("  x off: the median of the per-round ratios (target < 1.03): pool CPU, wall; pool CPU per task")
-    # the hooks' extra cost per run over off's pool CPU per task: an estimate with less noise
-    estimates = {way: (hooks[way] - hooks["off"]) / (pool_cpu["off"] * 1000) for way in WAYS[1:]}
+    # the metrics' cost among a run's other work over off's pool CPU per task: less noise
+    estimate = 1 + in_runs / (pool_cpu["off"] * 1000)
     print(f"  off      {1:.3f}  {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
     for way in WAYS[1:]:
         cpu, wall = ratios["pool_cpu"][way], ratios["wall"][way]
-        print(
-            f"  {way:<8} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us"
-            f"  (hooks: +{hooks[way] - hooks['off']:.1f}us a run, {1 + estimates[way]:.3f} x off's pool CPU)"
-        )
+        print(f"  {way:<8} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us")
+    print(f"  metrics, estimated: {estimate:.3f} (+{in_runs:.1f}us a run over off's pool CPU per task)")
     print(f"  load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
     write_json(
         args.json,
@@ -173,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": time.monotonic() - started,
             "ratio_to_off": ratios,
             "hook_us_per_run": hooks,
-            "hook_estimate_to_off": {way: 1 + estimate for way, estimate in estimates.items()},
+            "metrics_in_runs_us": in_runs,
+            "metrics_estimate_to_off": estimate,
             "pool_cpu_ms_per_task": pool_cpu,
             "load_average": {"before": load_before, "after": load_after},
             "runs": runs,
