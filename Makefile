@@ -25,7 +25,7 @@ test: $(VENV)/.installed
 matrix: $(VENV)/.installed
 	$(BIN)/nox --report matrix.json
 
-# ruff over the tree; mypy --strict over the package and tests/ (pyproject.toml, [tool.mypy] files)
+# ruff over the tree; mypy --strict over the package, tests/ and examples/ (pyproject.toml, [tool.mypy] files)
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy

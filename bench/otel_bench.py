@@ -6,14 +6,18 @@ between rounds: ``off`` as task_bench runs it (opentelemetry-api installed, no p
 hooks are the API's proxies); ``metrics``, with ``TASK_BENCH_OTEL=metrics``, under which the worker
 (its main process, before the pool forks) sets an SDK ``MeterProvider`` (an in-memory reader, read
 by nobody: every measurement is aggregated, as for an exporter); ``all``, which also sets a
-``TracerProvider`` (a batch processor into an exporter that drops the spans): every lock's
-metrics and its two spans are recorded. The headline is, for each instrumented way, the median
-over the rounds of the per-round wall ratio to ``off`` (target < 1.03), with the worker pool's
-CPU per task; before the runs, the hooks' own cost per run in this process without the API,
-with no provider, and with the SDK; the load average before and after. Results go to
-``bench/results/otel_bench.json``.
+``TracerProvider`` (a batch processor into an exporter that drops the spans) under the default
+``redislock_spans="auto"``: Celery is not instrumented, so no task span, and no lock span;
+``spans``, the same with ``redislock_spans="always"``: every lock's metrics and its two spans
+are recorded. The headline is, for each instrumented way, the median over the rounds of the
+per-round ratio to ``off`` of the worker pool's CPU per task and of the wall time (target
+< 1.03); before the runs, the hooks' own cost per run in this process without the API, with no
+provider, and with the SDK each way (a tight loop: a lower bound), then what the SDK's metrics
+add to a run among its other work (``metrics_in_runs_us``) and from it an estimate of the
+``metrics`` ratio with less noise on a shared machine; the load average before and after.
+Results go to ``bench/results/otel_bench.json``.
 
-Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 2 min at the
+Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 3 min at the
 defaults). Needs the SDK: ``pip install -e '.[test]'``.
 """
 
@@ -32,13 +36,17 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "otel_bench.json"
 #: The environment variable that turns the SDK on in task_bench's worker (``metrics`` or ``all``).
 SWITCH = "TASK_BENCH_OTEL"
-#: Uninstrumented, then the SDK's metrics, then its metrics and spans.
-WAYS = ("off", "metrics", "all")
+#: Uninstrumented, then the SDK's metrics, then its metrics and tracer (spans "auto"), then
+#: its metrics and spans ("always").
+WAYS = ("off", "metrics", "all", "spans")
+#: ``redislock_spans`` each way (the default elsewhere).
+SPANS = {"spans": "always"}
 
 
-def instrument(way: str) -> None:
-    """Set the SDK's global providers: the ``MeterProvider``, and for ``way="all"`` the
-    ``TracerProvider`` too (the worker calls this with ``SWITCH``'s value)."""
+def instrument(way: str) -> dict[str, Any]:
+    """Set the SDK's global providers: the ``MeterProvider``, and for ``way`` ``"all"`` and
+    ``"spans"`` the ``TracerProvider`` too (the worker calls this with ``SWITCH``'s value); return
+    the app settings of the way."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -52,13 +60,14 @@ def instrument(way: str) -> None:
             return SpanExportResult.SUCCESS
 
     metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
-    if way == "all":
+    if way in ("all", "spans"):
         tracer_provider = TracerProvider()
         tracer_provider.add_span_processor(BatchSpanProcessor(Dropping()))
         trace.set_tracer_provider(tracer_provider)
+    return {"redislock_spans": SPANS.get(way, "auto")}
 
 
-def hook_cost_us(rounds: int = 100_000) -> float:
+def hook_cost_us(rounds: int = 100_000, spans: str = "auto") -> float:
     """Microseconds per run spent in the hooks a run calls (``Acquisition``, ``Release``), with
     this process's providers (none is set here: the API's proxies, or no API at all)."""
     from celery_redislock import telemetry
@@ -68,18 +77,59 @@ def hook_cost_us(rounds: int = 100_000) -> float:
 
     hold, began = Hold(), time.perf_counter()
     for _ in range(rounds):
-        with telemetry.Acquisition("bench", "while_executing", hold) as acquisition:
+        with telemetry.Acquisition("bench", "while_executing", hold, spans) as acquisition:
             acquisition.taken = True
-        with telemetry.Release("bench", "while_executing", hold) as release:
+        with telemetry.Release("bench", "while_executing", hold, spans) as release:
             release.outcome = "released"
     return (time.perf_counter() - began) / rounds * 1e6
 
 
-def hook_cost_elsewhere_us(setup: str) -> float:
+def hook_cost_elsewhere_us(setup: str, spans: str = "auto") -> float:
     """``hook_cost_us`` in a fresh process after ``setup`` (Python)."""
-    code = f"{setup}; from otel_bench import hook_cost_us; print(hook_cost_us(20_000))"
+    code = f"{setup}; from otel_bench import hook_cost_us; print(hook_cost_us(20_000, {spans!r}))"
     done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
     return float(done.stdout)
+
+
+def noop(i: int) -> int:
+    """The trivial task's body."""
+    return i
+
+
+def metrics_in_runs_us(url: str, rounds: int = 30, batch: int = 200) -> float:
+    """What the SDK's metrics add to a run among a run's other work (µs): in this process, a
+    LockedTask's ``apply()`` against the server at ``url``, in batches that alternate the
+    package's instruments made by an SDK ``MeterProvider`` and by the API's no-op one; the
+    median over ``rounds`` of the paired difference in CPU per run. A tight loop of the hooks
+    (``hook_cost_us``) keeps the SDK's code and data in the CPU's caches: it says less."""
+    from celery import Celery
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from celery_redislock import LockedTask, telemetry
+
+    ways = {
+        "sdk": telemetry.Instruments(MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("b")),
+        "no-op": telemetry.Instruments(NoOpMeterProvider().get_meter("b")),
+    }
+    app = Celery("otel_bench", broker=url, set_as_current=False)
+    app.conf.redislock_url = url
+    task = app.task(base=LockedTask, name="otel_bench.noop", shared=False)(noop)
+    kept, differences = telemetry._on, []
+    try:
+        for repeat in range(rounds + 1):  # the first round warms up
+            cpu = {}
+            for way in sorted(ways, reverse=repeat % 2 == 1):
+                telemetry._on, began = ways[way], time.process_time()
+                for i in range(batch):
+                    task.apply((i,))
+                cpu[way] = (time.process_time() - began) / batch * 1e6
+            differences.append(cpu["sdk"] - cpu["no-op"])
+    finally:
+        telemetry._on = kept
+        app.close()
+    return statistics.median(differences[1:])
 
 
 def run(way: str, tasks: int, concurrency: int, broker: Any, locks: Any) -> dict[str, Any]:
@@ -94,6 +144,21 @@ def run(way: str, tasks: int, concurrency: int, broker: Any, locks: Any) -> dict
         os.environ.pop(SWITCH, None)
 
 
+def pool_cpu_of(row: dict[str, Any]) -> float:
+    """The worker pool's CPU per task of a run (ms)."""
+    return float(row["cpu_ms_per_task"]["worker pool"])
+
+
+def wall_of(row: dict[str, Any]) -> float:
+    """The wall time of a run (s)."""
+    return float(row["wall_s"])
+
+
+def paired_ratio(on: list[dict[str, Any]], off: list[dict[str, Any]], read: Any) -> float:
+    """The median over the rounds of ``read(on) / read(off)``, each round's runs paired."""
+    return statistics.median(read(one) / read(other) for one, other in zip(on, off, strict=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     from lock_bench import run_header, write_json
 
@@ -105,37 +170,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="prefork pool size (default 2)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
+    # by way ("off": the API, no provider), and without the API at all
     hooks = {
         "no API": hook_cost_elsewhere_us("import sys; sys.modules['opentelemetry'] = None"),
-        "API, no provider": hook_cost_us(),
-        "SDK metrics": hook_cost_elsewhere_us("import otel_bench; otel_bench.instrument('metrics')"),
-        "SDK metrics and spans": hook_cost_elsewhere_us("import otel_bench; otel_bench.instrument('all')"),
+        "off": hook_cost_us(),
+        **{
+            way: hook_cost_elsewhere_us(
+                f"import otel_bench; otel_bench.instrument({way!r})", SPANS.get(way, "auto")
+            )
+            for way in WAYS[1:]
+        },
     }
-    print("hooks per run: " + ", ".join(f"{cost:.1f}us ({where})" for where, cost in hooks.items()))
+    print(
+        "hooks per run, a tight loop: "
+        + ", ".join(f"{cost:.1f}us ({where})" for where, cost in hooks.items())
+    )
     load_before, started = os.getloadavg(), time.monotonic()
     runs: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
     with RedisServer() as broker, RedisServer() as locks:
+        in_runs = metrics_in_runs_us(locks.url)
+        print(f"the SDK's metrics among a run's other work (apply(), paired): +{in_runs:.1f}us a run")
         for repeat in range(args.repeats):
-            for way in WAYS[repeat % 3 :] + WAYS[: repeat % 3]:
+            for way in WAYS[repeat % len(WAYS) :] + WAYS[: repeat % len(WAYS)]:
                 row = run(way, args.tasks, args.concurrency, broker, locks)
                 runs[way].append(row)
                 print(f"  round {repeat + 1}/{args.repeats} {way:<7} {row['wall_s']:.2f}s", flush=True)
     load_after = os.getloadavg()
     ratios = {
-        way: statistics.median(
-            on["wall_s"] / off["wall_s"] for on, off in zip(runs[way], runs["off"], strict=True)
-        )
-        for way in WAYS[1:]
+        measure: {way: paired_ratio(runs[way], runs["off"], read) for way in WAYS[1:]}
+        for measure, read in (("pool_cpu", pool_cpu_of), ("wall", wall_of))
     }
-    pool_cpu = {
-        way: statistics.median(row["cpu_ms_per_task"]["worker pool"] for row in rows)
-        for way, rows in runs.items()
-    }
+    pool_cpu = {way: statistics.median(pool_cpu_of(row) for row in rows) for way, rows in runs.items()}
     print(f"\n{args.tasks} LockedTask tasks, prefork -c {args.concurrency}, {args.repeats} rounds")
-    print("  x off: the median of the per-round wall ratios (target < 1.03); pool CPU per task")
-    print(f"  off      {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
-    for way, ratio in ratios.items():
-        print(f"  {way:<8} {ratio:.3f}  {pool_cpu[way] * 1000:.0f}us")
+    print("  x off: the median of the per-round ratios (target < 1.03): pool CPU, wall; pool CPU per task")
+    # the metrics' cost among a run's other work over off's pool CPU per task: less noise
+    estimate = 1 + in_runs / (pool_cpu["off"] * 1000)
+    print(f"  off      {1:.3f}  {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
+    for way in WAYS[1:]:
+        cpu, wall = ratios["pool_cpu"][way], ratios["wall"][way]
+        print(f"  {way:<8} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us")
+    print(f"  metrics, estimated: {estimate:.3f} (+{in_runs:.1f}us a run over off's pool CPU per task)")
     print(f"  load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
     write_json(
         args.json,
@@ -144,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": time.monotonic() - started,
             "ratio_to_off": ratios,
             "hook_us_per_run": hooks,
+            "metrics_in_runs_us": in_runs,
+            "metrics_estimate_to_off": estimate,
             "pool_cpu_ms_per_task": pool_cpu,
             "load_average": {"before": load_before, "after": load_after},
             "runs": runs,

@@ -177,10 +177,6 @@ def profile_children(folder: Path) -> None:
 
 
 if os.environ.get("TASK_BENCH_VARIANT"):  # imported by the worker
-    if os.environ.get("TASK_BENCH_OTEL"):  # bench/otel_bench.py: OpenTelemetry's SDK on, before the fork
-        from otel_bench import instrument
-
-        instrument(os.environ["TASK_BENCH_OTEL"])
     app, _ = make_app(
         os.environ["TASK_BENCH_VARIANT"],
         os.environ["TASK_BENCH_BROKER"],
@@ -189,6 +185,10 @@ if os.environ.get("TASK_BENCH_VARIANT"):  # imported by the worker
     )
     if os.environ.get("TASK_BENCH_PROFILE"):  # --profile: each pool child profiles itself
         profile_children(Path(os.environ["TASK_BENCH_PROFILE"]))
+    if os.environ.get("TASK_BENCH_OTEL"):  # bench/otel_bench.py: OpenTelemetry's SDK on, before the fork
+        from otel_bench import instrument
+
+        app.conf.update(instrument(os.environ["TASK_BENCH_OTEL"]))
 
 
 # -- one run ---------------------------------------------------------------------

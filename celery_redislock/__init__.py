@@ -17,6 +17,7 @@ from .exceptions import (
     RedisLockError,
 )
 from .lock import RedisLock
+from .lock_fields import LockFields, lock_fields
 from .receivers import install
 from .redlock import Redlock
 from .task import LockedTask, task_lock_key
@@ -25,6 +26,7 @@ __all__ = [
     "AsyncRedisLock",
     "DuplicateTask",
     "LockConfigurationError",
+    "LockFields",
     "LockKeyError",
     "LockLost",
     "LockNotAcquired",
@@ -36,6 +38,7 @@ __all__ = [
     "Redlock",
     "__version__",
     "install",
+    "lock_fields",
     "task_lock_key",
 ]
 

@@ -82,7 +82,7 @@ from ._task_scripts import CLAIM
 from .config import app_settings, bound_options
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import LockConfigurationError, LockNotOwned, RedisLockError
-from .inventory import free_ticket
+from .inventory import release_token
 from .keys import leader_key, slot_key
 from .lock import RedisLock
 from .protocol import BEAT_HEADER, text
@@ -464,7 +464,7 @@ class BeatGuard:
     def _unclaim(self, header: dict[str, Any]) -> None:
         try:
             client, _ = client_for(self.app)
-            free_ticket(client, (header["key"], header["token"]))
+            release_token(client, header["key"], header["token"])
         except redis.RedisError as exc:
             logger.warning(
                 "%s: could not free slot marker %s: %s",

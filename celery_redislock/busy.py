@@ -30,7 +30,7 @@ from ._scripts import RENEW
 from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
-from .inventory import free_ticket
+from .inventory import release_token
 from .protocol import parse_holder, request_ticket
 from .run_lock import ExecutionLock, acquired, adopt, release
 
@@ -192,7 +192,7 @@ def _reject(found: Found) -> bool:
     ticket = request_ticket(found.request)
     if ticket is not None and found.options.rules.frees_ticket:
         with suppress(redis.RedisError):  # rejected is the outcome, never an unlocked run (on_error)
-            free_ticket(lock.client, ticket)
+            release_token(lock.client, *ticket)
     raise Reject(f"lock {lock.name} is held by {holder}", requeue=False)
 
 

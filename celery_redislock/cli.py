@@ -35,7 +35,7 @@ from typing import Any
 import click
 import redis
 
-from .config import app_settings, bound_options
+from .config import AppSettings, LockOptions, app_settings, bound_options
 from .connection import Client, client_for
 from .exceptions import RedisLockError
 from .inventory import HeldLock, force_release, held_locks, read_lock, read_locks
@@ -62,7 +62,11 @@ class _Context:
     app: Any
     client: Client
     url: str
-    prefix: str
+    settings: AppSettings
+
+    @property
+    def prefix(self) -> str:
+        return self.settings.prefix
 
     @functools.cached_property
     def locked_tasks(self) -> dict[str, LockedTask]:
@@ -70,10 +74,16 @@ class _Context:
         self.app.loader.import_default_modules()
         return {name: task for name, task in self.app.tasks.items() if isinstance(task, LockedTask)}
 
-    def mode(self, task: str | None) -> str | None:
-        """``task``'s ``lock_mode``, if the app has that LockedTask."""
-        options = bound_options(self.locked_tasks.get(task or ""))
-        return None if options is None else str(options.mode)
+    @functools.cached_property
+    def options(self) -> dict[str, LockOptions]:
+        """The resolved options of the app's LockedTasks, by name."""
+        found = {name: bound_options(task) for name, task in self.locked_tasks.items()}
+        return {name: options for name, options in found.items() if options is not None}
+
+    def rows(self, locks: list[HeldLock]) -> list[dict[str, Any]]:
+        """``locks`` as ``list --json`` prints them, each with its task's ``lock_mode``."""
+        modes = {name: options.mode for name, options in self.options.items()}
+        return [lock.as_dict(modes.get(lock.task or "")) for lock in locks]
 
     def unknown_task(self, name: str) -> click.ClickException:
         known = sorted(self.locked_tasks)
@@ -94,7 +104,7 @@ class _Context:
 def _context(ctx: click.Context) -> _Context:
     app = ctx.find_root().obj.app
     client, url = client_for(app)
-    return _Context(app=app, client=client, url=url, prefix=app_settings(app).prefix)
+    return _Context(app=app, client=client, url=url, settings=app_settings(app))
 
 
 _COLUMNS = ("task", "task_id", "attempt", "state", "mode", "node", "pid", "ttl", "fence", "key")
@@ -134,7 +144,7 @@ def list_locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None
     """List the locks held under the app's prefix."""
     context = _context(ctx)
     locks = context.task_locks(task_name) if task_name else held_locks(context.client, context.prefix)
-    rows = [lock.as_dict(context.mode(lock.task)) for lock in locks]
+    rows = context.rows(locks)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     elif rows:
@@ -151,7 +161,7 @@ def show(ctx: click.Context, key: str) -> None:
     """Show the lock at KEY and how many wait for it."""
     context = _context(ctx)
     lock = _existing(context, key)
-    fields = lock.as_dict(context.mode(lock.task))
+    [fields] = context.rows([lock])
     width = max(len(name) for name in fields)
     for name, value in fields.items():
         click.echo(f"{name.ljust(width)}  {_cell(name, value)}")
@@ -236,7 +246,7 @@ def purge(ctx: click.Context, task_name: str, yes: bool) -> None:
     if not locks:
         click.echo(f"no locks held by task {task_name!r}")
         return
-    click.echo(_table([lock.as_dict(context.mode(lock.task)) for lock in locks]))
+    click.echo(_table(context.rows(locks)))
     if not yes:
         click.confirm(f"Release these {len(locks)} lock(s) of task {task_name!r}?", abort=True)
     why = f"by hand, celery redislock purge --task {task_name}"
@@ -272,8 +282,7 @@ def stats(ctx: click.Context, as_json: bool, limit: int) -> None:
     if limit < 0:
         raise click.BadParameter(f"must be 0 (all) or more, got {limit}", param_hint="--limit")
     context = _context(ctx)
-    options = {name: task.lock_options for name, task in context.locked_tasks.items() if task.lock_options}
-    found = {"redis": context.url, **summary(context.client, app_settings(context.app), options, limit)}
+    found = {"redis": context.url, **summary(context.client, context.settings, context.options, limit)}
     if as_json:
         click.echo(json.dumps(found, indent=2))
         return

@@ -45,6 +45,8 @@ BUSY = ("skip", "retry", "wait", "raise", "reject")
 DUPLICATE = ("return", "raise", "replace")
 ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
+#: ``redislock_spans``: lock spans under a recording span only, also as roots, or none
+SPANS = ("auto", "always", "never")
 #: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
 RESOLVED = frozenset({"lock_options", "lock_settings"})
 
@@ -85,6 +87,7 @@ APP_SETTINGS: Mapping[str, Any] = {
     "enabled": True,
     "client": None,
     "skip_state": None,
+    "spans": "auto",
 }
 #: What ``redislock_client`` is, or its callable returns: a client of one server (a Sentinel
 #: primary's too) or of a Cluster, whose connection pool redis-py resets in a forked child.
@@ -135,6 +138,8 @@ class AppSettings:
     client: Any = field(default=None, repr=False)
     #: the result state a skipped run records (``None``: ``SUCCESS`` with ``None``, as a return)
     skip_state: str | None = None
+    #: when a run's lock spans are made (``SPANS``, ``celery_redislock.telemetry``)
+    spans: str = "auto"
 
     @property
     def replication(self) -> dict[str, Any]:
@@ -330,6 +335,7 @@ def app_settings(app: Any) -> AppSettings:
         enabled=_enabled(problem, app),
         client=_client(problem, app),
         skip_state=_skip_state(problem, app.conf.get("redislock_skip_state")),
+        spans=_choice(problem, "redislock_spans", app.conf.get("redislock_spans") or "auto", SPANS),
     )
 
 

@@ -44,7 +44,7 @@ from ._task_scripts import DROP, REPLACE, UNREPLACE
 from .config import AppSettings, LockOptions
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
-from .inventory import free_ticket
+from .inventory import release_token
 from .lock import RedisLock
 from .protocol import (
     HEADER,
@@ -208,7 +208,7 @@ def superseded(task: Any, client: Any, request: Any, *, free: bool = False, coun
         return False
     if request.retries:
         if free:
-            free_ticket(client, ticket)
+            release_token(client, *ticket)
         return False
     reply = DROP(client, [ticket[0]], [ticket[1], "1" if free else "0"])
     if text(reply[0]) != "superseded":

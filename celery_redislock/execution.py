@@ -35,7 +35,7 @@ from .config import AppSettings, LockOptions
 from .connection import ClientCallableFailed, client_for
 from .enqueue import superseded
 from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
-from .inventory import free_ticket
+from .inventory import release_token
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
 from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release
 from .state import app_state
@@ -153,7 +153,7 @@ class Execution:
             return False  # a later call took its enqueue lock over: that call's message runs instead
         if self.slot is not None and not self._claim_slot(self.slot):
             if self.ticket is not None:  # a duplicate never runs: its enqueue lock, if any, goes
-                free_ticket(self.client, self.ticket)
+                release_token(self.client, *self.ticket)
             return False
         # Where the mode frees it, the message's enqueue lock goes once the message is dealt with
         # here: run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
@@ -176,7 +176,8 @@ class Execution:
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
         ``False`` to skip the body; raises for ``raise``, ``retry``, a timed-out ``wait``."""
-        with telemetry.Acquisition(self.task.name, self.options.mode, lock) as acquisition:
+        spans = self.settings.spans
+        with telemetry.Acquisition(self.task.name, self.options.mode, lock, spans) as acquisition:
             acquisition.taken = self._take(lock, acquisition)
         return acquisition.taken
 
@@ -225,7 +226,7 @@ class Execution:
             return
         retry = getattr(lock.request, "lock_retry", None)
         rules = self.options.rules
-        with telemetry.Release(self.task.name, self.options.mode, lock) as ending:
+        with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
             if rules.parks_for_retry and retry is not None and retry[0] == lock.name and lock.held():
                 ending.outcome = self._park(lock, retry[1], retry[2])
             elif rules.settles and self.options.period is not None and lock.held() and self._settle(lock):
@@ -320,7 +321,7 @@ class Execution:
         try:
             if self.options.duplicate == "replace":  # checked and freed in one step
                 return superseded(self.task, self.client, self.request, free=True)
-            if not free_ticket(self.client, ticket):
+            if not release_token(self.client, *ticket):
                 logger.debug(
                     "task %s[%s]: its enqueue lock had already gone",
                     self.task.name,
@@ -331,7 +332,7 @@ class Execution:
             if lock is not None:
                 release(self.task, lock, self.task_id)
             try:
-                free_ticket(self.client, ticket)
+                release_token(self.client, *ticket)
             except redis.RedisError as exc:
                 logger.warning(
                     "task %s[%s]: could not release its enqueue lock %s (%s); it expires within its ttl",

@@ -11,11 +11,12 @@ owner's own release.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +36,16 @@ from .telemetry import log_fields
 __all__ = [
     "HeldLock",
     "force_release",
-    "free_ticket",
     "held_locks",
+    "is_queued",
+    "parse_lock",
     "read_lock",
     "read_locks",
+    "read_values",
     "release_held_by",
+    "release_token",
+    "scan_keys",
+    "task_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,16 +130,29 @@ class HeldLock:
         }
 
 
-def _parse(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLock | None:
-    """The lock at ``key`` from what ``READ`` read of it; ``None`` if the value is not a lock."""
+def task_of(key: str, prefix: str) -> str | None:
+    """The task whose lock key ``key`` is under ``prefix`` (``None``: not a task's key)."""
+    if not key.startswith(prefix + ":"):
+        return None
+    task_match = _TASK_KEY.fullmatch(key, len(prefix) + 1)
+    return task_match.group(1) if task_match else None
+
+
+def is_queued(holder: str) -> bool:
+    """Whether ``holder`` (``protocol.holder_for``'s) says ``state=queued``, as ``parse_holder``
+    would read it, without decoding the other fields: each field is ``name=value`` between
+    spaces, and no value holds a space or ``=`` unencoded."""
+    return holder.startswith("task=") and " state=queued " in f" {holder} "
+
+
+def parse_lock(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLock | None:
+    """The lock at ``key`` from what ``READ`` read of it (``read_values``); ``None`` if the
+    value is not a lock."""
     lock = parse_value(value)
     if lock is None or pttl == -2:
         return None
     token, fence, holder = lock
-    task = None
-    if key.startswith(prefix + ":"):
-        task_match = _TASK_KEY.fullmatch(key, len(prefix) + 1)
-        task = task_match.group(1) if task_match else None
+    task = task_of(key, prefix)
     fields = parse_holder(holder)
     node, pid = fields.get("node"), fields.get("pid")
     if not fields:
@@ -156,21 +175,27 @@ def _parse(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLo
 
 
 def read_locks(client: Client, keys: Sequence[str], prefix: str) -> list[HeldLock]:
-    """The locks among ``keys``, in their order, each with its waiters.
-
-    Read by ``READ``, a read-only script, 500 keys a call (in a Cluster, per
-    hash slot).
-    """
-    batches = _slot_batches(client, [key for key in keys if _has_companions(key)])
+    """The locks among ``keys``, in their order, each with its waiters."""
     found = {}
-    for batch, reply in zip(batches, _reads(client, batches), strict=True):
+    for read in read_values(client, keys):
+        lock = parse_lock(*read, prefix)
+        if lock is not None:
+            found[read[0]] = lock
+    return [found[key] for key in keys if key in found]
+
+
+def read_values(client: Client, keys: Iterable[str]) -> Iterator[tuple[str, int, int, str]]:
+    """What ``READ`` read of each of ``keys`` that can be a lock, in batches: (key, PTTL in
+    ms, live waiters, value), the value ``""`` unless it is a lock value (``parse_lock``).
+
+    ``READ`` is a read-only script, sent 500 keys a call (in a Cluster, per hash slot). The
+    keys are taken as the calls go (``scan_keys``' while SCAN walks on), except in a Cluster.
+    """
+    for batch, reply in _reads(client, _slot_batches(client, filter(_has_companions, keys))):
         # a holder not in UTF-8 (a value written by hand) shows U+FFFD where it is not
         reads = json.loads(reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply)
         for key, (pttl, waiters, value) in zip(batch, reads, strict=True):
-            lock = _parse(key, pttl, waiters, value, prefix)
-            if lock is not None:
-                found[key] = lock
-    return [found[key] for key in keys if key in found]
+            yield key, pttl, waiters, value
 
 
 def _has_companions(key: str) -> bool:
@@ -184,36 +209,48 @@ def _has_companions(key: str) -> bool:
     return True
 
 
-def _slot_batches(client: Client, keys: Sequence[str]) -> list[list[str]]:
-    """``keys`` in ``READ`` calls of up to ``_BATCH`` keys, of one hash slot in a Cluster."""
+def _slot_batches(client: Client, keys: Iterable[str]) -> Iterator[list[str]]:
+    """``keys`` in ``READ`` calls of up to ``_BATCH`` keys, of one hash slot in a Cluster
+    (which takes them all first)."""
     if not isinstance(client, redis.cluster.RedisCluster):
-        return [list(keys[i : i + _BATCH]) for i in range(0, len(keys), _BATCH)]
+        keys = iter(keys)
+        while batch := list(itertools.islice(keys, _BATCH)):
+            yield batch
+        return
     groups: dict[int, list[str]] = {}
     for key in keys:
         groups.setdefault(key_slot(key.encode()), []).append(key)
-    return [group[i : i + _BATCH] for group in groups.values() for i in range(0, len(group), _BATCH)]
+    for group in groups.values():
+        yield from (group[i : i + _BATCH] for i in range(0, len(group), _BATCH))
 
 
-def _reads(client: Client, batches: Sequence[Sequence[str]]) -> Iterator[Any]:
-    """``READ``'s reply to each of ``batches``, in order. A plain ``redis.Redis`` gets the
-    script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent before
-    their replies are read: the server runs those while the caller reads this one. Any other
-    client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
+def _reads(client: Client, batches: Iterator[list[str]]) -> Iterator[tuple[list[str], Any]]:
+    """Each of ``batches`` with ``READ``'s reply to it, in order. A plain ``redis.Redis`` gets
+    the script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent
+    before their replies are read: the server runs those while the caller reads this one. Any
+    other client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
     if not plain_client(client):
         for batch in batches:
-            yield READ(client, batch, [])
+            yield batch, READ(client, batch, [])
         return
     with PooledConnection(client) as connection:
         encoding, errors = connection.encoder.encoding, connection.encoder.encoding_errors
-        calls = (READ.pack([bulk(key.encode(encoding, errors)) for key in batch], []) for batch in batches)
+        sent: collections.deque[list[str]] = collections.deque()
+
+        def send(calls: int) -> None:
+            for batch in itertools.islice(batches, calls):
+                call = READ.pack([bulk(key.encode(encoding, errors)) for key in batch], [])
+                connection.send_packed_command([call])
+                sent.append(batch)
+
         connection.send_packed_command(connection.pack_command("SCRIPT", "LOAD", READ.source))
-        connection.send_packed_command(list(itertools.islice(calls, _AHEAD)))
         try:
+            send(_AHEAD)
             connection.read_response()  # the script is loaded: no call can be refused with NOSCRIPT
-            for _ in batches:
+            while sent:
                 reply = connection.read_response()
-                connection.send_packed_command(list(itertools.islice(calls, 1)))
-                yield reply
+                send(1)
+                yield sent.popleft(), reply
         except redis.exceptions.ResponseError:
             connection.disconnect()  # the replies to the later calls are left unread
             raise
@@ -237,12 +274,23 @@ def held_locks(client: Client, prefix: str, task: str | None = None) -> list[Hel
     walk may be missed or included. Companion keys (a lock's waiter queue and
     wake lists) are not locks.
     """
-    pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
-    keys = sorted({text(key) for key in client.scan_iter(match=pattern, count=1000)})
+    keys = sorted(scan_keys(client, prefix, task))
     found = read_locks(client, keys, prefix)
     if task is not None:
         found = [lock for lock in found if lock.task == task]
     return found
+
+
+def scan_keys(client: Client, prefix: str, task: str | None = None) -> Iterator[str]:
+    """The keys under ``{prefix}:`` (``{prefix}:{task}:`` if given), each once, as SCAN (in a
+    Cluster, on each primary) finds them: locks and their companion keys, maybe others."""
+    pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
+    seen: set[str] = set()
+    for found in client.scan_iter(match=pattern, count=1000):
+        key = text(found)
+        if key not in seen:  # SCAN can return a key twice
+            seen.add(key)
+            yield key
 
 
 def force_release(client: Client, lock: HeldLock, why: str) -> bool:
@@ -251,7 +299,7 @@ def force_release(client: Client, lock: HeldLock, why: str) -> bool:
     ``False`` when that hold is gone or was taken over since it was read:
     Redis is then unchanged. Logged at WARNING, naming ``why``.
     """
-    released = free_ticket(client, (lock.key, lock.token))
+    released = release_token(client, lock.key, lock.token)
     if released:
         logger.warning(
             "lock %s force-released (%s); it was held by %s, fence %d",
@@ -264,9 +312,9 @@ def force_release(client: Client, lock: HeldLock, why: str) -> bool:
     return released
 
 
-def free_ticket(client: Client, ticket: tuple[str, str]) -> bool:
-    """Release the hold ``ticket`` (key, token) names, owner-checked by its token; whether it was released."""
-    key, token = ticket
+def release_token(client: Client, key: str, token: str) -> bool:
+    """Release the hold of ``key`` whose token is ``token`` (a message's enqueue lock, a beat
+    slot's marker, a forced release), owner-checked by the token; whether it was released."""
     return bool(int(RELEASE(client, [key], [token])))
 
 
@@ -280,4 +328,4 @@ def release_held_by(client: Client, key: str, holder: str) -> bool:
     value = parse_value(client.get(key))
     if value is None or value.holder != holder:
         return False
-    return free_ticket(client, (key, value.token))
+    return release_token(client, key, value.token)

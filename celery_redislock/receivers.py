@@ -26,7 +26,7 @@ from celery import signals as celery_signals
 from .beat import connect as connect_beat
 from .config import app_settings, bound_options
 from .connection import client_for
-from .inventory import free_ticket
+from .inventory import release_token
 from .protocol import message_ticket, request_ticket
 from .run_lock import release
 from .state import app_state
@@ -105,7 +105,7 @@ def _free_revoked(
     ticket = request_ticket(request)
     if ticket is None or terminated or bound_options(sender) is None:
         return
-    _free_ticket_logged(
+    _release_ticket_logged(
         sender.app, ticket, f"task {sender.name}[{request.id}] {'expired' if expired else 'revoked'}"
     )
 
@@ -116,17 +116,17 @@ def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None =
     ticket = message_ticket(getattr(message, "headers", None))
     app = getattr(sender, "app", None)
     if ticket is not None and app is not None:
-        _free_ticket_logged(app, ticket, f"message for {name or 'an invalid task'} dropped")
+        _release_ticket_logged(app, ticket, f"message for {name or 'an invalid task'} dropped")
 
 
-def _free_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
+def _release_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
     """Free ``ticket`` for ``app``; nothing for an app switched off (``redislock_enabled=False``),
     whose receivers are off but another app's, connected for every app, are not."""
     try:
         if not app_settings(app).enabled:  # nothing of it connects
             return
         client, _ = client_for(app)
-        if free_ticket(client, ticket):
+        if release_token(client, *ticket):
             logger.info(
                 "%s: released its enqueue lock %s",
                 why,

@@ -4,9 +4,14 @@ Optional: ``pip install celery-redislock[otel]`` installs opentelemetry-api
 only. Without it every hook here returns at once. With it, the instruments
 come from the global ``MeterProvider`` and ``TracerProvider``: the API's
 proxies, which do nothing until the application sets real providers (before
-or after importing this package) and then forward to them. With no SDK
-configured the hooks of a run cost about 5 µs, 1.6 µs without the API
-(``bench/otel_bench.py``).
+or after importing this package) and then forward to them.
+
+A run pays for two histogram measurements; the counters are summed here, under
+a lock, and read by the SDK at each collection (asynchronous counters: the same
+cumulative sums, without an SDK measurement per run). The spans follow
+``redislock_spans``: ``"auto"`` makes them only under a recording span (the
+task's, when Celery is instrumented), ``"always"`` also as roots, ``"never"``
+not at all (``bench/otel_bench.py`` measures each).
 
 Metrics (attributes never hold a key, a digest or an argument):
 
@@ -25,7 +30,10 @@ current span, the task's when Celery is instrumented.
 from __future__ import annotations
 
 import abc
+import os
+import threading
 import time
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -76,8 +84,37 @@ BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise", Reject: "busy-reject"}
 
 
+class Counts:
+    """The cumulative sums of a counter, by attributes: ``add`` costs a dict update, and the
+    SDK reads them at each collection (``observe``, the asynchronous counter's callback).
+
+    A forked child starts from its parent's sums, as the SDK's own aggregations do, with a
+    new lock (the parent's may have been held by another thread at the fork).
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[tuple[tuple[str, str], ...], int] = {}
+        self._lock = threading.Lock()  # watchdog and pool threads add too
+        os.register_at_fork(after_in_child=self._new_lock)
+
+    def _new_lock(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, amount: int, attributes: tuple[tuple[str, str], ...]) -> None:
+        """Add ``amount`` at ``attributes`` (name, value pairs, the same order each time)."""
+        with self._lock:
+            self._sums[attributes] = self._sums.get(attributes, 0) + amount
+
+    def observe(self, options: Any) -> Iterable[Any]:
+        """The sums as observations (``options``: the SDK's ``CallbackOptions``, unused)."""
+        with self._lock:
+            sums = list(self._sums.items())
+        return [metrics.Observation(total, dict(attributes)) for attributes, total in sums]
+
+
 class Instruments:
-    """The package's instruments, made by ``meter`` (names and units are what dashboards read)."""
+    """The package's instruments, made by ``meter`` (names and units are what dashboards read);
+    the counters are asynchronous, their sums kept here (``Counts``)."""
 
     def __init__(self, meter: Any) -> None:
         self.wait = meter.create_histogram(
@@ -92,20 +129,24 @@ class Instruments:
             description="From a run's acquisition to its release, park or settle",
             explicit_bucket_boundaries_advisory=BOUNDS,
         )
-        self.acquisitions = meter.create_counter(
-            "redislock.lock.acquisitions", description="Runs, enqueues and beat slots, by outcome"
-        )
-        self.lost = meter.create_counter("redislock.lock.lost", description="Locks lost while held")
-        self.renewals = meter.create_counter(
-            "redislock.lock.renewals", description="Lease renewals, by result"
-        )
-        self.crash_releases = meter.create_counter(
-            "redislock.lock.crash_releases",
-            description="Locks the worker's main process released after their pool child died",
+        self.acquisitions = _counter(meter, "acquisitions", "Runs, enqueues and beat slots, by outcome")
+        self.lost = _counter(meter, "lost", "Locks lost while held")
+        self.renewals = _counter(meter, "renewals", "Lease renewals, by result")
+        self.crash_releases = _counter(
+            meter, "crash_releases", "Locks the worker's main process released after their pool child died"
         )
 
 
-# The API's proxies (no SDK, no state of this package's): they forward once the app sets providers.
+def _counter(meter: Any, name: str, description: str) -> Counts:
+    """The asynchronous counter ``redislock.lock.<name>`` of ``meter``, its sums kept in the result."""
+    counts = Counts()
+    meter.create_observable_counter(
+        f"redislock.lock.{name}", callbacks=[counts.observe], description=description
+    )
+    return counts
+
+
+# The API's proxies, which forward once the app sets providers, and the counters' sums.
 if metrics is not None:
     _on = Instruments(metrics.get_meter("celery_redislock"))
     _tracer = trace.get_tracer("celery_redislock")
@@ -127,25 +168,25 @@ def log_fields(
 def counted(task: str, mode: str, outcome: str) -> None:
     """An outcome decided without a wait (a duplicate refused, a slot dropped)."""
     if metrics is not None:
-        _on.acquisitions.add(1, {"task": task, "mode": mode, "outcome": outcome})
+        _on.acquisitions.add(1, (("task", task), ("mode", mode), ("outcome", outcome)))
 
 
 def lost(task: str, reason: str) -> None:
     """A held lock was lost (``task``: ``""`` for a lock of no task)."""
     if metrics is not None:
-        _on.lost.add(1, {"task": task, "reason": reason})
+        _on.lost.add(1, (("task", task), ("reason", reason)))
 
 
 def renewals(count: int, result: str) -> None:
     """``count`` leases were ``renewed``, or their renewal ``failed``."""
     if metrics is not None and count:
-        _on.renewals.add(count, {"result": result})
+        _on.renewals.add(count, (("result", result),))
 
 
 def crash_released(task: str) -> None:
     """The worker's main process released the lock of ``task``, whose pool child died."""
     if metrics is not None:
-        _on.crash_releases.add(1, {"task": task})
+        _on.crash_releases.add(1, (("task", task),))
 
 
 _Step_ = TypeVar("_Step_", bound="_Step")
@@ -153,19 +194,23 @@ _Step_ = TypeVar("_Step_", bound="_Step")
 
 class _Step(abc.ABC):
     """A step of a run's hold of ``lock`` (its task's name ``task``, its ``mode``): the span
-    ``NAME``, ended with the step's outcome (``_outcome_of``; ``None``: the exception the block
-    raised fails the span) and the hold's fence; then its metrics (``_record``)."""
+    ``NAME`` as ``spans`` (``redislock_spans``) asks, ended with the step's outcome
+    (``_outcome_of``; ``None``: the exception the block raised fails the span) and the hold's
+    fence; then its metrics (``_record``)."""
 
     NAME = ""
-    __slots__ = ("fence", "lock", "mode", "span", "started", "task")
+    __slots__ = ("fence", "lock", "mode", "span", "spans", "started", "task")
 
-    def __init__(self, task: str, mode: str, lock: Any) -> None:
-        self.task, self.mode, self.lock = task, mode, lock
+    def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
+        self.task, self.mode, self.lock, self.spans = task, mode, lock, spans
         self.span: Any = None
 
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
-        if trace is not None:
+        spans = self.spans
+        if trace is not None and (
+            spans == "always" or (spans == "auto" and trace.get_current_span().is_recording())
+        ):
             self.span = _tracer.start_span(self.NAME, attributes={"task": self.task, "mode": self.mode})
         return self
 
@@ -175,7 +220,8 @@ class _Step(abc.ABC):
         if trace is None:
             return
         outcome = self._outcome_of(kind)
-        _end(self.span, outcome, self.fence if self.lock.fence is None else self.lock.fence, exc)
+        if self.span is not None:
+            _end(self.span, outcome, self.fence if self.lock.fence is None else self.lock.fence, exc)
         if outcome is not None:
             self._record(outcome)
 
@@ -200,8 +246,8 @@ class Acquisition(_Step):
     NAME = "redislock.acquire"
     __slots__ = ("busy", "taken")
 
-    def __init__(self, task: str, mode: str, lock: Any) -> None:
-        super().__init__(task, mode, lock)
+    def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
+        super().__init__(task, mode, lock, spans)
         self.busy = self.taken = False
 
     def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
@@ -210,9 +256,9 @@ class Acquisition(_Step):
         return next((name for raised, name in _RAISED.items() if issubclass(kind, raised)), None)
 
     def _record(self, outcome: str) -> None:
-        attributes = {"task": self.task, "mode": self.mode, "outcome": outcome}
-        _on.wait.record(time.monotonic() - self.started, attributes)
-        _on.acquisitions.add(1, attributes)
+        waited = time.monotonic() - self.started
+        _on.wait.record(waited, {"task": self.task, "mode": self.mode, "outcome": outcome})
+        _on.acquisitions.add(1, (("task", self.task), ("mode", self.mode), ("outcome", outcome)))
 
 
 class Release(_Step):
@@ -224,8 +270,8 @@ class Release(_Step):
     NAME = "redislock.release"
     __slots__ = ("outcome",)
 
-    def __init__(self, task: str, mode: str, lock: Any) -> None:
-        super().__init__(task, mode, lock)
+    def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
+        super().__init__(task, mode, lock, spans)
         self.outcome: str | None = None
 
     def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
@@ -237,8 +283,6 @@ class Release(_Step):
 
 def _end(span: Any, outcome: str | None, fence: int | None, exc: BaseException | None) -> None:
     """End ``span`` with its ``outcome`` and ``fence``; ``exc`` (not an outcome) fails it."""
-    if not span.is_recording():
-        return
     if outcome is not None:
         span.set_attribute("outcome", outcome)
     if fence is not None:

@@ -42,7 +42,8 @@ def _export_from_the_main_process(**_: Any) -> None:
 @worker_process_init.connect
 def _export_from_a_pool_child(**_: Any) -> None:
     """A prefork child inherits the provider; it serves its own counts on a port of its own."""
-    start_http_server(PORT + 1 + current_process().index, addr="127.0.0.1")
+    index: int = getattr(current_process(), "index", 0)  # set on each child by billiard's pool
+    start_http_server(PORT + 1 + index, addr="127.0.0.1")
 
 
 def scrape(port: int) -> list[str]:

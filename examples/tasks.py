@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery, Task
 
-from celery_redislock import LockedTask
+from celery_redislock import LockedTask, lock_fields
 
 app = Celery("examples")
 app.config_from_object("examples.celeryconfig")
@@ -40,7 +40,8 @@ def long_report(self: Task[Any, Any], seconds: float) -> dict[str, Any]:
     """Runs ``seconds``, longer than its 1-second lease: the watchdog renews the
     lock every 1/3 s, so it is never lost (``lock_lost`` stays False)."""
     time.sleep(seconds)  # the work
-    return {"fence": self.request.lock_fence, "lost": self.request.lock_lost}
+    lock = lock_fields(self.request)  # self.request.lock_fence etc., typed
+    return {"fence": lock.fence, "lost": lock.lost}
 
 
 @app.task(base=LockedTask, bind=True, lock_ttl=60)
@@ -56,7 +57,7 @@ def send_digest(self: Task[Any, Any]) -> str:
     """Sent by beat (``examples.celeryconfig.beat_schedule``): ``lock_beat=True`` runs it
     once per slot of its schedule, however many beats send it; ``self.request.lock_slot``
     names the slot."""
-    return f"digest of slot {self.request.lock_slot} sent by task {self.request.id}"
+    return f"digest of slot {lock_fields(self.request).slot} sent by task {self.request.id}"
 
 
 @app.task(

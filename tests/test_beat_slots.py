@@ -403,12 +403,14 @@ def test_bad_opt_ins_and_settings_name_the_task_entry_option_and_value(app: Cele
     ]:
         other = Celery("other", set_as_current=False)
         other.conf[setting] = value
-        other.finalize()
+        other.task(name="t", base=LockedTask, shared=False)(noop)  # bound when the app is finalized
+        # The error names the app: whichever LockedTask binds first, this one or a shared one
+        # another test module defined (finalize binds those to every app), raises it.
         with pytest.raises(
             LockConfigurationError,
             match=rf"app 'other': {setting}={value!r} is not valid; allowed: .*{allowed}",
         ):
-            other.task(name="t", base=LockedTask, shared=False)(noop)
+            other.finalize()
     clock = Clock(at(2026, 1, 1))
     beat = SimulatedBeat(
         app,

@@ -621,7 +621,7 @@ def test_a_redis_error_after_the_lock_was_found_busy_never_runs_the_body_unlocke
         failed.append(step)
         raise redis.ConnectionError(f"injected: {step} failed")
 
-    monkeypatch.setattr(busy, "free_ticket" if step == "reject" else "superseded", failing)
+    monkeypatch.setattr(busy, "release_token" if step == "reject" else "superseded", failing)
     queued = task.apply_async(("x", 1))
     if step == "superseded":  # the queued message's lock taken by a run (not a replacing call)
         client.delete(key)

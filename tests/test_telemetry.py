@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
 import re
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +28,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY, generate_latest
 
-from celery_redislock import RedisLock, busy, signals, task_lock_key, telemetry
+from celery_redislock import LockConfigurationError, RedisLock, busy, signals, task_lock_key, telemetry
+from celery_redislock.config import app_settings
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
 from tests.taskapp import make_app, recorder
@@ -148,7 +151,8 @@ def test_a_run_is_counted_timed_and_traced_under_its_task_span(
 def test_busy_and_duplicate_outcomes_are_counted_and_signalled(
     otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str
 ) -> None:
-    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    """Celery not instrumented: with ``redislock_spans="always"`` the lock spans are roots."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
     skip, until = app.tasks["taskapp.hold_skip"], app.tasks["taskapp.until_executed"]
     skipped = {"task": skip.name, "mode": "while_executing", "outcome": "busy-skip"}
     refused = {"task": until.name, "mode": "until_executed", "outcome": "duplicate-refused"}
@@ -168,10 +172,51 @@ def test_busy_and_duplicate_outcomes_are_counted_and_signalled(
     assert otel.count("redislock.lock.acquisitions", **skipped) == skips + 1
     assert otel.count("redislock.lock.acquisitions", **refused) == refusals + 1
     assert [busy["outcome"] for busy in sent.of("lock_busy")] == ["busy-skip"]
-    assert {span.attributes["outcome"] for span in spans_named(otel, "redislock.acquire")} >= {  # type: ignore[index]
-        "acquired",
-        "busy-skip",
-    }
+    acquires = spans_named(otel, "redislock.acquire")
+    assert {span.attributes["outcome"] for span in acquires} >= {"acquired", "busy-skip"}  # type: ignore[index]
+    assert all(span.parent is None for span in acquires + spans_named(otel, "redislock.release"))
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("spans", "instrumented"),
+    [pytest.param("auto", False, id="auto-without-a-task-span"), pytest.param("never", True, id="never")],
+)
+def test_no_lock_spans_without_a_task_span_or_when_turned_off(
+    request: pytest.FixtureRequest,
+    otel: Otel,
+    fresh_server: RedisServer,
+    prefix: str,
+    spans: str,
+    instrumented: bool,
+) -> None:
+    """``redislock_spans="auto"`` (the default) makes no span where the run has none to be a
+    child of; ``"never"`` makes none even under the task's span. The metrics are recorded."""
+    if instrumented:
+        request.getfixturevalue("instrumented_celery")
+    conf: dict[str, Any] = {} if spans == "auto" else {"redislock_spans": spans}  # "auto": the default
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", **conf)
+    task = app.tasks["taskapp.hold_skip"]
+    attributes = {"task": task.name, "mode": "while_executing"}
+    helds = otel.count("redislock.lock.held", **attributes)
+    with threads_worker(app):
+        assert task.delay("v").get(timeout=30) == "v"
+    assert otel.count("redislock.lock.held", **attributes) == helds + 1
+    names = [span.name for span in otel.spans.get_finished_spans()]
+    assert (f"run/{task.name}" in names) == instrumented
+    assert not {"redislock.acquire", "redislock.release"} & set(names), names
+    app.close()
+
+
+def test_a_bad_spans_setting_names_the_setting_and_what_is_allowed(
+    fresh_server: RedisServer, prefix: str
+) -> None:
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="sometimes")
+    with pytest.raises(
+        LockConfigurationError,
+        match="redislock_spans='sometimes' is not valid; allowed: 'auto', 'always', 'never'",
+    ):
+        app_settings(app)
     app.close()
 
 
@@ -201,7 +246,7 @@ def test_a_task_lock_lost_counts_once_under_its_task(
 ) -> None:
     """Lost while the body runs: counted by the watchdog under the task's name, not again by the
     release that then finds it gone (whose span says ``lost``)."""
-    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_ttl=0.6)
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_ttl=0.6, redislock_spans="always")
     task, client = app.tasks["taskapp.hold_skip"], fresh_server.client()
     lost = {"task": task.name, "reason": "not owned"}
     before = otel.count("redislock.lock.lost", **lost)
@@ -261,8 +306,8 @@ def exported_names() -> set[str]:
         made = telemetry.Instruments(provider.get_meter("test"))
         for histogram in (made.wait, made.held):
             histogram.record(1.0, {"task": "t", "mode": "m", "outcome": "acquired"})
-        for counter in (made.acquisitions, made.lost, made.renewals, made.crash_releases):
-            counter.add(1, {"task": "t"})
+        for counts in (made.acquisitions, made.lost, made.renewals, made.crash_releases):
+            counts.add(1, (("task", "t"),))
         text = generate_latest(REGISTRY).decode()
     finally:
         provider.shutdown()  # takes the reader's collector out of the registry
@@ -299,3 +344,27 @@ def test_every_logging_call_of_the_package_passes_its_fields() -> None:
         and not any(keyword.arg == "extra" for keyword in call.keywords)
     ]
     assert missing == []
+
+
+def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own() -> None:
+    """The fork happens while another thread holds the sums' lock: the child still counts."""
+    counts, at = telemetry.Counts(), (("task", "t"),)
+    counts.add(1, at)
+    with counts._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: count once more, exit 0 if the sum is 2
+            counts.add(1, at)
+            os._exit(0 if [seen.value for seen in counts.observe(None)] == [2] else 1)
+
+    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return (status,) if done == pid else ()
+
+    try:
+        [status] = wait_for(ended, 10, "the child to count")
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [seen.value for seen in counts.observe(None)] == [1]

@@ -31,7 +31,7 @@ TTL = 1.5
 
 #: step -> (object, attribute) of the call that fails once
 STEPS: dict[str, tuple[Any, str]] = {
-    "free_queued": (celery_redislock.execution, "free_ticket"),
+    "free_queued": (celery_redislock.execution, "release_token"),
     "release": (celery_redislock.lock.RedisLock, "_free"),
     "settle": (celery_redislock.execution, "SETTLE"),
 }
