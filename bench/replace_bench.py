@@ -18,7 +18,6 @@ at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import threading
 import time
@@ -74,9 +73,12 @@ def storm(app: Celery, name: str, calls: int, threads: int) -> float:
 
 
 def main() -> None:
+    from lock_bench import run_header, write_json
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=4000)
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--json", type=Path, default=RESULTS, help="results file (default bench/results/)")
     args = parser.parse_args()
     with RedisServer() as server:
         app = make_app(server.url)
@@ -92,8 +94,7 @@ def main() -> None:
         client.close()
         app.close()
     summary = {
-        "calls": args.calls,
-        "threads": args.threads,
+        **run_header(args),
         "replace_calls_per_s": round(rates["replace"]),
         "refused_calls_per_s": round(rates["refused"]),
         "replace_vs_refused": round(rates["replace"] / rates["refused"], 3),
@@ -105,7 +106,7 @@ def main() -> None:
     print(f"  refused (lock_duplicate='return', nothing sent): {summary['refused_calls_per_s']:>7} calls/s")
     ratio = summary["replace_vs_refused"]
     print(f"  ratio {ratio}; load average (1 min) {load_before:.2f} -> {load_after:.2f}")
-    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import celery._state
 import pytest
 import redis
 from celery import Celery
@@ -105,6 +106,21 @@ def _invariants(request: pytest.FixtureRequest, prefix: str) -> Iterator[None]:
     yield
     if "redis_server" in request.fixturenames:
         check_invariants(request, request.getfixturevalue("redis_server"), prefix)
+
+
+@pytest.fixture(autouse=True)
+def _shared_tasks_stay_in_their_test() -> Iterator[None]:
+    """A shared task a test defines (an example module's ``@app.task``, a docs block's) is
+    not added to the apps later tests finalize: a task whose options do not fit such an app
+    (``lock_duplicate="replace"`` where it sets ``redislock_replicas``) would fail it.
+
+    Celery keeps what shared tasks add to every app finalized from then on in the private
+    set ``celery._state._on_app_finalizers``; nothing public removes them.
+    """
+    finalizers: set[Any] = celery._state._on_app_finalizers  # type: ignore[attr-defined]  # not in the stubs
+    before = set(finalizers)
+    yield
+    finalizers.intersection_update(before)
 
 
 def command_calls(client: redis.Redis) -> dict[str, int]:
