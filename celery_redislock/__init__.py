@@ -6,6 +6,7 @@ Importing the package connects nothing and starts nothing.
 from __future__ import annotations
 
 from .aio import AsyncRedisLock
+from .aio_semaphore import AsyncRedisSemaphore
 from .exceptions import (
     DuplicateTask,
     LockConfigurationError,
@@ -19,10 +20,12 @@ from .exceptions import (
 from .lock import RedisLock
 from .receivers import install
 from .redlock import Redlock
+from .semaphore import RedisSemaphore
 from .task import LockedTask, task_lock_key
 
 __all__ = [
     "AsyncRedisLock",
+    "AsyncRedisSemaphore",
     "DuplicateTask",
     "LockConfigurationError",
     "LockKeyError",
@@ -33,6 +36,7 @@ __all__ = [
     "LockedTask",
     "RedisLock",
     "RedisLockError",
+    "RedisSemaphore",
     "Redlock",
     "__version__",
     "install",

@@ -328,7 +328,7 @@ def test_cancelled_after_a_fair_hand_over_releases_it(
         holder = AsyncRedisLock(client, name, ttl=30, fair=True)
         await holder.acquire()
         waiter = AsyncRedisLock(client, name, ttl=30, fair=True, holder="the waiter")
-        monkeypatch.setattr(waiter, "_sleep", deaf)
+        monkeypatch.setattr(waiter.key, "sleep", deaf)
         attempt = asyncio.ensure_future(waiter.acquire())
         await until(lambda: _queued(client, name), "the waiter queued")
         await holder.release()  # hands the lock to the waiter
