@@ -128,21 +128,17 @@ class Permits(OneServer):
 
     def abandon(self, token: str, member: str) -> None:
         try:
-            RELEASE_PERMIT(self.client, [self.name], [token, member, self.book.limit])
-        except Exception as exc:
-            logger.warning(
-                "semaphore %r: could not leave the waiter queue: %s",
-                self.name,
-                exc,
-                extra=log_fields(self.name, outcome="error"),
-            )
-        self.book.held.pop(token, None)
+            self.free(token, member)
+        except Exception as exc:  # a permit granted meanwhile, unrenewed, runs out within its lease
+            fields = log_fields(self.name, outcome="error")
+            logger.warning("semaphore %r: could not leave the waiter queue: %s", self.name, exc, extra=fields)
 
-    def free(self, token: str) -> bool:
-        """Release ``token``'s permit, owner-checked; whether ``token`` held one (also when the
-        client's retry policy sent the release again after its first send freed it)."""
+    def free(self, token: str, member: str = "") -> bool:
+        """Release ``token``'s permit (and leave the queue as ``member``), owner-checked; whether
+        ``token`` held one (also when the client's retry policy sent the release again after its
+        first send freed it)."""
         resent: list[bool] = []
-        args: list[str | int] = [token, "", self.book.limit]
+        args: list[str | int] = [token, member, self.book.limit]
         released = int(RELEASE_PERMIT(self.client, [self.name], args, lambda: resent.append(True)))
         self.book.held.pop(token, None)
         return bool(released or resent)
