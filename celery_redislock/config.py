@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from redis.connection import parse_url
 
 from ._durations import seconds
+from ._permit_scripts import MAX_LIMIT
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
 from .keys import LockOn
@@ -67,6 +68,7 @@ TASK_OPTIONS: Mapping[str, Any] = {
     "wait_timeout": None,
     "on_lost": "log",
     "beat": False,
+    "limit": 1,
 }
 APP_SETTINGS: Mapping[str, Any] = {
     "url": None,
@@ -99,6 +101,8 @@ class LockOptions:
     beat: bool
     #: what ``mode`` takes, keeps and frees (``MODE_RULES[mode]``)
     rules: ModeRules
+    #: how many runs of one key may run at once, each holding a permit (``semaphore``); 1: the lock
+    limit: int = 1
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,22 @@ def _duration(problem: _Problem, option: str, value: object, low: float, high: f
     if not low <= result <= high:
         raise problem(option, value, allowed)
     return result
+
+
+def _limit(problem: _Problem, option: str, value: object, mode: str, replicated: bool) -> int:
+    """``lock_limit``: above 1 only in the modes where the runs hold a lock of their own, and
+    without ``redislock_replicas`` (a permit is not confirmed by replicas)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise problem(option, value, f"allowed: an int from 1 to {MAX_LIMIT}")
+    limited = [name for name, rules in MODE_RULES.items() if rules.execution_lock and not rules.adopts_ticket]
+    if value > 1 and mode not in limited:
+        needs = " or ".join(repr(name) for name in limited)
+        raise problem(option, value, f"above 1 it needs lock_mode {needs} (a lock the runs alone hold)")
+    if value > 1 and replicated:
+        raise problem(
+            option, value, "above 1 it cannot be used with redislock_replicas (permits are not confirmed)"
+        )
+    return value
 
 
 def _lock_on(problem: _Problem, value: object, run: Callable[..., Any]) -> LockOn:
@@ -306,4 +326,5 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
         beat=_flag(problem, *raw("beat")),
         rules=rules,
+        limit=_limit(problem, *raw("limit"), mode, bool(app.conf.get("redislock_replicas"))),
     )

@@ -27,11 +27,11 @@ from .attempt import Attempt, companion_key, owns
 from .exceptions import LockConfigurationError
 from .lock import OneServer
 from .primitive import LeaseLock
-from .protocol import text
+from .protocol import parse_value, text
 from .telemetry import log_fields
 from .watchdog import Lease
 
-__all__ = ["PermitBook", "Permits", "RedisSemaphore", "permit_limit"]
+__all__ = ["PermitBook", "Permits", "RedisSemaphore", "permit_limit", "release_permit_held_by"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,20 @@ class PermitBook:
     def key_of(self, token: str | None) -> str | None:
         """The key of the permit ``token`` was granted (None: none)."""
         return None if token is None else self.held.get(token)
+
+
+def release_permit_held_by(client: Any, name: str, limit: int, holder: str) -> bool:
+    """Release the permit of ``name`` that ``holder`` holds (two round trips); whether one was.
+
+    For a process that cleans up after another (the worker's main process after
+    a pool child died), as ``inventory.release_held_by`` for a lock: the token
+    comes from the permit, and the release is still owner-checked.
+    """
+    for value in client.mget(PermitBook(name, limit).keys):
+        found = parse_value(value)
+        if found is not None and found.holder == holder:
+            return bool(int(RELEASE_PERMIT(client, [name], [found.token, "", limit])))
+    return False
 
 
 class RedisSemaphore(LeaseLock):
