@@ -11,7 +11,8 @@
   1 ms when none is free (polling: what the semaphore's wake-ups replace).
   Critical sections/s, round trips per acquisition, p50/p99 wait, ratios.
 
-Round trips are counted client-side by ``lock_bench.CountingConnection``.
+Round trips are counted client-side by ``lock_bench.CountingConnection``; the
+contention run is ``lock_bench``'s, with this benchmark's contenders.
 Run ``python bench/semaphore_bench.py --help`` for the options; it prints its
 results and the load average (the machine may be shared) and writes nothing.
 """
@@ -20,27 +21,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import multiprocessing
-import multiprocessing.queues
-import multiprocessing.synchronize
 import os
-import queue
 import secrets
 import time
 from typing import Any
 
+import lock_bench
 import redis
-from lock_bench import (
-    COMPARE_AND_DELETE,
-    HOLD,
-    CountingConnection,
-    Pair,
-    WorkerResult,
-    counting_client,
-    percentile,
-    time_pairs,
-    uncontended_pair,
-)
+from lock_bench import COMPARE_AND_DELETE, Pair, counting_client, time_pairs, uncontended_pair
 
 from celery_redislock import RedisSemaphore
 from celery_redislock.testing import RedisServer
@@ -90,71 +78,20 @@ def bare_permit(client: redis.Redis, name: str, limit: int) -> Pair:
     return acquire, release
 
 
-def contender(name: str, client: redis.Redis, key: str, limit: int) -> Pair:
-    if name == "bare":
-        return bare_permit(client, key, limit)
-    semaphore = RedisSemaphore(client, key, limit, fair=name.endswith("fair=True"))
-    return semaphore.acquire, semaphore.release
+def contended(url: str, prefix: str, processes: int, limit: int, seconds: float) -> dict[str, Any]:
+    """``lock_bench``'s contention run, its forked workers taking (acquire, release) from
+    ``lock_bench.blocking_lock``, which is set here to build this benchmark's contenders."""
 
+    def contender(name: str, client: redis.Redis, key: str) -> Pair:
+        if name == "bare":
+            return bare_permit(client, key, limit)
+        semaphore = RedisSemaphore(client, key, limit, fair=name.endswith("fair=True"))
+        return semaphore.acquire, semaphore.release
 
-def worker(
-    name: str,
-    url: str,
-    key: str,
-    limit: int,
-    seconds: float,
-    index: int,
-    ready: multiprocessing.synchronize.Barrier,
-    results: multiprocessing.queues.Queue[WorkerResult],
-) -> None:
-    """One forked process: warm up on a key of its own, then loop on the shared ``key``."""
-    CountingConnection.reset()
-    result = WorkerResult(index, 0, 0, 0.0, 0.0)
-    try:
-        client = counting_client(url)
-        warm_acquire, warm_release = contender(name, client, f"{key}:warm:{index}", limit)
-        warm_acquire()  # loads the scripts and opens every connection the loop will use
-        warm_release()
-        acquire, release = contender(name, client, key, limit)
-        ready.wait()
-        CountingConnection.reset()
-        result.start = time.monotonic()
-        while time.monotonic() < result.start + seconds:
-            asked = time.monotonic()
-            acquire()
-            result.waits.append(time.monotonic() - asked)
-            time.sleep(HOLD)  # the critical section
-            release()
-        result.end = time.monotonic()
-        result.acquisitions, result.commands = len(result.waits), CountingConnection.sent
-    except BaseException as exc:  # reported by the parent
-        result.error = f"{type(exc).__name__}: {exc}"
-    results.put(result)
-
-
-def contended(
-    url: str, prefix: str, processes: int, limit: int, seconds: float
-) -> dict[str, dict[str, float]]:
+    lock_bench.blocking_lock = contender
     rows = {}
-    ctx = multiprocessing.get_context("fork")
     for name in CONTENDED:
-        ready = ctx.Barrier(processes)
-        results: multiprocessing.queues.Queue[WorkerResult] = ctx.Queue()
-        shared = (name, url, f"{prefix}c:{name}", limit, seconds)
-        procs = [
-            ctx.Process(target=worker, args=(*shared, i, ready, results), daemon=True)
-            for i in range(processes)
-        ]
-        for proc in procs:
-            proc.start()
-        try:
-            done = [results.get(timeout=seconds + 60) for _ in procs]
-        except queue.Empty:
-            done = [WorkerResult(-1, 0, 0, 0, 0, error="a worker hung")]
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-            proc.join()
+        done = lock_bench.run_contended(name, url, f"{prefix}c:{name}", processes, seconds)
         errors = [result.error for result in done if result.error]
         if errors:
             raise RuntimeError(f"{name}: {errors[0]}")
@@ -164,8 +101,8 @@ def contended(
         rows[name] = {
             "sections_per_s": acquisitions / wall,
             "round_trips_per_acquisition": sum(result.commands for result in done) / acquisitions,
-            "p50_wait_ms": percentile(waits, 50) * 1000,
-            "p99_wait_ms": percentile(waits, 99) * 1000,
+            "p50_wait_ms": lock_bench.percentile(waits, 50) * 1000,
+            "p99_wait_ms": lock_bench.percentile(waits, 99) * 1000,
         }
     return rows
 
