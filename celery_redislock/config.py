@@ -26,6 +26,7 @@ from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
 from .keys import LockOn
 from .modes import MODE_RULES, ModeRules
+from .semaphore import permit_limit
 
 __all__ = [
     "APP_SETTINGS",
@@ -165,17 +166,19 @@ def _duration(problem: _Problem, option: str, value: object, low: float, high: f
 def _limit(problem: _Problem, option: str, value: object, mode: str, replicated: bool) -> int:
     """``lock_limit``: above 1 only in the modes where the runs hold a lock of their own, and
     without ``redislock_replicas`` (a permit is not confirmed by replicas)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
-        raise problem(option, value, f"allowed: an int from 1 to {MAX_LIMIT}")
+    try:
+        limit = permit_limit(value)
+    except LockConfigurationError:
+        raise problem(option, value, f"allowed: an int from 1 to {MAX_LIMIT}") from None
     limited = [name for name, rules in MODE_RULES.items() if rules.execution_lock and not rules.adopts_ticket]
-    if value > 1 and mode not in limited:
+    if limit > 1 and mode not in limited:
         needs = " or ".join(repr(name) for name in limited)
-        raise problem(option, value, f"above 1 it needs lock_mode {needs} (a lock the runs alone hold)")
-    if value > 1 and replicated:
+        raise problem(option, limit, f"above 1 it needs lock_mode {needs} (a lock the runs alone hold)")
+    if limit > 1 and replicated:
         raise problem(
-            option, value, "above 1 it cannot be used with redislock_replicas (permits are not confirmed)"
+            option, limit, "above 1 it cannot be used with redislock_replicas (permits are not confirmed)"
         )
-    return value
+    return limit
 
 
 def _lock_on(problem: _Problem, value: object, run: Callable[..., Any]) -> LockOn:

@@ -123,3 +123,20 @@ def test_the_app_setting_is_the_default_and_refused_with_replicas(
         LockConfigurationError, match="redislock_limit=4 is not valid; above 1 it cannot be used"
     ):
         define(replicated)
+
+
+def test_until_and_while_executing_runs_up_to_the_limit_and_retries_the_next(worker_app: Celery) -> None:
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    task, x = worker_app.tasks["taskapp.limited_queued"], uuid.uuid4().hex[:10]
+    # One at a time: a queued message holds the enqueue lock until its run starts.
+    runs = [task.delay(x, gate=True)]
+    wait_for(lambda: len(_starts(recorder, x)) == 1, what="the first run to start")
+    runs.append(task.delay(x, gate=True))
+    wait_for(lambda: len(_starts(recorder, x)) == 2, what="the second run to start")
+    runs.append(task.delay(x, gate=True))  # both permits held: it retries (lock_busy="retry")
+    wait_for(lambda: [e for e in recorder.events() if e[0] == "busy" and e[2] == x], what="the third busy")
+    assert len(_starts(recorder, x)) == 2
+    recorder.open_gate(x)  # one run ends: the third takes its permit at its next retry
+    wait_for(lambda: len(_starts(recorder, x)) == 3, what="the third run to start")
+    recorder.open_gate(x, 2)
+    assert [run.get(timeout=RESULT_TIMEOUT) for run in runs] == [x] * 3
