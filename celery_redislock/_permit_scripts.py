@@ -62,6 +62,9 @@ local function pass_on(i, values, floor, now_ms, now_us)
   wake(token, fair == '1' and grant(i, values, floor, token, holder, ttl_ms, now_us) or 'retry', ttl_ms)
 end
 
+-- The run a task's holder names ("task=<id> ", see protocol.holder_for); nil for another holder.
+local function run_of(holder) return holder and string.match(holder, '^task=%S+ ') end
+
 -- The first free permit (nil: none).
 local function first_free(values)
   for i, value in ipairs(values) do
@@ -76,12 +79,14 @@ _ACQUIRE_PERMIT = """
 -- ARGV[3] limit.
 -- Returns "<fence>:<i>" when the caller holds permit i now (its TTL set to the member's
 -- ttl), else {the PTTL in ms of the permit that runs out first, its holder} ({-2, false}
--- when the free permits just went to fair waiters before the caller).
+-- when the free permits just went to fair waiters before the caller). A task's run whose
+-- task id holds a permit already (its own message delivered again, or its previous attempt
+-- letting go) is not granted one: it gets {that permit's PTTL, its holder}, and waits for it.
 local member, mode = ARGV[1], ARGV[2]
 local ttl_ms, token, fair, holder = member_fields(member)
 local now_ms, now_us = clock(redis.call('TIME'))
 local values = permits(tonumber(ARGV[3]))
-local soonest, soonest_holder = nil, false
+local run, soonest, soonest_holder, same_run = run_of(holder), nil, false, nil
 for i, value in ipairs(values) do
   if owns(value, token) then  -- handed over while we were away from the wake list
     leave(member, wake_prefix .. token)
@@ -90,9 +95,10 @@ for i, value in ipairs(values) do
   elseif value then
     local pttl = redis.call('PTTL', permit_prefix .. i)
     if not soonest or pttl < soonest then soonest, soonest_holder = pttl, holder_of(value) end
+    if run and run_of(holder_of(value)) == run then same_run = {pttl, holder_of(value)} end
   end
 end
-local free, head = first_free(values), nil
+local free, head = not same_run and first_free(values) or nil, nil
 if fair == '1' then
   evict(now_ms)
   head = redis.call('ZRANGE', queue, 0, 0)[1]
@@ -114,7 +120,7 @@ if mode == 'wait' or mode == 'again' then
 elseif mode == 'last' then
   leave(member, wake_prefix .. token)
 end
-return {soonest or -2, soonest_holder}
+return same_run or {soonest or -2, soonest_holder}
 """
 
 _RELEASE_PERMIT = """

@@ -325,7 +325,7 @@ def test_stress_never_more_than_limit_owning_holders(
     assert len(lost) >= len(pauses)  # each frozen holder's permit ran out under it
     assert all(end - fence > lease * 1_000_000 for fence, end in lost)  # lost only past its lease
     assert _most_at_once(kept + lost) > limit  # the pauses crowded the semaphore, by lost holds only:
-    assert _most_at_once(kept) == limit  # as many as allowed, and never more
+    assert _most_at_once(kept) <= limit  # the holds that kept their permit: never more than allowed
 
 
 def test_on_a_cluster_every_key_of_a_semaphore_is_in_its_names_slot(

@@ -85,6 +85,32 @@ def test_sigkill_of_a_pool_child_frees_its_permit_at_once(worker_app: Celery) ->
     assert held_permits(recorder.client, key) == 0
 
 
+def test_a_message_redelivered_while_its_first_delivery_runs_takes_no_second_permit(
+    worker_app: Celery,
+) -> None:
+    """A redelivery (acks_late, a visibility timeout) is the same message again: same task id and
+    retry count. With permits free, it must still see its first delivery's permit as its own."""
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    task, x = worker_app.tasks["taskapp.limited_acks_late"], uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    first = task.delay(x, gate=True)
+    wait_for(lambda: _starts(recorder, x), what="the first delivery to start")
+    task.apply_async((x,), {"gate": True}, task_id=first.id)  # the message delivered again
+    wait_for(
+        lambda: _busy(recorder, first.id) or len(_starts(recorder, x)) > 1,
+        what="the redelivery to find its permit held, or to run",
+    )
+    assert len(_starts(recorder, x)) == 1 and held_permits(recorder.client, key) == 1
+    recorder.open_gate(x)  # the first delivery ends, and wakes the redelivery: it is ignored
+    assert first.get(timeout=RESULT_TIMEOUT) == x
+    wait_for(lambda: "redelivered while its first delivery runs; ignored" in worker_app.worker.output())  # type: ignore[attr-defined]
+    assert len(_starts(recorder, x)) == 1 and held_permits(recorder.client, key) == 0
+
+
+def _busy(recorder: Recorder, task_id: str) -> list[list[str]]:
+    return [event for event in recorder.events() if event[0] == "busy" and event[3] == task_id]
+
+
 def _starts(recorder: Recorder, x: str) -> list[list[str]]:
     return [event for event in recorder.events() if event[0] == "start" and event[2] == x]
 
