@@ -1,6 +1,8 @@
 """Lua scripts of a semaphore (``semaphore.RedisSemaphore``): up to ``limit`` permits of one name.
 
-KEYS[1] is the semaphore's name; the key of that name is never written. Its
+KEYS[1] is the semaphore's name; the key of that name is never written, but
+a lock's hold of it (a task's run while its ``lock_limit`` was 1, the limit
+raised since) takes one of the ``limit`` places until it ends. Its
 permits are the keys ``<prefix>permit:<i>`` for ``i`` in ``1..limit``, where
 ``<prefix>`` is the name's companion prefix (``attempt.companion_key``), so
 that every key of one semaphore is in one Redis Cluster hash slot. A permit
@@ -16,7 +18,8 @@ live permit's fence (and, when handed on, the releaser's): greater than
 every earlier permit's, as a lock's fence is.
 
 All users of one name agree on ``limit`` (and ``fair``): the scripts look at
-permits ``1..limit`` of the caller's ``limit`` only. A script reads every
+permits ``1..limit`` of the caller's ``limit`` only (a limit lowered from N to
+M leaves the holders of permits M+1..N unseen until they end). A script reads every
 permit, so ``limit`` is at most ``MAX_LIMIT``.
 """
 
@@ -65,8 +68,14 @@ end
 -- The run a task's holder names ("task=<id> ", see protocol.holder_for); nil for another holder.
 local function run_of(holder) return holder and string.match(holder, '^task=%S+ ') end
 
--- The first free permit (nil: none).
+-- The first free permit (nil: none). A hold of the name's own key, a lock (a task's run of
+-- lock_limit 1, the limit raised under it), takes one of the `limit` places too.
 local function first_free(values)
+  local taken = redis.call('EXISTS', lock)
+  for _, value in ipairs(values) do
+    if value then taken = taken + 1 end
+  end
+  if taken >= #values then return end
   for i, value in ipairs(values) do
     if not value then return i end
   end
@@ -87,17 +96,23 @@ local ttl_ms, token, fair, holder = member_fields(member)
 local now_ms, now_us = clock(redis.call('TIME'))
 local values = permits(tonumber(ARGV[3]))
 local run, soonest, soonest_holder, same_run = run_of(holder), nil, false, nil
+-- Notes the hold `value` of `key`: the soonest to run out, and the caller's run's own.
+local function note(key, value)
+  local pttl = redis.call('PTTL', key)
+  if not soonest or pttl < soonest then soonest, soonest_holder = pttl, holder_of(value) end
+  if run and run_of(holder_of(value)) == run then same_run = {pttl, holder_of(value)} end
+end
 for i, value in ipairs(values) do
   if owns(value, token) then  -- handed over while we were away from the wake list
     leave(member, wake_prefix .. token)
     redis.call('PEXPIRE', permit_prefix .. i, ttl_ms)
     return string.format('%.0f', fence_of(value)) .. ':' .. i
   elseif value then
-    local pttl = redis.call('PTTL', permit_prefix .. i)
-    if not soonest or pttl < soonest then soonest, soonest_holder = pttl, holder_of(value) end
-    if run and run_of(holder_of(value)) == run then same_run = {pttl, holder_of(value)} end
+    note(permit_prefix .. i, value)
   end
 end
+local named = redis.call('GET', lock)
+if named then note(lock, named) end  -- a lock's hold of the name (see first_free)
 local free, head = not same_run and first_free(values) or nil, nil
 if fair == '1' then
   evict(now_ms)

@@ -17,7 +17,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisSemaphore
+from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests import invariants
@@ -143,6 +143,21 @@ def test_the_watchdog_renews_each_permit_past_its_lease(client: redis.Redis, pre
     assert all(holder.owned() for holder in holders)
     for holder in holders:
         holder.release()
+
+
+def test_a_locks_hold_of_the_name_takes_one_of_the_places(client: redis.Redis, prefix: str) -> None:
+    """A task's ``lock_limit`` raised from 1 while a run holds the lock (the name's own key)."""
+    name = f"{prefix}:s"
+    lock = RedisLock(client, name, ttl=10, holder="the lock's run")
+    assert lock.acquire()
+    first, second = (RedisSemaphore(client, name, 2, ttl=10, holder=f"h{i}") for i in range(2))
+    assert first.acquire(blocking=False)
+    assert not second.acquire(blocking=False)
+    assert second.busy[0] in ("the lock's run", "h0")
+    lock.release()
+    assert second.acquire(blocking=False)
+    first.release()
+    second.release()
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True, "2", None, 1001])
