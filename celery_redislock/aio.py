@@ -30,11 +30,12 @@ from math import inf
 from typing import Any, TypeVar
 
 import redis.asyncio
+from redis.exceptions import NoScriptError
 
 from . import telemetry
 from ._durations import Duration, to_ms
 from ._redis import call_with_timeout_async
-from ._scripts import ACQUIRE, RELEASE, RENEW
+from ._scripts import ACQUIRE, RELEASE, RENEW, Script
 from .attempt import Attempt, LockCore, companion_key, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
 from .watchdog import (
@@ -47,7 +48,7 @@ from .watchdog import (
     renewal_answered,
 )
 
-__all__ = ["AsyncOneKey", "AsyncRedisLock"]
+__all__ = ["AsyncOneKey", "AsyncRedisLock", "call_noting_resend"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +209,42 @@ class AsyncRedisLock(LockCore):
         return True
 
 
+async def call_noting_resend(
+    client: redis.asyncio.Redis, script: Script, keys: list[str], args: list[str | int]
+) -> tuple[Any, bool]:
+    """``script.call_async`` on one connection of ``client``'s pool, under that connection's retry
+    policy; with whether the policy sent it again after an error that may have come after it ran
+    (a reply lost with its connection), as ``Script``'s ``resending`` for a sync client. An
+    exception that ends the exchange early drops the connection: its reply is never read by the
+    next user."""
+    if client.connection is not None:  # a single-connection client: its own lock and retries
+        return await script.call_async(client, keys, args), False
+    resent = False
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+    async def run() -> Any:
+        await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        return await connection.read_response()
+
+    async def failed(_: Exception) -> None:
+        nonlocal resent
+        resent = True
+        await connection.disconnect()
+
+    try:
+        try:
+            return await connection.retry.call_with_retry(run, failed), resent
+        except NoScriptError:
+            await client.script_load(script.source)
+            return await connection.retry.call_with_retry(run, failed), resent
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)
+
+
 class AsyncOneKey:
     """Where an ``AsyncRedisLock``'s hold lives: the key ``name`` on ``client``, where waiters
     queue and are woken (see ``_scripts``); the asyncio twin of ``lock.OneServer``."""
@@ -245,8 +282,10 @@ class AsyncOneKey:
 
     async def free(self, token: str, member: str = "") -> bool:
         """Release ``token``'s hold (and leave the queue as ``member``), owner-checked; whether
-        ``token`` held it."""
-        return bool(int(await RELEASE.call_async(self.client, [self.name], [token, member])))
+        ``token`` held it (also when the client's retry policy sent the release again after its
+        first send freed it)."""
+        released, resent = await call_noting_resend(self.client, RELEASE, [self.name], [token, member])
+        return bool(int(released) or resent)
 
     async def extend(self, token: str, ttl: float) -> bool:
         """Set ``token``'s hold to ``ttl``, owner-checked; whether ``token`` held it."""

@@ -14,7 +14,7 @@ import redis.asyncio
 from ._durations import Duration, to_ms
 from ._permit_scripts import ACQUIRE_PERMIT, RELEASE_PERMIT
 from ._scripts import RENEW
-from .aio import AsyncOneKey, AsyncRedisLock
+from .aio import AsyncOneKey, AsyncRedisLock, call_noting_resend
 from .attempt import Attempt, owns
 from .semaphore import PermitBook, permit_limit
 
@@ -68,9 +68,9 @@ class AsyncPermits(AsyncOneKey):
 
     async def free(self, token: str, member: str = "") -> bool:
         args: list[str | int] = [token, member, self.book.limit]
-        released = int(await RELEASE_PERMIT.call_async(self.client, [self.name], args))
+        released, resent = await call_noting_resend(self.client, RELEASE_PERMIT, [self.name], args)
         self.book.held.pop(token, None)
-        return bool(released)
+        return bool(int(released) or resent)
 
     async def extend(self, token: str, ttl: float) -> bool:
         key = self.book.key_of(token)

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import redis
 import redis.asyncio
+from redis.asyncio.connection import AbstractConnection
 
 from celery_redislock import (
+    AsyncRedisLock,
     AsyncRedisSemaphore,
     LockConfigurationError,
     LockNotAcquired,
     LockNotOwned,
     RedisSemaphore,
 )
+from celery_redislock._permit_scripts import RELEASE_PERMIT
+from celery_redislock._scripts import RELEASE, Script
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from tests import invariants
@@ -76,6 +83,8 @@ def test_the_watchdog_task_renews_a_permit_past_its_lease(redis_server: RedisSer
         await holder.release()
 
     run(redis_server, body)
+    with redis_server.client() as client:
+        assert invariants.keys_of(client, prefix) == []
 
 
 @pytest.mark.parametrize("fair", [False, True], ids=["first-come", "fair"])
@@ -123,6 +132,8 @@ def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing(
         assert await client.exists(companion_key(name, "permit:1")) == 0  # nothing handed to the gone waiter
 
     run(redis_server, body)
+    with redis_server.client() as client:
+        assert invariants.keys_of(client, prefix) == []
 
 
 def test_a_bad_limit_is_refused_and_writes_nothing(redis_server: RedisServer, prefix: str) -> None:
@@ -133,5 +144,63 @@ def test_a_bad_limit_is_refused_and_writes_nothing(redis_server: RedisServer, pr
             AsyncRedisSemaphore(redis.Redis(host="127.0.0.1", port=redis_server.port), f"{prefix}:s", 2)  # type: ignore[arg-type]
 
     run(redis_server, body)
+    with redis_server.client() as client:
+        assert invariants.keys_of(client, prefix) == []
     with redis_server.client() as checker:
         assert invariants.keys_of(checker, prefix) == []
+
+
+@contextmanager
+def first_async_reply_lost(script: Script) -> Iterator[list[Any]]:
+    """``tests.test_attempts.first_reply_lost`` for asyncio connections: the first reply to
+    ``script`` is read, then lost as with a dropped connection, so the retry policy sends it again."""
+    send, read = AbstractConnection.send_packed_command, AbstractConnection.read_response
+    pending: set[AbstractConnection] = set()  # connections awaiting the doomed reply
+    lost: list[Any] = []
+
+    async def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
+        packed = b"".join(command) if isinstance(command, list) else command
+        if not lost and not pending and script.sha.encode() in packed:
+            pending.add(self)
+        await send(self, command, check_health)
+
+    async def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = await read(self, *args, **kwargs)
+        if self not in pending:
+            return reply
+        pending.discard(self)
+        lost.append(reply)
+        raise redis.ConnectionError("the reply was lost (test seam)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AbstractConnection, "send_packed_command", send_packed_command)
+        patch.setattr(AbstractConnection, "read_response", read_response)
+        yield lost
+
+
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_a_resent_release_does_not_raise_lock_not_owned(
+    redis_server: RedisServer, prefix: str, kind: str
+) -> None:
+    """The release runs, its reply is lost, and the client sends it again: the second run finds
+    nothing held. The release succeeded, so ``release()`` must not raise ``LockNotOwned``."""
+    name = f"{prefix}:resent"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        assert client.get_retry() is not None and client.get_retry().get_retries() > 0  # type: ignore[union-attr]
+        lock = (
+            AsyncRedisLock(client, name, ttl=5)
+            if kind == "lock"
+            else AsyncRedisSemaphore(client, name, 2, ttl=5)
+        )
+        assert await lock.acquire()
+        script = RELEASE if kind == "lock" else RELEASE_PERMIT
+        await client.script_load(script.source)  # no NOSCRIPT round before the lost reply
+        with first_async_reply_lost(script) as lost:
+            await lock.release()
+        assert lost == [1]
+        assert not await lock.locked()
+
+    run(redis_server, body)
+    with redis_server.client() as client:
+        assert invariants.keys_of(client, prefix) == []
