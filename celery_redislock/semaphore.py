@@ -164,6 +164,11 @@ class Permits(OneServer):
     def leases(self, token: str, ttl: float, owner: weakref.ref[LeaseLock]) -> list[Lease]:
         return [Lease(self.client, self.book.held[token], token, ttl, owner)]
 
+    def confirm(self, token: str, member: str) -> None:
+        """Never: replicas do not confirm permits (``replicas`` is 0 here; ``config`` refuses
+        ``lock_limit`` above 1 with ``redislock_replicas``)."""
+        raise LockConfigurationError(f"semaphore {self.name!r}: permits are not confirmed by replicas")
+
     def locked(self) -> bool:
         """Whether all ``limit`` permits are held (one round trip)."""
         return int(self.client.exists(*self.book.keys)) == self.book.limit

@@ -160,6 +160,17 @@ def test_a_locks_hold_of_the_name_takes_one_of_the_places(client: redis.Redis, p
     second.release()
 
 
+def test_permits_refuse_a_replica_confirmation(client: redis.Redis, prefix: str) -> None:
+    """``Permits`` is a lock's server by inheritance; the lock's confirmation, which acts on the
+    never-written name, is not one of its members."""
+    semaphore = RedisSemaphore(client, f"{prefix}:s", 2, ttl=10)
+    assert semaphore.acquire()
+    with pytest.raises(LockConfigurationError, match="permits are not confirmed by replicas"):
+        semaphore.servers.confirm(semaphore.token or "", "")
+    assert semaphore.owned()
+    semaphore.release()
+
+
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True, "2", None, 1001])
 def test_a_bad_limit_is_refused_naming_it_and_writes_nothing(
     client: redis.Redis, prefix: str, limit: object
