@@ -286,8 +286,9 @@ def app_settings(app: Any) -> AppSettings:
     )
 
 
-def task_options(task: type[Any], app: Any) -> LockOptions:
-    """Options of the task class ``task``: attribute > ``app.conf.redislock_*`` > default, validated."""
+def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOptions:
+    """Options of the task class ``task``: attribute > ``app.conf.redislock_*`` > default, validated
+    (``settings``: the app's, validated)."""
     problem = _Problem(f"task {task.name!r}")
     known = [f"lock_{name}" for name in TASK_OPTIONS]
     for name in dir(task):
@@ -329,5 +330,5 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
         beat=_flag(problem, *raw("beat")),
         rules=rules,
-        limit=_limit(problem, *raw("limit"), mode, bool(app.conf.get("redislock_replicas"))),
+        limit=_limit(problem, *raw("limit"), mode, settings.replicas > 0),
     )

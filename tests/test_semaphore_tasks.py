@@ -151,6 +151,17 @@ def test_the_app_setting_is_the_default_and_refused_with_replicas(
         define(replicated)
 
 
+def test_a_bad_replicas_setting_is_named_not_taken_for_replicas(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The limit is checked against the app's checked ``redislock_replicas``, never its raw value."""
+    app = new_app(redis_server.url, prefix, redislock_limit=2, redislock_replicas="1")
+    with pytest.raises(
+        LockConfigurationError, match="redislock_replicas='1' is not valid; allowed: an int >= 0"
+    ):
+        define(app)
+
+
 def test_until_and_while_executing_runs_up_to_the_limit_and_retries_the_next(worker_app: Celery) -> None:
     recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
     task, x = worker_app.tasks["taskapp.limited_queued"], uuid.uuid4().hex[:10]
