@@ -79,8 +79,8 @@ def bare_permit(client: redis.Redis, name: str, limit: int) -> Pair:
 
 
 def contended(url: str, prefix: str, processes: int, limit: int, seconds: float) -> dict[str, Any]:
-    """``lock_bench``'s contention run, its forked workers taking (acquire, release) from
-    ``lock_bench.blocking_lock``, which is set here to build this benchmark's contenders."""
+    """``lock_bench``'s contention run, its forked workers taking (acquire, release) from this
+    benchmark's ``contender``."""
 
     def contender(name: str, client: redis.Redis, key: str) -> Pair:
         if name == "bare":
@@ -88,10 +88,9 @@ def contended(url: str, prefix: str, processes: int, limit: int, seconds: float)
         semaphore = RedisSemaphore(client, key, limit, fair=name.endswith("fair=True"))
         return semaphore.acquire, semaphore.release
 
-    lock_bench.blocking_lock = contender
     rows = {}
     for name in CONTENDED:
-        done = lock_bench.run_contended(name, url, f"{prefix}c:{name}", processes, seconds)
+        done = lock_bench.run_contended(name, url, f"{prefix}c:{name}", processes, seconds, contender)
         errors = [result.error for result in done if result.error]
         if errors:
             raise RuntimeError(f"{name}: {errors[0]}")
