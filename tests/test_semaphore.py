@@ -19,6 +19,7 @@ from redis.crc import key_slot
 
 from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock.lock import companion_key
+from celery_redislock.semaphore import release_permit_held_by
 from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests import invariants
 from tests.conftest import calls_since, command_calls
@@ -274,6 +275,52 @@ def test_a_waiter_is_woken_by_a_release_not_by_polling(client: redis.Redis, pref
     assert calls["blpop"] == 1
     assert calls["evalsha"] == (2 if fair else 3)
     waiter.release()
+
+
+def test_a_fair_waiter_is_served_when_a_permit_runs_out_unreleased(client: redis.Redis, prefix: str) -> None:
+    """No release wakes the waiters: the first wakes when the permit's TTL runs out and is served
+    first; the second, woken as well, stays queued behind it."""
+    name = f"{prefix}:s"
+    holder = RedisSemaphore(client, name, 1, ttl=0.5, watchdog=False, fair=True)  # it never renews
+    assert holder.acquire()
+    first, second = (RedisSemaphore(client, name, 1, ttl=30, fair=True) for _ in range(2))
+    first_results: list[bool] = []
+    second_results: list[bool] = []
+    first_thread = _wait_in_thread(first, first_results)
+    until(lambda: queued(client, name) == 1, "the first waiter queued")
+    second_thread = _wait_in_thread(second, second_results)
+    until(lambda: queued(client, name) == 2, "the second waiter queued")
+    first_thread.join(30)
+    assert first_results == [True] and first.owned() and not holder.owned()
+    assert first.fence is not None and holder.fence is not None and first.fence > holder.fence
+    assert not second.owned() and queued(client, name) == 1  # still waiting, its place kept
+    first.release()
+    second_thread.join(30)
+    assert second_results == [True] and second.owned()
+    second.release()
+    with pytest.raises(LockNotOwned):
+        holder.release()
+
+
+def test_the_crash_release_frees_only_the_dead_holders_permit(client: redis.Redis, prefix: str) -> None:
+    """``release_permit_held_by`` (the worker's main process, after a pool child died) frees the
+    permit its holder holds, and leaves alone one taken over by someone else after it ran out."""
+    name = f"{prefix}:s"
+    dead, alive = (RedisSemaphore(client, name, 2, ttl=10, holder=f"task=t{i} try=0") for i in range(2))
+    assert dead.acquire() and alive.acquire()
+    dead_key = dead.servers.book.key_of(dead.token)
+    assert dead_key is not None
+    client.delete(dead_key)  # its lease ran out
+    taker = RedisSemaphore(client, name, 2, ttl=10, holder="task=t2 try=0")
+    assert taker.acquire(blocking=False) and taker.servers.book.key_of(taker.token) == dead_key
+    assert not release_permit_held_by(client, name, 2, "task=t0 try=0")  # its permit is the taker's now
+    assert taker.owned() and alive.owned()
+    assert release_permit_held_by(client, name, 2, "task=t1 try=0")
+    assert not alive.owned() and taker.owned()
+    taker.release()
+    for gone in (dead, alive):
+        with pytest.raises(LockNotOwned):
+            gone.release()
 
 
 def test_fair_waiters_are_served_in_arrival_order(client: redis.Redis, prefix: str) -> None:
