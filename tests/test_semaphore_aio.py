@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -150,37 +148,35 @@ def test_a_bad_limit_is_refused_and_writes_nothing(redis_server: RedisServer, pr
         assert invariants.keys_of(checker, prefix) == []
 
 
-@contextmanager
-def first_async_reply_lost(script: Script) -> Iterator[list[Any]]:
-    """``tests.test_attempts.first_reply_lost`` for asyncio connections: the first reply to
-    ``script`` is read, then lost as with a dropped connection, so the retry policy sends it again."""
+def lose_first_async_reply(monkeypatch: pytest.MonkeyPatch, script: Script) -> list[Any]:
+    """``tests.test_attempts.first_reply_lost`` for asyncio connections, until the test ends: the
+    first reply to ``script`` is read, then lost as with a dropped connection, so the retry policy
+    sends it again. Returns the lost replies."""
     send, read = AbstractConnection.send_packed_command, AbstractConnection.read_response
-    pending: set[AbstractConnection] = set()  # connections awaiting the doomed reply
+    doomed: list[AbstractConnection] = []  # the connection that sends the script first
     lost: list[Any] = []
 
     async def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
-        packed = b"".join(command) if isinstance(command, list) else command
-        if not lost and not pending and script.sha.encode() in packed:
-            pending.add(self)
+        parts = command if isinstance(command, list) else [command]
+        if not doomed and script.sha.encode() in b"".join(parts):
+            doomed.append(self)
         await send(self, command, check_health)
 
     async def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
         reply = await read(self, *args, **kwargs)
-        if self not in pending:
+        if lost or doomed != [self]:  # one reply lost, that of the script's first send
             return reply
-        pending.discard(self)
         lost.append(reply)
         raise redis.ConnectionError("the reply was lost (test seam)")
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(AbstractConnection, "send_packed_command", send_packed_command)
-        patch.setattr(AbstractConnection, "read_response", read_response)
-        yield lost
+    monkeypatch.setattr(AbstractConnection, "read_response", read_response)
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", send_packed_command)
+    return lost
 
 
 @pytest.mark.parametrize("kind", ["lock", "semaphore"])
 def test_a_resent_release_does_not_raise_lock_not_owned(
-    redis_server: RedisServer, prefix: str, kind: str
+    redis_server: RedisServer, prefix: str, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The release runs, its reply is lost, and the client sends it again: the second run finds
     nothing held. The release succeeded, so ``release()`` must not raise ``LockNotOwned``."""
@@ -196,8 +192,8 @@ def test_a_resent_release_does_not_raise_lock_not_owned(
         assert await lock.acquire()
         script = RELEASE if kind == "lock" else RELEASE_PERMIT
         await client.script_load(script.source)  # no NOSCRIPT round before the lost reply
-        with first_async_reply_lost(script) as lost:
-            await lock.release()
+        lost = lose_first_async_reply(monkeypatch, script)
+        await lock.release()
         assert lost == [1]
         assert not await lock.locked()
 
