@@ -361,16 +361,18 @@ def contention_worker(
     index: int,
     ready: multiprocessing.synchronize.Barrier,
     results: multiprocessing.queues.Queue[WorkerResult],
+    contender: Callable[[str, redis.Redis, str], Pair] = blocking_lock,
 ) -> None:
-    """One forked process: warm up on a key of its own, then loop on the shared ``key``."""
+    """One forked process: warm up on a key of its own, then loop on the shared ``key`` with the
+    (acquire, release) ``contender`` makes."""
     CountingConnection.reset()
     result = WorkerResult(index, 0, 0, 0.0, 0.0)
     try:
         client = counting_client(url)
-        warm_acquire, warm_release = blocking_lock(name, client, f"{key}:warm:{index}")
+        warm_acquire, warm_release = contender(name, client, f"{key}:warm:{index}")
         warm_acquire()  # loads the scripts and opens every connection the loop will use
         warm_release()
-        acquire, release = blocking_lock(name, client, key)
+        acquire, release = contender(name, client, key)
         ready.wait()
         CountingConnection.reset()
         cpu = time.process_time()
@@ -392,12 +394,20 @@ def contention_worker(
     results.put(result)
 
 
-def run_contended(name: str, url: str, key: str, processes: int, seconds: float) -> list[WorkerResult]:
+def run_contended(
+    name: str,
+    url: str,
+    key: str,
+    processes: int,
+    seconds: float,
+    contender: Callable[[str, redis.Redis, str], Pair] = blocking_lock,
+) -> list[WorkerResult]:
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Barrier(processes)
     results: multiprocessing.queues.Queue[WorkerResult] = ctx.Queue()
+    arguments = (name, url, key, seconds)
     workers = [
-        ctx.Process(target=contention_worker, args=(name, url, key, seconds, i, ready, results), daemon=True)
+        ctx.Process(target=contention_worker, args=(*arguments, i, ready, results, contender), daemon=True)
         for i in range(processes)
     ]
     for worker in workers:

@@ -6,6 +6,7 @@ Importing the package connects nothing and starts nothing.
 from __future__ import annotations
 
 from .aio import AsyncRedisLock
+from .aio_semaphore import AsyncRedisSemaphore
 from .exceptions import (
     DuplicateTask,
     LockConfigurationError,
@@ -20,10 +21,12 @@ from .lock import RedisLock
 from .lock_fields import LockFields, lock_fields
 from .receivers import install
 from .redlock import Redlock
+from .semaphore import RedisSemaphore
 from .task import LockedTask, task_lock_key
 
 __all__ = [
     "AsyncRedisLock",
+    "AsyncRedisSemaphore",
     "DuplicateTask",
     "LockConfigurationError",
     "LockFields",
@@ -35,6 +38,7 @@ __all__ = [
     "LockedTask",
     "RedisLock",
     "RedisLockError",
+    "RedisSemaphore",
     "Redlock",
     "__version__",
     "install",

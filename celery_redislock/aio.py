@@ -30,12 +30,13 @@ from math import inf
 from typing import Any, TypeVar
 
 import redis.asyncio
+from redis.exceptions import NoScriptError
 
 from . import telemetry
 from ._durations import Duration, to_ms
 from ._redis import call_with_timeout_async
-from ._scripts import ACQUIRE, RELEASE, RENEW
-from .attempt import Attempt, LockCore, ending_block, lease_seconds, owns
+from ._scripts import ACQUIRE, RELEASE, RENEW, Script
+from .attempt import Attempt, LockCore, companion_key, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
 from .watchdog import (
     Lease,
@@ -47,7 +48,7 @@ from .watchdog import (
     renewal_answered,
 )
 
-__all__ = ["AsyncRedisLock"]
+__all__ = ["AsyncOneKey", "AsyncRedisLock", "call_noting_resend"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ class AsyncRedisLock(LockCore):
         super().__init__(name, ttl, watchdog=watchdog, fair=fair, timeout=timeout, holder=holder)
         self.client = client
         self.lost = asyncio.Event()
-        self._keys = (self.name,)
+        #: where the hold lives, and how its scripts run there
+        self.key: AsyncOneKey = AsyncOneKey(client, self.name)
         self._lease: Lease | None = None
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
@@ -129,7 +131,7 @@ class AsyncRedisLock(LockCore):
         self.record_hold(token, fence)
         self.lost.clear()
         if self.watchdog:
-            self._lease = Lease(self.client, self.name, token, self.ttl, weakref.ref(self))
+            self._lease = Lease(self.client, self.key.lease_key(token), token, self.ttl, weakref.ref(self))
             _watchdog().add(self._lease, attempt.sent_at)
         return True
 
@@ -138,38 +140,19 @@ class AsyncRedisLock(LockCore):
         sent, it undoes it (see the module docstring)."""
         try:
             while True:
-                acquire = ACQUIRE.call_async(self.client, self._keys, [attempt.member, attempt.mode()])
-                fence = attempt.granted(await _to_the_end(acquire))
+                fence = attempt.granted(await _to_the_end(self.key.acquire(attempt, attempt.mode())))
                 if fence is not None:
                     return fence
                 self.busy = attempt.busy
                 if not attempt.waiting:
                     return None
-                fence = attempt.handed(await self._sleep(attempt))
+                fence = attempt.handed(await self.key.sleep(attempt))
                 if fence is not None:  # handed over after our last attempt was sent
                     return fence
         except BaseException:
             if attempt.sent:
-                await _to_the_end(self._abandon(attempt.token, attempt.member))
+                await _to_the_end(self.key.abandon(attempt.token, attempt.member))
             raise
-
-    async def _sleep(self, attempt: Attempt) -> Any:
-        """Blocks until woken by a release, the holder's TTL runs out, or the deadline."""
-        wait = attempt.pause()
-        key = self.wake_prefix + attempt.token
-        reply = await call_with_timeout_async(self.client, wait + 1.0, "BLPOP", key, f"{wait:.3f}")
-        return None if reply is None else reply[1]
-
-    async def _abandon(self, token: str, member: str) -> None:
-        try:
-            await RELEASE.call_async(self.client, self._keys, [token, member])
-        except Exception as exc:
-            logger.warning(
-                "lock %r: could not leave the waiter queue: %s",
-                self.name,
-                exc,
-                extra=telemetry.log_fields(self.name, outcome="error"),
-            )
 
     async def release(self) -> None:
         """Lower the hold count; at zero, free the key, owner-checked (see ``RedisLock.release``)."""
@@ -179,10 +162,10 @@ class AsyncRedisLock(LockCore):
     async def _free(self, token: str, lease: Lease | None) -> bool:
         if lease is not None:  # no renewal in flight once discarded
             await _watchdog().discard(lease)
-        released = await RELEASE.call_async(self.client, self._keys, [token])
+        released = await self.key.free(token)
         self.clear_hold()
         self._lease = None
-        return bool(int(released))
+        return released
 
     async def extend(self, ttl: Duration | None = None) -> None:
         """Set the remaining TTL to ``ttl`` (default: the lock's), replacing it (see ``RedisLock.extend``)."""
@@ -192,7 +175,7 @@ class AsyncRedisLock(LockCore):
         token, lease = self.token or "", self._lease
         async with _watchdog().changing([] if lease is None else [lease]):  # no renewal in flight undoes it
             sent_at = mod_time.monotonic()
-            if await RENEW.call_async(self.client, self._keys, [to_ms(new_ttl), token]):
+            if not await self.key.extend(token, new_ttl):
                 self.lost.set()
                 raise LockNotOwned(self.name)
             if lease is not None and lease is self._lease:
@@ -200,14 +183,13 @@ class AsyncRedisLock(LockCore):
 
     async def locked(self) -> bool:
         """Whether anyone holds the lock (one round trip)."""
-        return bool(await self.client.exists(self.name))
+        return await self.key.locked()
 
     async def owned(self) -> bool:
         """Whether this object holds the lock, as Redis sees it now (one round trip)."""
         if not self.held():
             return False
-        token = self.token
-        return owns(await self.client.get(self.name), token)
+        return await self.key.owned(self.token)
 
     async def __aenter__(self) -> AsyncRedisLock:
         if not await self.acquire():
@@ -225,6 +207,97 @@ class AsyncRedisLock(LockCore):
             return False
         self.lost.set()
         return True
+
+
+async def call_noting_resend(
+    client: redis.asyncio.Redis, script: Script, keys: list[str], args: list[str | int]
+) -> tuple[Any, bool]:
+    """``script.call_async`` on one connection of ``client``'s pool, under that connection's retry
+    policy; with whether the policy sent it again after an error that may have come after it ran
+    (a reply lost with its connection), as ``Script``'s ``resending`` for a sync client. An
+    exception that ends the exchange early drops the connection: its reply is never read by the
+    next user."""
+    if client.connection is not None:  # a single-connection client: its own lock and retries
+        return await script.call_async(client, keys, args), False
+    resent = False
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+    async def run() -> Any:
+        await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        return await connection.read_response()
+
+    async def failed(_: Exception) -> None:
+        nonlocal resent
+        resent = True
+        await connection.disconnect()
+
+    try:
+        try:
+            return await connection.retry.call_with_retry(run, failed), resent
+        except NoScriptError:
+            await client.script_load(script.source)
+            return await connection.retry.call_with_retry(run, failed), resent
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)
+
+
+class AsyncOneKey:
+    """Where an ``AsyncRedisLock``'s hold lives: the key ``name`` on ``client``, where waiters
+    queue and are woken (see ``_scripts``); the asyncio twin of ``lock.OneServer``."""
+
+    def __init__(self, client: redis.asyncio.Redis, name: str) -> None:
+        self.client, self.name = client, name
+        self.wake_prefix = companion_key(name, "wake:")
+
+    def lease_key(self, token: str) -> str:
+        """The key the watchdog renews for the hold just granted to ``token``."""
+        return self.name
+
+    async def acquire(self, attempt: Attempt, mode: str) -> Any:
+        """Send ``attempt`` in ``mode``: the fence if granted, else [PTTL in ms, holder]."""
+        return await ACQUIRE.call_async(self.client, [self.name], [attempt.member, mode])
+
+    async def sleep(self, attempt: Attempt) -> Any:
+        """Blocks until woken by a release, the holder's TTL runs out, or the deadline."""
+        wait = attempt.pause()
+        key = self.wake_prefix + attempt.token
+        reply = await call_with_timeout_async(self.client, wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        return None if reply is None else reply[1]
+
+    async def abandon(self, token: str, member: str) -> None:
+        """Leave the queue, and release the hold if it was granted meanwhile; logs a failure."""
+        try:
+            await self.free(token, member)
+        except Exception as exc:
+            logger.warning(
+                "lock %r: could not leave the waiter queue: %s",
+                self.name,
+                exc,
+                extra=telemetry.log_fields(self.name, outcome="error"),
+            )
+
+    async def free(self, token: str, member: str = "") -> bool:
+        """Release ``token``'s hold (and leave the queue as ``member``), owner-checked; whether
+        ``token`` held it (also when the client's retry policy sent the release again after its
+        first send freed it)."""
+        released, resent = await call_noting_resend(self.client, RELEASE, [self.name], [token, member])
+        return bool(int(released) or resent)
+
+    async def extend(self, token: str, ttl: float) -> bool:
+        """Set ``token``'s hold to ``ttl``, owner-checked; whether ``token`` held it."""
+        return not await RENEW.call_async(self.client, [self.name], [to_ms(ttl), token])
+
+    async def locked(self) -> bool:
+        """Whether anyone holds the lock."""
+        return bool(await self.client.exists(self.name))
+
+    async def owned(self, token: str | None) -> bool:
+        """Whether ``token`` holds the lock, now."""
+        return owns(await self.client.get(self.name), token)
 
 
 class _AsyncWatchdog(LeaseSet):

@@ -24,10 +24,12 @@ from celery import states
 from redis.connection import parse_url
 
 from ._durations import seconds
+from ._permit_scripts import MAX_LIMIT
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
 from .keys import LockOn
 from .modes import MODE_RULES, UNLOCKED, ModeRules
+from .semaphore import permit_limit
 
 __all__ = [
     "APP_SETTINGS",
@@ -73,6 +75,7 @@ TASK_OPTIONS: Mapping[str, Any] = {
     "wait_timeout": None,
     "on_lost": "log",
     "beat": False,
+    "limit": 1,
 }
 APP_SETTINGS: Mapping[str, Any] = {
     "url": None,
@@ -113,6 +116,8 @@ class LockOptions:
     #: what ``mode`` takes, keeps and frees (``MODE_RULES[mode]``; ``UNLOCKED`` when the app's
     #: ``redislock_enabled`` is ``False``)
     rules: ModeRules
+    #: how many runs of one key may run at once, each holding a permit (``semaphore``); 1: the lock
+    limit: int = 1
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,24 @@ def _duration(problem: _Problem, option: str, value: object, low: float, high: f
     if not low <= result <= high:
         raise problem(option, value, allowed)
     return result
+
+
+def _limit(problem: _Problem, option: str, value: object, mode: str, replicated: bool) -> int:
+    """``lock_limit``: above 1 only in the modes where the runs hold a lock of their own, and
+    without ``redislock_replicas`` (a permit is not confirmed by replicas)."""
+    try:
+        limit = permit_limit(value)
+    except LockConfigurationError:
+        raise problem(option, value, f"allowed: an int from 1 to {MAX_LIMIT}") from None
+    limited = [name for name, rules in MODE_RULES.items() if rules.execution_lock and not rules.adopts_ticket]
+    if limit > 1 and mode not in limited:
+        needs = " or ".join(repr(name) for name in limited)
+        raise problem(option, limit, f"above 1 it needs lock_mode {needs} (a lock the runs alone hold)")
+    if limit > 1 and replicated:
+        raise problem(
+            option, limit, "above 1 it cannot be used with redislock_replicas (permits are not confirmed)"
+        )
+    return limit
 
 
 def _lock_on(problem: _Problem, value: object, run: Callable[..., Any]) -> LockOn:
@@ -340,14 +363,14 @@ def app_settings(app: Any) -> AppSettings:
 
 
 def _check_outcomes(
-    problem: _Problem, app: Any, mode: str, busy: tuple[str, str], duplicate: tuple[str, str]
+    problem: _Problem, mode: str, busy: tuple[str, str], duplicate: tuple[str, str], replicated: bool
 ) -> None:
     """A task's own ``lock_duplicate="replace"`` needs an enqueue lock (and no replicas: not
     supported yet), its own ``lock_busy="reject"`` an execution lock, the only lock a run can
     find busy. The app's setting is the default of the tasks it applies to (the others never
     read it)."""
     rules = MODE_RULES[mode]
-    if duplicate[1] == "replace" and rules.enqueue_lock and app.conf.get("redislock_replicas"):
+    if duplicate[1] == "replace" and rules.enqueue_lock and replicated:
         raise problem(*duplicate, "not supported with redislock_replicas")
     if duplicate == ("lock_duplicate", "replace") and not rules.enqueue_lock:
         raise problem(*duplicate, f"lock_mode {mode!r} takes no enqueue lock to replace")
@@ -355,8 +378,9 @@ def _check_outcomes(
         raise problem(*busy, f"lock_mode {mode!r} takes no lock a run can find busy")
 
 
-def task_options(task: type[Any], app: Any) -> LockOptions:
-    """Options of the task class ``task``: attribute > ``app.conf.redislock_*`` > default, validated."""
+def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOptions:
+    """Options of the task class ``task``: attribute > ``app.conf.redislock_*`` > default, validated
+    (``settings``: the app's, validated)."""
     problem = _Problem(f"task {task.name!r}")
     known = [f"lock_{name}" for name in TASK_OPTIONS]
     for name in dir(task):
@@ -386,7 +410,7 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
     option, wait_value = raw("wait_timeout")
     duplicate_option, duplicate = raw("duplicate")
     duplicate = _choice(problem, duplicate_option, duplicate, DUPLICATE)
-    _check_outcomes(problem, app, mode, (busy_option, busy), (duplicate_option, duplicate))
+    _check_outcomes(problem, mode, (busy_option, busy), (duplicate_option, duplicate), settings.replicas > 0)
     return LockOptions(
         mode=mode,
         on=_lock_on(problem, raw("on")[1], task.run),
@@ -399,5 +423,6 @@ def task_options(task: type[Any], app: Any) -> LockOptions:
         wait_timeout=ttl if wait_value is None else _duration(problem, option, wait_value, 0),
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
         beat=_flag(problem, *raw("beat")),
-        rules=rules if _enabled(problem, app) else UNLOCKED,
+        rules=rules if settings.enabled else UNLOCKED,
+        limit=_limit(problem, *raw("limit"), mode, settings.replicas > 0),
     )

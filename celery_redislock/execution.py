@@ -111,6 +111,7 @@ class Execution:
                 task_name=task.name,
                 raise_on_lost=options.on_lost != "log",
                 stop_child=options.on_lost == "terminate" and self._stops_child(),
+                limit=options.limit,
             )
             self.lock.request = request
             # From here on, what an asynchronous exception leaves held is task_postrun's to release.

@@ -31,6 +31,7 @@ from .config import bound_options
 from .connection import client_for
 from .inventory import release_held_by
 from .protocol import holder_for
+from .semaphore import release_permit_held_by
 from .task import task_lock_key
 from .telemetry import crash_released, log_fields
 
@@ -133,7 +134,13 @@ class LockedRequest(Request):
             client, _ = client_for(task.app)
             retries = self.request_dict.get("retries") or 0
             holder = holder_for(self.id, retries, self.hostname, pid)
-            released = release_held_by(client, key, holder)
+            options = bound_options(task)
+            limit = 1 if options is None else options.limit  # above 1, the run held a permit of the key
+            released = (
+                release_held_by(client, key, holder)
+                if limit == 1
+                else release_permit_held_by(client, key, limit, holder)
+            )
         except Exception:  # the main process's event loop must go on
             logger.exception(
                 "task %s[%s]: could not release its dead pool child's lock",

@@ -27,6 +27,7 @@ from .config import AppSettings
 from .connection import Client
 from .exceptions import LockLost, LockNotOwned
 from .lock import RedisLock
+from .semaphore import PermitBook, Permits
 from .watchdog import Lease
 
 __all__ = ["EMPTY_BLOCK", "ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
@@ -66,8 +67,11 @@ class ExecutionLock(RedisLock):
         task_name: str,
         raise_on_lost: bool,
         stop_child: bool,
+        limit: int = 1,
     ) -> None:
         super().__init__(client, key, ttl, holder=holder, **settings.replication)
+        if limit > 1:  # up to ``limit`` runs at once: each holds a permit of the key (``semaphore``)
+            self.servers = Permits(client, PermitBook(self.name, limit), self.ttl, self.wake_prefix)
         #: the task whose run holds it (the ``task`` of its metrics)
         self.task_name = task_name
         self.request: Any = None  # the request the body sees, once pushed

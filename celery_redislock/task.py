@@ -126,8 +126,8 @@ class LockedTask(OnCommit):
     @classmethod
     def on_bound(cls, app: Any) -> None:
         super().on_bound(app)
-        cls.lock_options = task_options(cls, app)
         cls.lock_settings = app_settings(app)
+        cls.lock_options = task_options(cls, app, cls.lock_settings)
         install(app)
 
     def apply_async(

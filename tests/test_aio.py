@@ -264,17 +264,23 @@ def test_context_manager_raises_lock_not_acquired(redis_server: RedisServer, pre
 def gate(monkeypatch: pytest.MonkeyPatch) -> dict[str, asyncio.Event]:
     """Scripts named in the dict, once their reply is in, wait for the event before returning it."""
     gates: dict[str, asyncio.Event] = {}
-    real = type(ACQUIRE).call_async
+    real, real_noting = type(ACQUIRE).call_async, aio_module.call_noting_resend
 
-    async def gated(self: Any, client: Any, keys: Any, args: Any) -> Any:
-        reply = await real(self, client, keys, args)
-        which = "acquire" if self is ACQUIRE else "release" if self is RELEASE else "other"
+    async def hold(script: Any, reply: Any) -> Any:
+        which = "acquire" if script is ACQUIRE else "release" if script is RELEASE else "other"
         if which in gates:
             gates[which + " reached"].set()
             await gates[which].wait()  # the caller is cancelled here, after Redis acted
         return reply
 
+    async def gated(self: Any, client: Any, keys: Any, args: Any) -> Any:
+        return await hold(self, await real(self, client, keys, args))
+
+    async def gated_noting(client: Any, script: Any, keys: Any, args: Any) -> Any:
+        return await hold(script, await real_noting(client, script, keys, args))
+
     monkeypatch.setattr(type(ACQUIRE), "call_async", gated)
+    monkeypatch.setattr(aio_module, "call_noting_resend", gated_noting)  # the release's way
     return gates
 
 
@@ -328,7 +334,7 @@ def test_cancelled_after_a_fair_hand_over_releases_it(
         holder = AsyncRedisLock(client, name, ttl=30, fair=True)
         await holder.acquire()
         waiter = AsyncRedisLock(client, name, ttl=30, fair=True, holder="the waiter")
-        monkeypatch.setattr(waiter, "_sleep", deaf)
+        monkeypatch.setattr(waiter.key, "sleep", deaf)
         attempt = asyncio.ensure_future(waiter.acquire())
         await until(lambda: _queued(client, name), "the waiter queued")
         await holder.release()  # hands the lock to the waiter

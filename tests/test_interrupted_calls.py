@@ -25,8 +25,10 @@ import redis.asyncio
 import redis.asyncio.connection
 import redis.connection
 
-from celery_redislock import AsyncRedisLock, LockNotOwned, RedisLock
+from celery_redislock import AsyncRedisLock, AsyncRedisSemaphore, LockNotOwned, RedisLock, RedisSemaphore
+from celery_redislock._permit_scripts import ACQUIRE_PERMIT, RELEASE_PERMIT
 from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
+from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
 from tests.invariants import stored
@@ -85,19 +87,29 @@ def assert_right_answers(client: Any, prefix: str) -> RedisLock:
     return probe
 
 
+def held_keys(name: str) -> list[str]:
+    """The keys a hold of ``name`` may leave: the lock's, or a semaphore of 2's permits."""
+    return [name, companion_key(name, "permit:1"), companion_key(name, "permit:2")]
+
+
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
 @pytest.mark.parametrize("step", ["release", "acquire", "extend"])
 def test_an_interrupted_script_call_leaves_the_client_giving_right_answers(
     redis_server: RedisServer,
     prefix: str,
     step: str,
+    kind: str,
     interrupt_read: Arm,
 ) -> None:
-    """A call on the script fast path is interrupted after its send: the client's next calls, for
-    another lock held by someone else, still read their own replies (no second holder)."""
+    """A call on the script fast path (a semaphore's: its permit script) is interrupted after its
+    send: the client's next calls, for another lock held by someone else, still read their own
+    replies (no second holder)."""
     client, other = redis_server.client(), redis_server.client()
-    for script in (ACQUIRE, RELEASE, RENEW):  # loaded: the interrupted read is the call's own reply
-        client.script_load(script.source)
-    mine, theirs = RedisLock(client, f"{prefix}:a", ttl=5), RedisLock(other, f"{prefix}:b", ttl=5)
+    for script in (ACQUIRE, RELEASE, RENEW, ACQUIRE_PERMIT, RELEASE_PERMIT):  # loaded: the
+        client.script_load(script.source)  # interrupted read is the call's own reply
+    name = f"{prefix}:a"
+    mine = RedisLock(client, name, ttl=5) if kind == "lock" else RedisSemaphore(client, name, 2, ttl=5)
+    theirs = RedisLock(other, f"{prefix}:b", ttl=5)
     assert theirs.acquire(blocking=False)
     if step != "acquire":
         assert mine.acquire(blocking=False)
@@ -115,7 +127,7 @@ def test_an_interrupted_script_call_leaves_the_client_giving_right_answers(
     assert stored(other, f"{prefix}:b").decode().startswith(theirs.token or "-")
     assert not client.exists(f"{prefix}:c")
     theirs.release()
-    client.delete(f"{prefix}:a")  # whatever the interrupted call left (it may have acquired)
+    client.delete(*held_keys(name))  # whatever the interrupted call left (it may have acquired)
 
 
 def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
@@ -238,11 +250,15 @@ def test_an_interrupted_renewal_leaves_the_watchdog_reading_its_own_replies(
         lock.release()
 
 
+@pytest.mark.parametrize(
+    ("kind", "step"), [("lock", "extend"), ("semaphore", "extend"), ("semaphore", "acquire")]
+)
 def test_a_cancelled_async_call_while_the_server_is_slow_leaves_the_client_giving_right_answers(
-    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, kind: str, step: str
 ) -> None:
-    """An ``AsyncRedisLock.extend()`` is cancelled while the server is stopped (SIGSTOP), its
-    command sent and its reply not read: the client's next calls read their own replies."""
+    """An ``AsyncRedisLock.extend()`` (an ``AsyncRedisSemaphore``'s ``extend()`` or ``acquire()``) is
+    cancelled while the server is stopped (SIGSTOP), its command sent and its reply not read: the
+    client's next calls read their own replies, and a cancelled acquire leaves no permit held."""
     sent = threading.Event()
     original = redis.asyncio.connection.AbstractConnection.send_packed_command
 
@@ -259,28 +275,38 @@ def test_a_cancelled_async_call_while_the_server_is_slow_leaves_the_client_givin
         other = fresh_server.client()
         theirs = RedisLock(other, f"{prefix}:b", ttl=30)
         assert theirs.acquire(blocking=False)
-        mine = AsyncRedisLock(client, f"{prefix}:a", ttl=30)
-        assert await mine.acquire(blocking=False)
+        name = f"{prefix}:a"
+        mine = (
+            AsyncRedisLock(client, name, ttl=30)
+            if kind == "lock"
+            else AsyncRedisSemaphore(client, name, 2, ttl=30)
+        )
+        if step == "extend":
+            assert await mine.acquire(blocking=False)
+        else:
+            await client.script_load(ACQUIRE_PERMIT.source)  # the acquire's first reply is its own
         sent.clear()
         os.kill(fresh_server.pid, signal.SIGSTOP)
         try:
-            extend = asyncio.ensure_future(mine.extend())
+            call = asyncio.ensure_future(mine.extend() if step == "extend" else mine.acquire(blocking=False))
             for _ in range(2000):  # poll until the command is on its way (10 s at most)
                 if sent.is_set():
                     break
                 await asyncio.sleep(0.005)
             assert sent.is_set()
-            extend.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await extend
+            call.cancel()  # delivered at the call's next step, before any reply can be read
         finally:
-            os.kill(fresh_server.pid, signal.SIGCONT)
+            os.kill(fresh_server.pid, signal.SIGCONT)  # a cancelled acquire finishes its exchange
+        with pytest.raises(asyncio.CancelledError):
+            await call
         probe = AsyncRedisLock(client, f"{prefix}:b", ttl=30)
         assert not await probe.acquire(blocking=False)
         fresh = AsyncRedisLock(client, f"{prefix}:c", ttl=30)
         assert await fresh.acquire(blocking=False)
         await fresh.release()
-        await mine.release()
+        if step == "extend":
+            await mine.release()
+        assert not mine.held() and not await client.exists(*held_keys(name))  # a cancelled acquire: undone
         theirs.release()
         await client.aclose()
 

@@ -1,0 +1,162 @@
+"""Lua scripts of a semaphore (``semaphore.RedisSemaphore``): up to ``limit`` permits of one name.
+
+KEYS[1] is the semaphore's name; the key of that name is never written, but
+a lock's hold of it (a task's run while its ``lock_limit`` was 1, the limit
+raised since) takes one of the ``limit`` places until it ends. Its
+permits are the keys ``<prefix>permit:<i>`` for ``i`` in ``1..limit``, where
+``<prefix>`` is the name's companion prefix (``attempt.companion_key``), so
+that every key of one semaphore is in one Redis Cluster hash slot. A permit
+is a lock value (``_scripts``: ``"<token>:<fence>:<holder>"``) with the TTL of
+its holder's lease: the watchdog renews it with ``RENEW`` like any lock, and
+a permit nobody renews (its holder died) frees itself when its TTL runs out,
+within its lease. Waiters queue and are woken as a lock's (the prelude's
+queue, deadlines and wake lists): a release wakes the first waiter; a fair
+one is granted the freed permit and woken with ``"<fence>:<i>"``.
+
+A permit's fence is the server clock in microseconds, raised above every
+live permit's fence (and, when handed on, the releaser's): greater than
+every earlier permit's, as a lock's fence is.
+
+All users of one name agree on ``limit`` (and ``fair``): the scripts look at
+permits ``1..limit`` of the caller's ``limit`` only (a limit lowered from N to
+M leaves the holders of permits M+1..N unseen until they end). A script reads every
+permit, so ``limit`` is at most ``MAX_LIMIT``.
+"""
+
+from __future__ import annotations
+
+from ._scripts import Script
+
+__all__ = ["ACQUIRE_PERMIT", "MAX_LIMIT", "RELEASE_PERMIT"]
+
+#: The highest ``limit`` (every script reads all the permits, in one MGET).
+MAX_LIMIT = 1000
+
+_PERMITS = """
+local permit_prefix = prefix .. 'permit:'
+
+-- The values of permits 1..limit (false: free).
+local function permits(limit)
+  local keys = {}
+  for i = 1, limit do keys[i] = permit_prefix .. i end
+  return redis.call('MGET', unpack(keys))
+end
+
+-- Grants permit `i` to `token` with a fence above every live permit's and above `floor`;
+-- returns the grant as "<fence>:<i>".
+local function grant(i, values, floor, token, holder, ttl_ms, now_us)
+  local top = floor
+  for _, value in ipairs(values) do
+    if value then top = math.max(top, fence_of(value)) end
+  end
+  local fence = math.max(now_us, top + 1)
+  values[i] = hold(token, fence, holder)
+  redis.call('SET', permit_prefix .. i, values[i], 'PX', ttl_ms)
+  return string.format('%.0f', fence) .. ':' .. i
+end
+
+-- Wakes the first live waiter about the free permit `i`; a fair one is granted it.
+local function pass_on(i, values, floor, now_ms, now_us)
+  evict(now_ms)
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if not head then return end
+  local ttl_ms, token, fair, holder = member_fields(head)
+  leave(head, wake_prefix .. token)
+  wake(token, fair == '1' and grant(i, values, floor, token, holder, ttl_ms, now_us) or 'retry', ttl_ms)
+end
+
+-- The run a task's holder names ("task=<id> ", see protocol.holder_for); nil for another holder.
+local function run_of(holder) return holder and string.match(holder, '^task=%S+ ') end
+
+-- The first free permit (nil: none). A hold of the name's own key, a lock (a task's run of
+-- lock_limit 1, the limit raised under it), takes one of the `limit` places too.
+local function first_free(values)
+  local taken = redis.call('EXISTS', lock)
+  for _, value in ipairs(values) do
+    if value then taken = taken + 1 end
+  end
+  if taken >= #values then return end
+  for i, value in ipairs(values) do
+    if not value then return i end
+  end
+end
+"""
+
+_ACQUIRE_PERMIT = """
+-- ACQUIRE_PERMIT. KEYS[1] the semaphore's name. ARGV[1] the caller's waiter member,
+-- ARGV[2] what to do when no permit is free ('try', 'wait', 'again', 'last': as ACQUIRE's),
+-- ARGV[3] limit.
+-- Returns "<fence>:<i>" when the caller holds permit i now (its TTL set to the member's
+-- ttl), else {the PTTL in ms of the permit that runs out first, its holder} ({-2, false}
+-- when the free permits just went to fair waiters before the caller). A task's run whose
+-- task id holds a permit already (its own message delivered again, or its previous attempt
+-- letting go) is not granted one: it gets {that permit's PTTL, its holder}, and waits for it.
+local member, mode = ARGV[1], ARGV[2]
+local ttl_ms, token, fair, holder = member_fields(member)
+local now_ms, now_us = clock(redis.call('TIME'))
+local values = permits(tonumber(ARGV[3]))
+local run, soonest, soonest_holder, same_run = run_of(holder), nil, false, nil
+-- Notes the hold `value` of `key`: the soonest to run out, and the caller's run's own.
+local function note(key, value)
+  local pttl = redis.call('PTTL', key)
+  if not soonest or pttl < soonest then soonest, soonest_holder = pttl, holder_of(value) end
+  if run and run_of(holder_of(value)) == run then same_run = {pttl, holder_of(value)} end
+end
+for i, value in ipairs(values) do
+  if owns(value, token) then  -- handed over while we were away from the wake list
+    leave(member, wake_prefix .. token)
+    redis.call('PEXPIRE', permit_prefix .. i, ttl_ms)
+    return string.format('%.0f', fence_of(value)) .. ':' .. i
+  elseif value then
+    note(permit_prefix .. i, value)
+  end
+end
+local named = redis.call('GET', lock)
+if named then note(lock, named) end  -- a lock's hold of the name (see first_free)
+local free, head = not same_run and first_free(values) or nil, nil
+if fair == '1' then
+  evict(now_ms)
+  head = redis.call('ZRANGE', queue, 0, 0)[1]
+  while free and head and head ~= member do  -- fair waiters before the caller are served first
+    pass_on(free, values, 0, now_ms, now_us)
+    free, head = first_free(values), redis.call('ZRANGE', queue, 0, 0)[1]
+  end
+end
+if free then
+  if mode == 'again' or mode == 'last' then leave(member, wake_prefix .. token) end
+  return grant(free, values, 0, token, holder, ttl_ms, now_us)
+end
+if mode == 'wait' or mode == 'again' then
+  redis.call('ZADD', queue, 'NX', now_us, member)
+  redis.call('ZADD', deadlines, now_ms + tonumber(ttl_ms) + 2000, member)
+  local keep = math.max(1, tonumber(redis.call('ZRANGE', deadlines, -1, -1, 'WITHSCORES')[2]) - now_ms)
+  redis.call('PEXPIRE', queue, keep)
+  redis.call('PEXPIRE', deadlines, keep)
+elseif mode == 'last' then
+  leave(member, wake_prefix .. token)
+end
+return same_run or {soonest or -2, soonest_holder}
+"""
+
+_RELEASE_PERMIT = """
+-- RELEASE_PERMIT. KEYS[1] the semaphore's name. ARGV[1] token, ARGV[2] the caller's waiter
+-- member ('' when it never waited), ARGV[3] limit.
+-- Returns 1 when the caller held a permit and it is freed (the first waiter woken, a fair one
+-- granted it), 0 when it held none: then no permit is touched, and the caller leaves the queue.
+local token, member = ARGV[1], ARGV[2]
+local values = permits(tonumber(ARGV[3]))
+for i, value in ipairs(values) do
+  if owns(value, token) then
+    redis.call('DEL', permit_prefix .. i, wake_prefix .. token)  -- with a hand-over unread
+    values[i] = false
+    local now_ms, now_us = clock(redis.call('TIME'))
+    pass_on(i, values, fence_of(value), now_ms, now_us)
+    return 1
+  end
+end
+if member ~= '' then leave(member, wake_prefix .. token) end
+return 0
+"""
+
+ACQUIRE_PERMIT = Script(_PERMITS + _ACQUIRE_PERMIT)
+RELEASE_PERMIT = Script(_PERMITS + _RELEASE_PERMIT)

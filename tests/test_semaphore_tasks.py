@@ -1,0 +1,179 @@
+"""``lock_limit``: up to N runs of one signature at once on a real prefork worker, each holding a permit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import LockConfigurationError, task_lock_key
+from celery_redislock.lock import companion_key
+from celery_redislock.testing import RedisServer
+from tests import invariants
+from tests.taskapp import Recorder, make_app
+from tests.test_task_config import define, new_app, nothing_under
+from tests.workers import WorkerProcess, wait_for
+
+RESULT_TIMEOUT = 30
+LIMIT = 3
+NEEDS_MODE = "above 1 it needs lock_mode 'while_executing' or 'until_and_while_executing'"
+
+
+@pytest.fixture(scope="module")
+def worker_app(redis_server: RedisServer) -> Iterator[Celery]:
+    """The tests' app, with a prefork worker of 4 children consuming its queue."""
+    prefix = f"limit-{uuid.uuid4().hex[:8]}"
+    queue = f"q-{prefix}"
+    app = make_app(redis_server.url, prefix, queue)
+    worker = WorkerProcess(redis_server.url, prefix, queue, "prefork", LIMIT + 1, "limited")
+    worker.start()
+    try:
+        ready = redis_server.client()
+        assert ready.blpop([f"{prefix}:ready"], timeout=60) is not None, worker.output()
+        ready.close()
+        app.worker = worker  # type: ignore[attr-defined]
+        yield app
+    finally:
+        worker.stop()
+    with redis_server.client() as client:
+        invariants.check(client, prefix)  # every key with a TTL, no permit left by the module's tests
+
+
+def held_permits(client: redis.Redis, key: str) -> int:
+    return int(client.exists(*(companion_key(key, f"permit:{i}") for i in range(1, LIMIT + 1))))
+
+
+def test_up_to_the_limit_run_at_once_and_the_next_follows_lock_busy(worker_app: Celery) -> None:
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    task, x = worker_app.tasks["taskapp.limited"], uuid.uuid4().hex[:10]
+    runs = [task.delay(x, gate=True) for _ in range(LIMIT)]
+    starts = wait_for(lambda: found if len(found := _starts(recorder, x)) == LIMIT else [], what="3 starts")
+    fences = {int(start[5]) for start in starts}
+    assert len(fences) == LIMIT  # a permit, and a fence, each
+    assert held_permits(recorder.client, task_lock_key(task, (x,), {"gate": True})) == LIMIT
+    assert task.delay(x, gate=True).get(timeout=RESULT_TIMEOUT) is None  # the 4th: skipped (lock_busy)
+    recorder.open_gate(x, LIMIT)
+    assert [run.get(timeout=RESULT_TIMEOUT) for run in runs] == [x] * LIMIT
+    assert len(_starts(recorder, x)) == LIMIT
+    assert held_permits(recorder.client, task_lock_key(task, (x,), {"gate": True})) == 0
+
+
+def test_sigkill_of_a_pool_child_frees_its_permit_at_once(worker_app: Celery) -> None:
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    task, x = worker_app.tasks["taskapp.limited"], uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    runs = [task.delay(x, gate=True) for _ in range(LIMIT)]
+    starts = wait_for(lambda: found if len(found := _starts(recorder, x)) == LIMIT else [], what="3 starts")
+    os.kill(int(starts[0][4]), signal.SIGKILL)  # a 300 s lease: its expiry cannot explain a quick free
+    wait_for(
+        lambda: held_permits(recorder.client, key) == LIMIT - 1, what="the main process to free the permit"
+    )
+    assert "released its lock" in worker_app.worker.output()  # type: ignore[attr-defined]
+    late = task.delay(x, gate=True)
+    wait_for(lambda: len(_starts(recorder, x)) == LIMIT + 1, what="the next run to take the freed permit")
+    recorder.open_gate(x, LIMIT)
+    killed = next(run for run in runs if run.id == starts[0][3])
+    with pytest.raises(Exception, match="Worker exited prematurely"):
+        killed.get(timeout=RESULT_TIMEOUT)
+    assert [run.get(timeout=RESULT_TIMEOUT) for run in [*runs, late] if run is not killed] == [x] * LIMIT
+    assert held_permits(recorder.client, key) == 0
+
+
+def test_a_message_redelivered_while_its_first_delivery_runs_takes_no_second_permit(
+    worker_app: Celery,
+) -> None:
+    """A redelivery (acks_late, a visibility timeout) is the same message again: same task id and
+    retry count. With permits free, it must still see its first delivery's permit as its own."""
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    task, x = worker_app.tasks["taskapp.limited_acks_late"], uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    first = task.delay(x, gate=True)
+    wait_for(lambda: _starts(recorder, x), what="the first delivery to start")
+    task.apply_async((x,), {"gate": True}, task_id=first.id)  # the message delivered again
+    wait_for(
+        lambda: _busy(recorder, first.id) or len(_starts(recorder, x)) > 1,
+        what="the redelivery to find its permit held, or to run",
+    )
+    assert len(_starts(recorder, x)) == 1 and held_permits(recorder.client, key) == 1
+    recorder.open_gate(x)  # the first delivery ends, and wakes the redelivery: it is ignored
+    assert first.get(timeout=RESULT_TIMEOUT) == x
+    wait_for(lambda: "redelivered while its first delivery runs; ignored" in worker_app.worker.output())  # type: ignore[attr-defined]
+    assert len(_starts(recorder, x)) == 1 and held_permits(recorder.client, key) == 0
+
+
+def _busy(recorder: Recorder, task_id: str) -> list[list[str]]:
+    return [event for event in recorder.events() if event[0] == "busy" and event[3] == task_id]
+
+
+def _starts(recorder: Recorder, x: str) -> list[list[str]]:
+    return [event for event in recorder.events() if event[0] == "start" and event[2] == x]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lock_limit": 0}, "lock_limit=0 is not valid; allowed: an int from 1 to 1000"),
+        ({"lock_limit": "3"}, "lock_limit='3' is not valid; allowed: an int from 1 to 1000"),
+        ({"lock_limit": True}, "lock_limit=True is not valid; allowed: an int from 1 to 1000"),
+        (
+            {"lock_limit": 2, "lock_mode": "until_executed"},
+            "lock_limit=2 is not valid; above 1 it needs lock_mode",
+        ),
+        (
+            {"lock_limit": 2, "lock_mode": "until_executing"},
+            "lock_limit=2 is not valid; above 1 it needs lock_mode",
+        ),
+    ],
+)
+def test_a_bad_lock_limit_names_the_task_option_and_value(
+    redis_server: RedisServer, client: redis.Redis, prefix: str, options: dict[str, Any], message: str
+) -> None:
+    app = new_app(redis_server.url, prefix)
+    with pytest.raises(LockConfigurationError, match=f"^task 'cfg.add': {message}"):
+        define(app, **options)
+    assert nothing_under(client, prefix)
+
+
+def test_the_app_setting_is_the_default_and_refused_with_replicas(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    assert define(new_app(redis_server.url, prefix, redislock_limit=4)).lock_options.limit == 4
+    replicated = new_app(redis_server.url, prefix, redislock_limit=4, redislock_replicas=1)
+    with pytest.raises(
+        LockConfigurationError, match="redislock_limit=4 is not valid; above 1 it cannot be used"
+    ):
+        define(replicated)
+
+
+def test_a_bad_replicas_setting_is_named_not_taken_for_replicas(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The limit is checked against the app's checked ``redislock_replicas``, never its raw value."""
+    app = new_app(redis_server.url, prefix, redislock_limit=2, redislock_replicas="1")
+    with pytest.raises(
+        LockConfigurationError, match="redislock_replicas='1' is not valid; allowed: an int >= 0"
+    ):
+        define(app)
+
+
+def test_until_and_while_executing_runs_up_to_the_limit_and_retries_the_next(worker_app: Celery) -> None:
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    task, x = worker_app.tasks["taskapp.limited_queued"], uuid.uuid4().hex[:10]
+    # One at a time: a queued message holds the enqueue lock until its run starts.
+    runs = [task.delay(x, gate=True)]
+    wait_for(lambda: len(_starts(recorder, x)) == 1, what="the first run to start")
+    runs.append(task.delay(x, gate=True))
+    wait_for(lambda: len(_starts(recorder, x)) == 2, what="the second run to start")
+    runs.append(task.delay(x, gate=True))  # both permits held: it retries (lock_busy="retry")
+    wait_for(lambda: [e for e in recorder.events() if e[0] == "busy" and e[2] == x], what="the third busy")
+    assert len(_starts(recorder, x)) == 2
+    recorder.open_gate(x)  # one run ends: the third takes its permit at its next retry
+    wait_for(lambda: len(_starts(recorder, x)) == 3, what="the third run to start")
+    recorder.open_gate(x, 2)
+    assert [run.get(timeout=RESULT_TIMEOUT) for run in runs] == [x] * 3
