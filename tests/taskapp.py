@@ -198,15 +198,16 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         lock_retry_delay=60,
     )(gated)
     locked_task(name="taskapp.acks_late", lock_mode="until_executed", acks_late=True)(gated)
-    # up to 3 runs of one key at once; a long lease: after a kill, only the main process frees in time
-    locked_task(name="taskapp.limited", lock_limit=3, lock_ttl=300)(gated)
-    locked_task(name="taskapp.limited_acks_late", lock_limit=3, acks_late=True)(gated)
-    locked_task(
-        name="taskapp.limited_queued",
-        lock_mode="until_and_while_executing",
-        lock_limit=2,
-        lock_retry_delay=0.2,
-    )(gated)
+    if not conf.get("redislock_replicas"):  # lock_limit > 1 is refused with replicas: permits are unconfirmed
+        # up to 3 runs of one key at once; a long lease: after a kill, only the main process frees in time
+        locked_task(name="taskapp.limited", lock_limit=3, lock_ttl=300)(gated)
+        locked_task(name="taskapp.limited_acks_late", lock_limit=3, acks_late=True)(gated)
+        locked_task(
+            name="taskapp.limited_queued",
+            lock_mode="until_and_while_executing",
+            lock_limit=2,
+            lock_retry_delay=0.2,
+        )(gated)
 
     @locked_task(name="taskapp.retry_twice", lock_mode="until_executed")
     def retry_twice(self: Task[Any, Any], x: object) -> object:
