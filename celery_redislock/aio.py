@@ -36,7 +36,7 @@ from . import telemetry
 from ._durations import Duration, to_ms
 from ._redis import call_with_timeout_async
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script
-from .attempt import Attempt, LockCore, companion_key, ending_block, lease_seconds, owns
+from .attempt import Attempt, LockCore, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
 from .watchdog import (
     Lease,
@@ -115,7 +115,7 @@ class AsyncRedisLock(LockCore):
         self.client = client
         self.lost = asyncio.Event()
         #: where the hold lives, and how its scripts run there
-        self.key: AsyncOneKey = AsyncOneKey(client, self.name)
+        self.key: AsyncOneKey = AsyncOneKey(client, self.name, self.wake_prefix)
         self._lease: Lease | None = None
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
@@ -249,9 +249,8 @@ class AsyncOneKey:
     """Where an ``AsyncRedisLock``'s hold lives: the key ``name`` on ``client``, where waiters
     queue and are woken (see ``_scripts``); the asyncio twin of ``lock.OneServer``."""
 
-    def __init__(self, client: redis.asyncio.Redis, name: str) -> None:
-        self.client, self.name = client, name
-        self.wake_prefix = companion_key(name, "wake:")
+    def __init__(self, client: redis.asyncio.Redis, name: str, wake_prefix: str) -> None:
+        self.client, self.name, self.wake_prefix = client, name, wake_prefix
 
     def lease_key(self, token: str) -> str:
         """The key the watchdog renews for the hold just granted to ``token``."""

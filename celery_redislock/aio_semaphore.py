@@ -42,7 +42,7 @@ class AsyncRedisSemaphore(AsyncRedisLock):
     ) -> None:
         super().__init__(client, name, ttl, watchdog=watchdog, fair=fair, timeout=timeout, holder=holder)
         self.limit = permit_limit(limit)
-        self.key = AsyncPermits(client, PermitBook(self.name, self.limit))
+        self.key = AsyncPermits(client, PermitBook(self.name, self.limit), self.wake_prefix)
 
     def __repr__(self) -> str:
         return f"<AsyncRedisSemaphore {self.name!r} limit={self.limit} ttl={self.ttl} held={self.hold_count}>"
@@ -51,8 +51,8 @@ class AsyncRedisSemaphore(AsyncRedisLock):
 class AsyncPermits(AsyncOneKey):
     """Where an ``AsyncRedisSemaphore``'s permits live; the asyncio twin of ``semaphore.Permits``."""
 
-    def __init__(self, client: redis.asyncio.Redis, book: PermitBook) -> None:
-        super().__init__(client, book.name)
+    def __init__(self, client: redis.asyncio.Redis, book: PermitBook, wake_prefix: str) -> None:
+        super().__init__(client, book.name, wake_prefix)
         self.book = book
 
     def lease_key(self, token: str) -> str:
