@@ -46,6 +46,7 @@ __all__ = [
     "lease_seconds",
     "lock_name",
     "owns",
+    "seconds_left",
     "waiter_member",
 ]
 
@@ -137,6 +138,12 @@ def busy_reply(reply: Any) -> tuple[str | None, int | None]:
     return None if holder is None else text(holder), None if pttl_ms is None else int(pttl_ms)
 
 
+def seconds_left(pttl_ms: int | None) -> float | None:
+    """A busy reply's PTTL in ms (``busy_reply``) as the seconds the holder has left: 0 for a key
+    gone or without expiry (-2, -1), ``None`` when no server said."""
+    return None if pttl_ms is None else max(pttl_ms, 0) / 1000
+
+
 class Attempt:
     """One acquire's attempts by ``member`` (for ``token``), until granted or past ``deadline``.
 
@@ -193,7 +200,7 @@ class Attempt:
             return reply
         holder, pttl_ms = busy_reply(reply)
         self.pttl_ms = pttl_ms or 0
-        self.busy = (holder, None if pttl_ms is None else max(pttl_ms, 0) / 1000)
+        self.busy = (holder, seconds_left(pttl_ms))
         self.queued = self.queue and self.waiting
         return None
 

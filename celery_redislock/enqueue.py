@@ -41,6 +41,7 @@ import redis
 from . import signals
 from ._durations import to_ms
 from ._task_scripts import DROP, REPLACE, UNREPLACE
+from .attempt import busy_reply, seconds_left
 from .config import AppSettings, LockOptions
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
@@ -162,7 +163,8 @@ def _replace(task: Any, client: Any, key: str, ttl: float, holder: str, task_id:
         raise
     status = text(reply[0])
     if status == "busy":
-        return (None if reply[2] is None else text(reply[2])), max(int(reply[1]), 0) / 1000
+        held_by, pttl_ms = busy_reply(reply[1:])
+        return held_by, seconds_left(pttl_ms)
     if status == "replaced":
         old = parse_value(reply[1])
         old_holder = None if old is None else old.holder

@@ -30,6 +30,7 @@ import redis
 from . import signals, telemetry
 from ._durations import to_ms
 from ._task_scripts import CLAIM, PARK, SETTLE
+from .attempt import seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
 from .connection import ClientCallableFailed, client_for
@@ -190,7 +191,7 @@ class Execution:
                 return acquired(self.task, lock, self.task_id, started)
             if busy[1] != -2:  # held, not for this message: busy (gone: take it afresh below)
                 acquisition.busy = True
-                return self.when_busy(lock, started, busy[0], max(busy[1], 0) / 1000)
+                return self.when_busy(lock, started, busy[0], seconds_left(busy[1]))
         if lock.acquire(blocking=False):
             return acquired(self.task, lock, self.task_id, started)
         acquisition.busy = True
