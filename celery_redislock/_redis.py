@@ -28,7 +28,7 @@ class _Loan:
     """A connection one thread keeps out of ``pool`` between its exchanges (``PooledConnection``),
     given back when the thread ends or the loan is replaced; dropped with a pool that is gone."""
 
-    __slots__ = ("connection", "in_use", "pid", "pool")
+    __slots__ = ("__weakref__", "connection", "in_use", "pid", "pool")
 
     def __init__(self, pool: Any, connection: Any) -> None:
         self.connection = connection
@@ -52,20 +52,26 @@ class _Loans(threading.local):
 
 #: Per thread, its loans (a cache of connections, never shared between threads or processes).
 _LOANS = _Loans()
+#: Per pool, the loans of it alive in any thread (a weak set: a loan leaves it when its thread ends);
+#: new loans stop at half the pool's ``max_connections``, so that threads that keep one (a gevent
+#: worker's greenlets, by the hundred) never exhaust it: the others lend per exchange.
+_LENT: weakref.WeakKeyDictionary[Any, weakref.WeakSet[_Loan]] = weakref.WeakKeyDictionary()
 #: The pools a thread keeps a connection of; any other (``BlockingConnectionPool``, a subclass)
 #: lends one per exchange.
 _LOANABLE = (redis.ConnectionPool, redis.sentinel.SentinelConnectionPool)
 #: redis-py's default ``max_connections`` (2**31 before redis-py 8, 100 since): a pool left at
-#: it has no bound of the user's, and its threads keep a connection each; a pool given a
-#: ``max_connections`` of its own lends one per exchange, so idle threads never exhaust it.
+#: it has no bound of the user's, and its threads keep a connection each (up to half of it:
+#: ``_LENT``); a pool given a ``max_connections`` of its own lends one per exchange, so idle
+#: threads never exhaust it.
 _DEFAULT_MAX_CONNECTIONS = redis.ConnectionPool().max_connections
 
 
 def _loan(pool: Any) -> _Loan | None:
     """This thread's loan of ``pool``, marked in use; ``None`` when ``pool`` lends per exchange
     (another kind, one with a client-side cache, or one bounded by a ``max_connections``
-    of its own, which idle threads' loans would exhaust) or the loan is in use (an exchange started by
-    a signal handler inside another)."""
+    of its own, which idle threads' loans would exhaust), when half of it is lent to other threads
+    already (``_LENT``), or the loan is in use (an exchange started by a signal handler inside
+    another)."""
     if type(pool) not in _LOANABLE or getattr(pool, "cache", None) is not None:
         return None
     if pool.max_connections != _DEFAULT_MAX_CONNECTIONS:  # bounded by the user: each exchange checks out
@@ -73,7 +79,11 @@ def _loan(pool: Any) -> _Loan | None:
     loans = _LOANS.by_pool
     loan = loans.get(pool)
     if loan is None or loan.pid != os.getpid():
+        lent = _LENT.get(pool) or _LENT.setdefault(pool, weakref.WeakSet())
+        if len(lent) >= pool.max_connections // 2:  # a forked child's stale loans count until replaced
+            return None
         loan = loans[pool] = _Loan(pool, pool.get_connection())
+        lent.add(loan)
     elif loan.in_use:
         return None
     loan.in_use = True

@@ -149,3 +149,40 @@ def test_a_bounded_pool_lends_per_call_so_idle_threads_keep_none(
         for thread in threads:
             thread.join(30)
     client.close()
+
+
+def test_idle_threads_keep_at_most_half_of_a_default_pool(redis_server: RedisServer, prefix: str) -> None:
+    """A pool left at redis-py's default ``max_connections`` (100 since redis-py 8): more threads
+    than that, each having locked and all still alive (a gevent worker's greenlets), keep at most
+    half of it between their calls; the others, and the next caller, lend per call."""
+    name = f"{prefix}-default"
+    client = redis.Redis.from_url(redis_server.url, client_name=name)
+    limit = client.connection_pool.max_connections
+    threads_count = min(limit + 20, 200)  # past the pool's bound where it has one
+    one_at_a_time = threading.Lock()  # never more than one call at once: only kept ones can run out
+    done = threading.Barrier(threads_count + 1)
+    failed: list[BaseException] = []
+
+    def work(key: str) -> None:
+        try:
+            with one_at_a_time:
+                lock_calls(client, key, count=1)
+        except BaseException as exc:
+            failed.append(exc)
+        done.wait(60)  # alive, idle, while the main thread calls
+        done.wait(60)
+
+    threads = [threading.Thread(target=work, args=(f"{prefix}:{n}",)) for n in range(threads_count)]
+    for thread in threads:
+        thread.start()
+    done.wait(60)
+    try:
+        assert failed == []
+        lock_calls(client, f"{prefix}:main")
+        assert client.ping()
+        assert named_connections(redis_server, name) <= min(limit // 2, threads_count) + 1
+    finally:
+        done.wait(60)
+        for thread in threads:
+            thread.join(60)
+    client.close()
