@@ -35,6 +35,7 @@ from typing import Any
 import click
 import redis
 
+from .attempt import companion_key
 from .config import AppSettings, LockOptions, app_settings, bound_options
 from .connection import Client, client_for
 from .exceptions import RedisLockError
@@ -224,7 +225,9 @@ def release(
     args = _json_option("--args", args_json or "[]", list)
     kwargs = _json_option("--kwargs", kwargs_json or "{}", dict)
     call_key = task_lock_key(task, args, kwargs)
-    keys = [call_key, *(call_key + suffix for suffix in sorted(QUEUED_SUFFIXES))]
+    limit = context.options[task_name].limit
+    permits = (companion_key(call_key, f"permit:{i}") for i in range(1, limit + 1))
+    keys = [call_key, *(call_key + suffix for suffix in sorted(QUEUED_SUFFIXES)), *permits]
     held = read_locks(context.client, keys, context.prefix)
     if not held:
         call = f"{task_name}(*{args!r}, **{kwargs!r})"

@@ -12,6 +12,7 @@ owner's own release.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import logging
@@ -24,6 +25,7 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
+from ._permit_scripts import RELEASE_PERMIT
 from ._redis import PooledConnection
 from ._scripts import RELEASE, Script, bulk, plain_client
 from .attempt import companion_key
@@ -39,6 +41,7 @@ __all__ = [
     "held_locks",
     "is_queued",
     "parse_lock",
+    "permit_of",
     "read_lock",
     "read_locks",
     "read_values",
@@ -55,6 +58,8 @@ logger = logging.getLogger(__name__)
 _TASK_KEY = re.compile(
     r"(.+):[0-9a-f]{64}(?:" + "|".join(map(re.escape, sorted(QUEUED_SUFFIXES))) + ")?", re.DOTALL
 )
+#: A semaphore's permit key: ``companion_key(name, "permit:<i>")`` (``semaphore.PermitBook``).
+_PERMIT = re.compile(r"(.+):permit:([1-9][0-9]*)", re.DOTALL)
 #: The default holder of a ``RedisLock``: ``"<host>:<pid>"``.
 _HOST_PID = re.compile(r"(.+):(\d+)", re.DOTALL)
 #: Keys read per ``READ`` call, and calls sent before the first reply is read.
@@ -64,17 +69,19 @@ _AHEAD = 4
 #: Kept here, by the one function that runs it, rather than in ``_scripts`` with the lock's
 #: scripts: it reads, never writes, and no lock operation uses it.
 _READ = """
--- READ. KEYS[i] a key (its waiters' deadlines named from it by the prelude's
--- companion_prefix, in its hash slot). Reads, never writes.
+-- READ. KEYS[i] a key; ARGV[i] the name whose waiters wait for it: '' for the key itself, a
+-- semaphore's name for one of its permits (the waiters' deadlines are named from it by the
+-- prelude's companion_prefix, in the key's hash slot). Reads, never writes.
 -- Returns one JSON array (one reply element, however many keys) holding, per key,
 -- [its PTTL in ms, its live waiters, its value]: the value "" unless it is a lock value
 -- (PTTL -2: no such key); a waiter is live until its deadline.
 local after = '(' .. clock(redis.call('TIME'))
 local read = {}
-for _, key in ipairs(KEYS) do
+for i, key in ipairs(KEYS) do
   local value, waiting = redis.pcall('GET', key), 0  -- pcall: a key of another type is no lock
   if type(value) == 'string' and fence_of(value) then
-    waiting = redis.call('ZCOUNT', companion_prefix(key) .. 'waiters', after, '+inf')
+    local waited_as = ARGV[i] ~= '' and ARGV[i] or key
+    waiting = redis.call('ZCOUNT', companion_prefix(waited_as) .. 'waiters', after, '+inf')
   else
     value = ''
   end
@@ -108,9 +115,11 @@ class HeldLock:
     #: the holder description as stored
     holder: str
     #: blocking acquires queued for it (a waiter counts until its deadline: its ttl + 2 s
-    #: after its last call)
+    #: after its last call); for a permit, those queued for any permit of its semaphore
     waiters: int
     token: str = field(repr=False)
+    #: which permit of its semaphore ``key`` is (``None``: a lock; see ``permit_of``)
+    permit: int | None = None
 
     def as_dict(self, mode: str | None) -> dict[str, Any]:
         """The fields shown by ``list --json``, with the task's ``lock_mode``."""
@@ -127,11 +136,33 @@ class HeldLock:
             "fence": self.fence,
             "holder": self.holder,
             "waiters": self.waiters,
+            "permit": self.permit,
         }
 
 
+def permit_of(key: str) -> tuple[str, int] | None:
+    """The semaphore name and the permit number of the permit key ``key`` (a task's with a
+    ``lock_limit`` above 1, or a ``RedisSemaphore``'s); ``None``: ``key`` is no permit key.
+    A key that is the permit of two names (``{x}:permit:1``, of ``x`` and of ``{x}``) is
+    taken for the name without braces."""
+    match = _PERMIT.fullmatch(key) if ":permit:" in key else None
+    if match is None:
+        return None
+    base, number = match.group(1), int(match.group(2))
+    names = (base[1:-1], base) if base.startswith("{") and base.endswith("}") else (base,)
+    for name in names:
+        with contextlib.suppress(LockConfigurationError):
+            if name and companion_key(name, f"permit:{number}") == key:
+                return name, number
+    return None
+
+
 def task_of(key: str, prefix: str) -> str | None:
-    """The task whose lock key ``key`` is under ``prefix`` (``None``: not a task's key)."""
+    """The task whose lock key ``key`` is under ``prefix`` (``None``: not a task's key); a
+    permit key (``permit_of``) is its semaphore's, whose name is the task's lock key."""
+    permit = permit_of(key)
+    if permit is not None:
+        key = permit[0]
     if not key.startswith(prefix + ":"):
         return None
     task_match = _TASK_KEY.fullmatch(key, len(prefix) + 1)
@@ -158,6 +189,7 @@ def parse_lock(key: str, pttl: int, waiters: int, value: str, prefix: str) -> He
     if not fields:
         host_pid = _HOST_PID.fullmatch(holder)
         node, pid = host_pid.groups() if host_pid else (None, None)
+    permit = permit_of(key)
     return HeldLock(
         key=key,
         task=task,
@@ -171,6 +203,7 @@ def parse_lock(key: str, pttl: int, waiters: int, value: str, prefix: str) -> He
         holder=holder,
         waiters=waiters,
         token=token,
+        permit=None if permit is None else permit[1],
     )
 
 
@@ -190,6 +223,7 @@ def read_values(client: Client, keys: Iterable[str]) -> Iterator[tuple[str, int,
 
     ``READ`` is a read-only script, sent 500 keys a call (in a Cluster, per hash slot). The
     keys are taken as the calls go (``scan_keys``' while SCAN walks on), except in a Cluster.
+    A permit's waiters are its semaphore's (``HeldLock.waiters``).
     """
     for batch, reply in _reads(client, _slot_batches(client, filter(_has_companions, keys))):
         # a holder not in UTF-8 (a value written by hand) shows U+FFFD where it is not
@@ -224,6 +258,11 @@ def _slot_batches(client: Client, keys: Iterable[str]) -> Iterator[list[str]]:
         yield from (group[i : i + _BATCH] for i in range(0, len(group), _BATCH))
 
 
+def _waited_as(keys: list[str]) -> list[str]:
+    """``READ``'s ARGV for ``keys``: for each, the name its waiters queue under, ``""`` for itself."""
+    return [permit[0] if (permit := permit_of(key)) is not None else "" for key in keys]
+
+
 def _reads(client: Client, batches: Iterator[list[str]]) -> Iterator[tuple[list[str], Any]]:
     """Each of ``batches`` with ``READ``'s reply to it, in order. A plain ``redis.Redis`` gets
     the script's ``SCRIPT LOAD``, then the calls on one connection, ``_AHEAD`` of them sent
@@ -231,7 +270,7 @@ def _reads(client: Client, batches: Iterator[list[str]]) -> Iterator[tuple[list[
     other client (a Cluster: its nodes; an instrumented one) makes one call at a time."""
     if not plain_client(client):
         for batch in batches:
-            yield batch, READ(client, batch, [])
+            yield batch, READ(client, batch, _waited_as(batch))
         return
     with PooledConnection(client) as connection:
         encoding, errors = connection.encoder.encoding, connection.encoder.encoding_errors
@@ -239,7 +278,11 @@ def _reads(client: Client, batches: Iterator[list[str]]) -> Iterator[tuple[list[
 
         def send(calls: int) -> None:
             for batch in itertools.islice(batches, calls):
-                call = READ.pack([bulk(key.encode(encoding, errors)) for key in batch], [])
+                keys, names = (
+                    [bulk(item.encode(encoding, errors)) for item in items]
+                    for items in (batch, _waited_as(batch))
+                )
+                call = READ.pack(keys, names)
                 connection.send_packed_command([call])
                 sent.append(batch)
 
@@ -283,12 +326,18 @@ def held_locks(client: Client, prefix: str, task: str | None = None) -> list[Hel
 
 def scan_keys(client: Client, prefix: str, task: str | None = None) -> Iterator[str]:
     """The keys under ``{prefix}:`` (``{prefix}:{task}:`` if given), each once, as SCAN (in a
-    Cluster, on each primary) finds them: locks and their companion keys, maybe others."""
-    pattern = _glob_escape(f"{prefix}:{task}:" if task is not None else f"{prefix}:") + "*"
+    Cluster, on each primary) finds them: locks and their companion keys, maybe others; and
+    the permits of the semaphores named there, ``{<name>}:permit:<i>`` (``permit_of``).
+
+    One SCAN finds both: its pattern also matches keys with anything before the prefix,
+    which are left out here (SCAN's cost is the keyspace's, whatever the pattern)."""
+    under = f"{prefix}:{task}:" if task is not None else f"{prefix}:"
     seen: set[str] = set()
-    for found in client.scan_iter(match=pattern, count=1000):
+    for found in client.scan_iter(match="*" + _glob_escape(under) + "*", count=1000):
         key = text(found)
-        if key not in seen:  # SCAN can return a key twice
+        if key in seen:  # SCAN can return a key twice
+            continue
+        if key.startswith(under) or (key.startswith("{" + under) and permit_of(key) is not None):
             seen.add(key)
             yield key
 
@@ -297,9 +346,14 @@ def force_release(client: Client, lock: HeldLock, why: str) -> bool:
     """Free the hold ``lock`` describes, whoever holds it; whether it was freed.
 
     ``False`` when that hold is gone or was taken over since it was read:
-    Redis is then unchanged. Logged at WARNING, naming ``why``.
+    Redis is then unchanged. Logged at WARNING, naming ``why``. A permit is given back
+    to its semaphore (``RELEASE_PERMIT``: its first waiter is woken, as by its holder).
     """
-    released = release_token(client, lock.key, lock.token)
+    permit = permit_of(lock.key) if lock.permit is not None else None
+    if permit is None:
+        released = release_token(client, lock.key, lock.token)
+    else:  # the script reads permits 1..limit: up to this one is enough to find its token
+        released = bool(int(RELEASE_PERMIT(client, [permit[0]], [lock.token, "", permit[1]])))
     if released:
         logger.warning(
             "lock %s force-released (%s); it was held by %s, fence %d",

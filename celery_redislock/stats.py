@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 from .config import AppSettings, LockOptions
 from .connection import Client
-from .inventory import is_queued, parse_lock, read_values, scan_keys, task_of
+from .inventory import is_queued, parse_lock, permit_of, read_values, scan_keys, task_of
 from .keys import leader_key, slot_markers
 from .protocol import parse_value
 
@@ -76,11 +76,16 @@ class _Read(NamedTuple):
 
 
 def _read(client: Client, prefix: str) -> list[_Read]:
-    """Every lock under ``prefix``, as counted (``_Read``), in no order."""
-    found = []
+    """Every lock under ``prefix``, as counted (``_Read``), in no order. The permits of one
+    semaphore share its waiters: they are counted on the first of them read."""
+    found, semaphores = [], set()
     for key, pttl, waiters, value in read_values(client, scan_keys(client, prefix)):
         lock = parse_value(value)
         if lock is not None and pttl != -2:
+            permit = permit_of(key)
+            if permit is not None:
+                waiters = 0 if permit[0] in semaphores else waiters
+                semaphores.add(permit[0])
             queued = is_queued(lock.holder)
             found.append(_Read(key, task_of(key, prefix), queued, pttl, lock.fence, waiters, value))
     return found

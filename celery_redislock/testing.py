@@ -411,7 +411,7 @@ def hold(
 
 def locks_left(app: Any) -> list[str]:
     """What ``assert_no_locks`` objects to under ``app``'s ``redislock_prefix``: each lock
-    still held (beat slot markers aside: they outlive their slot on purpose), and each key
+    or semaphore permit still held (beat slot markers aside: they outlive their slot on purpose), and each key
     there without a TTL, one line each. None with ``redislock_enabled=False``: the app takes
     nothing, and nothing connects."""
     settings = app_settings(app)

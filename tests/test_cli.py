@@ -24,7 +24,7 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
-from celery_redislock import RedisLock, task_lock_key
+from celery_redislock import RedisLock, RedisSemaphore, task_lock_key
 from celery_redislock.cli import redislock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
@@ -124,6 +124,7 @@ def test_list_shows_a_running_tasks_lock_with_its_holder(setup: Setup) -> None:
         "fence": int(value.split(b":")[1]),
         "holder": value.decode().split(":", 2)[2],
         "waiters": 0,
+        "permit": None,
     }
     table = setup.cli("list").stdout
     header, line = table.splitlines()[0], next(line for line in table.splitlines() if key in line)
@@ -240,6 +241,73 @@ def test_companion_keys_are_not_listed_and_show_counts_the_waiters(setup: Setup)
         holder.release()  # wakes the waiter
         thread.join()
         waiter.release()
+
+
+def test_a_limited_tasks_permits_are_listed_and_released_by_call_and_purged(setup: Setup) -> None:
+    """A task with ``lock_limit`` 3 holds a permit per run, ``{KEY}:permit:<i>``, outside
+    ``prefix:*``: listed as the task's, freed by ``release --task`` and by ``purge``."""
+    task, x = setup.task("limited"), fresh()
+    key = task_lock_key(task, (x,), {"gate": True})
+
+    def started(count: int) -> list[list[str]]:
+        def starts() -> list[list[str]]:
+            found = [e for e in setup.recorder.events() if e[0] == "start" and e[2] == x]
+            return found if len(found) == count else []
+
+        return wait_for(starts, what=f"{count} runs of {x} to start")
+
+    runs = [task.delay(x, gate=True) for _ in range(2)]
+    starts = started(2)
+    rows = setup.listed("--task", "taskapp.limited")
+    assert sorted((row["key"], row["permit"], row["task"], row["state"]) for row in rows) == [
+        (companion_key(key, f"permit:{i}"), i, "taskapp.limited", "running") for i in (1, 2)
+    ]
+    assert {row["task_id"] for row in rows} == {run.id for run in runs} == {e[3] for e in starts}
+    released = setup.cli(
+        "release", "--task", "taskapp.limited", "--args", json.dumps([x]), "--kwargs", '{"gate": true}'
+    )
+    assert released.exit_code == 0, released.output
+    assert released.stdout.count("released ") == 2
+    assert setup.listed("--task", "taskapp.limited") == []
+    setup.recorder.open_gate(x, 2)
+    assert [run.get(timeout=RESULT_TIMEOUT) for run in runs] == [x] * 2  # lost, logged, not failed
+    runs = [task.delay(x, gate=True) for _ in range(2)]
+    started(4)
+    assert len(setup.listed("--task", "taskapp.limited")) == 2
+    purged = setup.cli("purge", "--task", "taskapp.limited", "--yes")
+    assert purged.exit_code == 0 and "released 2 of 2 lock(s)" in purged.stdout, purged.output
+    setup.recorder.open_gate(x, 2)
+    assert [run.get(timeout=RESULT_TIMEOUT) for run in runs] == [x] * 2
+    assert setup.recorder.client.exists(*(companion_key(key, f"permit:{i}") for i in (1, 2, 3))) == 0
+
+
+def test_releasing_a_permit_by_key_wakes_its_semaphores_waiter(setup: Setup) -> None:
+    client = setup.recorder.client
+    name = f"{setup.prefix}:sem-{fresh()}"
+    holder, waiter = RedisSemaphore(client, name, 1, ttl=60), RedisSemaphore(client, name, 1, ttl=60)
+    assert holder.acquire(blocking=False)
+    took: list[bool] = []
+    thread = threading.Thread(target=lambda: took.append(waiter.acquire(timeout=30)))
+    thread.start()
+    try:
+        wait_for(lambda: client.zcard(companion_key(name, "queue")) == 1, what="the waiter to queue")
+        [row] = [row for row in setup.listed() if name in row["key"]]
+        assert (row["key"], row["permit"], row["waiters"], row["task"]) == (
+            companion_key(name, "permit:1"),
+            1,
+            1,
+            None,
+        )
+        shown = setup.cli("show", row["key"])
+        assert shown.exit_code == 0 and "permit   1" in shown.stdout, shown.output
+        assert setup.cli("release", row["key"]).exit_code == 0
+        thread.join(timeout=30)  # woken by the release: the holder's lease had 60 s to run
+        assert took == [True]
+        assert waiter.fence is not None and waiter.fence > (holder.fence or 0)
+    finally:
+        thread.join(timeout=30)
+        waiter.release()
+        wait_for(lambda: holder.lost.is_set(), what="the holder's watchdog to find its permit gone")
 
 
 def test_purge_asks_first_and_frees_only_that_tasks_locks(setup: Setup) -> None:

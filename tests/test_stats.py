@@ -28,7 +28,7 @@ import redis
 from celery import Celery
 from celery.schedules import schedule
 
-from celery_redislock import RedisLock, task_lock_key
+from celery_redislock import RedisLock, RedisSemaphore, task_lock_key
 from celery_redislock._task_scripts import CLAIM
 from celery_redislock.attempt import companion_key
 from celery_redislock.beat import slot_of
@@ -58,6 +58,7 @@ LOCK_ROW = {
     "fence",
     "holder",
     "waiters",
+    "permit",
     "kind",
     "age",
     "lease",
@@ -90,7 +91,7 @@ def claim_slot(client: Any, prefix: str, entry: str, start: datetime) -> str:
     return slot.id
 
 
-def waited(lock: RedisLock) -> None:
+def waited(lock: RedisLock | RedisSemaphore) -> None:
     """Wait for ``lock`` (queued behind its holder), then free it."""
     if lock.acquire(timeout=60):
         lock.release()
@@ -396,3 +397,35 @@ def test_the_documented_permissions_suffice_and_a_refusal_is_one_line(
         for app in (allowed, refused):
             app.close()
     admin.close()
+
+
+def test_permits_count_as_their_tasks_holds_and_their_waiters_once(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    """Two runs' permits of a task with ``lock_limit=2`` (``{KEY}:permit:<i>``, outside
+    ``prefix:*``) and one waiter queued for either: 2 execution holds of the task, 1 waiter."""
+    key = task_lock_key(app.tasks["taskapp.limited"], ("x",))
+    permits = [
+        RedisSemaphore(client, key, 2, ttl=60, holder=holder_for(f"run-{i}", 0, "w@host", 10 + i))
+        for i in range(2)
+    ]
+    for permit in permits:
+        assert permit.acquire(blocking=False)
+    waiter = RedisSemaphore(client, key, 2, ttl=60)
+    thread = threading.Thread(target=waited, args=(waiter,))
+    thread.start()
+    try:
+        wait_for(lambda: client.zcard(companion_key(key, "queue")) == 1, what="the waiter to queue")
+        found = stats(app)
+        assert found["held"] == {"execution": 2, "enqueue": 0, "leader": 0, "other": 0, "waiters": 1}
+        assert [(row["task"], row["execution"], row["waiters"]) for row in found["tasks"]] == [
+            ("taskapp.limited", 2, 1)
+        ]
+        oldest = found["oldest"]["locks"]
+        assert sorted((row["key"], row["permit"], row["task_id"]) for row in oldest) == [
+            (companion_key(key, f"permit:{i + 1}"), i + 1, f"run-{i}") for i in range(2)
+        ]
+    finally:
+        for permit in permits:
+            permit.release()
+        thread.join(timeout=30)
