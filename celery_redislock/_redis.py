@@ -30,15 +30,16 @@ class _Loan:
 
     __slots__ = ("__weakref__", "connection", "in_use", "pid", "pool")
 
-    def __init__(self, pool: Any, connection: Any) -> None:
-        self.connection = connection
+    def __init__(self, pool: Any) -> None:
+        self.connection: Any = None  # until made: its place among the pool's loans is claimed first
         self.pool = weakref.ref(pool)
         self.pid = os.getpid()
         self.in_use = False
 
     def __del__(self) -> None:
         pool = self.pool()
-        if pool is not None and self.pid == os.getpid():  # a forked child's pool reset itself
+        # not a forked child's (its pool reset itself), nor one whose connection was never made
+        if pool is not None and self.connection is not None and self.pid == os.getpid():
             with contextlib.suppress(Exception):  # at interpreter exit, or the pool closed
                 pool.release(self.connection)
 
@@ -50,18 +51,50 @@ class _Loans(threading.local):
         self.by_pool: weakref.WeakKeyDictionary[Any, _Loan] = weakref.WeakKeyDictionary()
 
 
+class _Lending:
+    """Per pool, the loans of it alive in this process's threads (a weak set each: a loan leaves
+    it when its thread ends), at most half the pool's ``max_connections``, so that threads that
+    keep one (a gevent worker's greenlets, by the hundred) never exhaust it: the others lend per
+    exchange. A place is claimed, under a lock, before its connection is made: threads whose
+    first calls start together cannot all find room while they connect."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lent: weakref.WeakKeyDictionary[Any, weakref.WeakSet[_Loan]] = weakref.WeakKeyDictionary()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        # A forked child lends afresh (its pools reset themselves); another thread may have
+        # held the lock at the fork.
+        self._lock = threading.Lock()
+        self._lent = weakref.WeakKeyDictionary()
+
+    def claim(self, pool: Any) -> _Loan | None:
+        """A loan of ``pool`` with its place claimed, its connection not made yet; ``None``: no room."""
+        with self._lock:
+            lent = self._lent.setdefault(pool, weakref.WeakSet())
+            if len(lent) >= pool.max_connections // 2:
+                return None
+            loan = _Loan(pool)
+            lent.add(loan)
+            return loan
+
+    def give_up(self, pool: Any, loan: _Loan) -> None:
+        """Free ``loan``'s place (its connection could not be made)."""
+        with self._lock:
+            self._lent.get(pool, weakref.WeakSet()).discard(loan)
+
+
 #: Per thread, its loans (a cache of connections, never shared between threads or processes).
 _LOANS = _Loans()
-#: Per pool, the loans of it alive in any thread (a weak set: a loan leaves it when its thread ends);
-#: new loans stop at half the pool's ``max_connections``, so that threads that keep one (a gevent
-#: worker's greenlets, by the hundred) never exhaust it: the others lend per exchange.
-_LENT: weakref.WeakKeyDictionary[Any, weakref.WeakSet[_Loan]] = weakref.WeakKeyDictionary()
+#: Per pool, how many loans of it there are.
+_LENDING = _Lending()
 #: The pools a thread keeps a connection of; any other (``BlockingConnectionPool``, a subclass)
 #: lends one per exchange.
 _LOANABLE = (redis.ConnectionPool, redis.sentinel.SentinelConnectionPool)
 #: redis-py's default ``max_connections`` (2**31 before redis-py 8, 100 since): a pool left at
 #: it has no bound of the user's, and its threads keep a connection each (up to half of it:
-#: ``_LENT``); a pool given a ``max_connections`` of its own lends one per exchange, so idle
+#: ``_Lending``); a pool given a ``max_connections`` of its own lends one per exchange, so idle
 #: threads never exhaust it.
 _DEFAULT_MAX_CONNECTIONS = redis.ConnectionPool().max_connections
 
@@ -70,7 +103,7 @@ def _loan(pool: Any) -> _Loan | None:
     """This thread's loan of ``pool``, marked in use; ``None`` when ``pool`` lends per exchange
     (another kind, one with a client-side cache, or one bounded by a ``max_connections``
     of its own, which idle threads' loans would exhaust), when half of it is lent to other threads
-    already (``_LENT``), or the loan is in use (an exchange started by a signal handler inside
+    already (``_Lending``), or the loan is in use (an exchange started by a signal handler inside
     another)."""
     if type(pool) not in _LOANABLE or getattr(pool, "cache", None) is not None:
         return None
@@ -78,12 +111,19 @@ def _loan(pool: Any) -> _Loan | None:
         return None
     loans = _LOANS.by_pool
     loan = loans.get(pool)
-    if loan is None or loan.pid != os.getpid():
-        lent = _LENT.get(pool) or _LENT.setdefault(pool, weakref.WeakSet())
-        if len(lent) >= pool.max_connections // 2:  # a forked child's stale loans count until replaced
+    if loan is not None and loan.pid != os.getpid():  # inherited over a fork: the pool reset itself
+        del loans[pool]
+        loan = None
+    if loan is None:
+        loan = _LENDING.claim(pool)
+        if loan is None:
             return None
-        loan = loans[pool] = _Loan(pool, pool.get_connection())
-        lent.add(loan)
+        try:
+            loan.connection = pool.get_connection()
+        except BaseException:
+            _LENDING.give_up(pool, loan)
+            raise
+        loans[pool] = loan
     elif loan.in_use:
         return None
     loan.in_use = True

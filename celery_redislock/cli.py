@@ -35,6 +35,7 @@ from typing import Any
 import click
 import redis
 
+from ._permit_scripts import MAX_LIMIT
 from .attempt import companion_key
 from .config import AppSettings, LockOptions, app_settings, bound_options
 from .connection import Client, client_for
@@ -190,7 +191,8 @@ def _json_option(option: str, text: str, kind: type) -> Any:
 
 def _released(context: _Context, lock: HeldLock, why: str) -> bool:
     """Force-release ``lock`` and say what happened."""
-    if force_release(context.client, lock, why):
+    options = context.options.get(lock.task or "")  # a task's permit: its lock_limit, as its runs have it
+    if force_release(context.client, lock, why, None if options is None else options.limit):
         click.echo(f"released {lock.key} (held by {lock.holder}, fence {lock.fence})")
         return True
     now = read_lock(context.client, lock.key, context.prefix)
@@ -225,8 +227,8 @@ def release(
     args = _json_option("--args", args_json or "[]", list)
     kwargs = _json_option("--kwargs", kwargs_json or "{}", dict)
     call_key = task_lock_key(task, args, kwargs)
-    limit = context.options[task_name].limit
-    permits = (companion_key(call_key, f"permit:{i}") for i in range(1, limit + 1))
+    # every permit a limit could have given out (a worker's may differ, or have been lowered since)
+    permits = (companion_key(call_key, f"permit:{i}") for i in range(1, MAX_LIMIT + 1))
     keys = [call_key, *(call_key + suffix for suffix in sorted(QUEUED_SUFFIXES)), *permits]
     held = read_locks(context.client, keys, context.prefix)
     if not held:

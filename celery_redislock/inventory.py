@@ -342,18 +342,22 @@ def scan_keys(client: Client, prefix: str, task: str | None = None) -> Iterator[
             yield key
 
 
-def force_release(client: Client, lock: HeldLock, why: str) -> bool:
+def force_release(client: Client, lock: HeldLock, why: str, limit: int | None = None) -> bool:
     """Free the hold ``lock`` describes, whoever holds it; whether it was freed.
 
     ``False`` when that hold is gone or was taken over since it was read:
     Redis is then unchanged. Logged at WARNING, naming ``why``. A permit is given back
-    to its semaphore (``RELEASE_PERMIT``: its first waiter is woken, as by its holder).
+    to its semaphore (``RELEASE_PERMIT``: its first waiter is woken, as by its holder),
+    whose ``limit`` its users agree on, where known (else: at least the permit's number);
+    a permit above that limit (lowered since it was taken) is only deleted: none of its
+    users can be handed it.
     """
-    permit = permit_of(lock.key) if lock.permit is not None else None
-    if permit is None:
+    permit = permit_of(lock.key)
+    if permit is None or (limit is not None and permit[1] > limit):
         released = release_token(client, lock.key, lock.token)
-    else:  # the script reads permits 1..limit: up to this one is enough to find its token
-        released = bool(int(RELEASE_PERMIT(client, [permit[0]], [lock.token, "", permit[1]])))
+    else:  # the script reads permits 1..limit, where the token is found and a waiter handed one
+        limit = permit[1] if limit is None else limit
+        released = bool(int(RELEASE_PERMIT(client, [permit[0]], [lock.token, "", limit])))
     if released:
         logger.warning(
             "lock %s force-released (%s); it was held by %s, fence %d",

@@ -77,15 +77,15 @@ class _Read(NamedTuple):
 
 def _read(client: Client, prefix: str) -> list[_Read]:
     """Every lock under ``prefix``, as counted (``_Read``), in no order. The permits of one
-    semaphore share its waiters: they are counted on the first of them read."""
-    found, semaphores = [], set()
+    semaphore, and a lock of its name, share its waiters: they are counted on the first read."""
+    found, queues = [], set()
     for key, pttl, waiters, value in read_values(client, scan_keys(client, prefix)):
         lock = parse_value(value)
         if lock is not None and pttl != -2:
             permit = permit_of(key)
-            if permit is not None:
-                waiters = 0 if permit[0] in semaphores else waiters
-                semaphores.add(permit[0])
+            queue = key if permit is None else permit[0]  # whose waiters these are
+            waiters = 0 if queue in queues else waiters
+            queues.add(queue)
             queued = is_queued(lock.holder)
             found.append(_Read(key, task_of(key, prefix), queued, pttl, lock.fence, waiters, value))
     return found

@@ -25,7 +25,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_redislock import RedisLock, RedisSemaphore, task_lock_key
-from celery_redislock.cli import redislock
+from celery_redislock.cli import force_release, read_lock, redislock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from examples._support import QUEUE, ROOT, Worker
@@ -308,6 +308,36 @@ def test_releasing_a_permit_by_key_wakes_its_semaphores_waiter(setup: Setup) -> 
         thread.join(timeout=30)
         waiter.release()
         wait_for(lambda: holder.lost.is_set(), what="the holder's watchdog to find its permit gone")
+
+
+def test_a_permit_above_a_lowered_limit_is_deleted_never_handed_to_a_waiter(setup: Setup) -> None:
+    """Permit 3 of a semaphore whose limit went from 3 to 2: freed, it is not handed to a fair
+    waiter of limit 2 (which has no permit 3); that waiter gets permit 1 when it is released."""
+    client = setup.recorder.client
+    name = f"{setup.prefix}:lowered-{fresh()}"
+    old = [RedisSemaphore(client, name, 3, ttl=60) for _ in range(3)]
+    for holder in old:
+        assert holder.acquire(blocking=False)
+    waiter = RedisSemaphore(client, name, 2, ttl=60, fair=True)
+    took: list[bool] = []
+    thread = threading.Thread(target=lambda: took.append(waiter.acquire(timeout=30)))
+    thread.start()
+    try:
+        wait_for(lambda: client.zcard(companion_key(name, "queue")) == 1, what="the waiter to queue")
+        third = read_lock(client, companion_key(name, "permit:3"), setup.prefix)
+        assert third is not None and third.permit == 3
+        assert force_release(client, third, "a test", limit=2)
+        assert not client.exists(companion_key(name, "permit:3"))
+        assert client.zcard(companion_key(name, "queue")) == 1 and took == []  # still waiting
+        old[0].release()  # permit 1: handed to the fair waiter
+        thread.join(timeout=30)
+        assert took == [True]
+        assert stored(client, companion_key(name, "permit:1")).split(b":")[0] == str(waiter.token).encode()
+    finally:
+        thread.join(timeout=30)
+        waiter.release()
+        old[1].release()
+        wait_for(lambda: old[2].lost.is_set(), what="the third holder's watchdog to find its permit gone")
 
 
 def test_purge_asks_first_and_frees_only_that_tasks_locks(setup: Setup) -> None:

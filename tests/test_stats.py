@@ -429,3 +429,25 @@ def test_permits_count_as_their_tasks_holds_and_their_waiters_once(
         for permit in permits:
             permit.release()
         thread.join(timeout=30)
+
+
+def test_a_lock_of_a_semaphores_name_and_its_permits_count_their_waiters_once(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    """A run holding the name's lock from before ``lock_limit`` was raised to 2, a run holding a
+    permit, and one waiter for either place: its waiters are counted once."""
+    key = task_lock_key(app.tasks["taskapp.limited"], ("y",))
+    lock = RedisLock(client, key, ttl=60, holder=holder_for("run-0", 0, "w@host", 10))
+    permit = RedisSemaphore(client, key, 2, ttl=60, holder=holder_for("run-1", 0, "w@host", 11))
+    assert lock.acquire(blocking=False) and permit.acquire(blocking=False)
+    waiter = RedisSemaphore(client, key, 2, ttl=60)
+    thread = threading.Thread(target=waited, args=(waiter,))
+    thread.start()
+    try:
+        wait_for(lambda: client.zcard(companion_key(key, "queue")) == 1, what="the waiter to queue")
+        found = stats(app)
+        assert found["held"]["execution"] == 2 and found["held"]["waiters"] == 1
+    finally:
+        lock.release()
+        permit.release()
+        thread.join(timeout=30)

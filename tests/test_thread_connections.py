@@ -186,3 +186,46 @@ def test_idle_threads_keep_at_most_half_of_a_default_pool(redis_server: RedisSer
         for thread in threads:
             thread.join(60)
     client.close()
+
+
+def test_threads_that_first_lock_at_once_keep_at_most_half_of_a_default_pool(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Threads whose first calls start together (a burst of tasks in a gevent worker): a place
+    among the kept connections is claimed before its connection is made, so that they cannot
+    all find room while they connect."""
+    name = f"{prefix}-burst"
+    client = redis.Redis.from_url(redis_server.url, client_name=name)
+    limit = client.connection_pool.max_connections
+    if limit > 1000:
+        pytest.skip(f"redis-py {redis.__version__}'s default pool has no bound to keep under")
+    threads_count = limit * 4 // 5
+    start, done = threading.Barrier(threads_count), threading.Barrier(threads_count + 1)
+    failed: list[BaseException] = []
+
+    def work(key: str) -> None:
+        try:
+            start.wait(60)
+            lock_calls(client, key, count=1)
+        except BaseException as exc:
+            failed.append(exc)
+        done.wait(60)  # alive, idle, while the main thread counts
+        done.wait(60)
+
+    threads = [threading.Thread(target=work, args=(f"{prefix}:{n}",)) for n in range(threads_count)]
+    for thread in threads:
+        thread.start()
+    done.wait(60)
+    pool = client.connection_pool
+    try:
+        assert failed == []
+        # Half the pool is free for others: the threads keep at most half, and the connections
+        # their calls over that bound checked out are back (open, idle, in the pool).
+        others = [pool.get_connection() for _ in range(limit - limit // 2)]
+        for connection in others:
+            pool.release(connection)
+    finally:
+        done.wait(60)
+        for thread in threads:
+            thread.join(60)
+    client.close()
