@@ -11,6 +11,7 @@ a ``decode_responses`` client, and a Redis Cluster.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -95,6 +96,19 @@ def waited(lock: RedisLock | RedisSemaphore) -> None:
     """Wait for ``lock`` (queued behind its holder), then free it."""
     if lock.acquire(timeout=60):
         lock.release()
+
+
+@contextlib.contextmanager
+def one_waiter(client: redis.Redis, key: str, limit: int) -> Iterator[None]:
+    """A thread queued for a place of the semaphore ``key`` of ``limit`` (all taken) during the
+    block; it takes one, and frees it, once the block's holders have let go."""
+    thread = threading.Thread(target=waited, args=(RedisSemaphore(client, key, limit, ttl=60),))
+    thread.start()
+    try:
+        wait_for(lambda: client.zcard(companion_key(key, "queue")) == 1, what="the waiter to queue")
+        yield
+    finally:
+        thread.join(timeout=30)
 
 
 @dataclass
@@ -411,12 +425,12 @@ def test_permits_count_as_their_tasks_holds_and_their_waiters_once(
     ]
     for permit in permits:
         assert permit.acquire(blocking=False)
-    waiter = RedisSemaphore(client, key, 2, ttl=60)
-    thread = threading.Thread(target=waited, args=(waiter,))
-    thread.start()
-    try:
-        wait_for(lambda: client.zcard(companion_key(key, "queue")) == 1, what="the waiter to queue")
-        found = stats(app)
+    with one_waiter(client, key, 2):
+        try:
+            found = stats(app)
+        finally:
+            for permit in permits:
+                permit.release()
         assert found["held"] == {"execution": 2, "enqueue": 0, "leader": 0, "other": 0, "waiters": 1}
         assert [(row["task"], row["execution"], row["waiters"]) for row in found["tasks"]] == [
             ("taskapp.limited", 2, 1)
@@ -425,10 +439,6 @@ def test_permits_count_as_their_tasks_holds_and_their_waiters_once(
         assert sorted((row["key"], row["permit"], row["task_id"]) for row in oldest) == [
             (companion_key(key, f"permit:{i + 1}"), i + 1, f"run-{i}") for i in range(2)
         ]
-    finally:
-        for permit in permits:
-            permit.release()
-        thread.join(timeout=30)
 
 
 def test_a_lock_of_a_semaphores_name_and_its_permits_count_their_waiters_once(
@@ -440,14 +450,10 @@ def test_a_lock_of_a_semaphores_name_and_its_permits_count_their_waiters_once(
     lock = RedisLock(client, key, ttl=60, holder=holder_for("run-0", 0, "w@host", 10))
     permit = RedisSemaphore(client, key, 2, ttl=60, holder=holder_for("run-1", 0, "w@host", 11))
     assert lock.acquire(blocking=False) and permit.acquire(blocking=False)
-    waiter = RedisSemaphore(client, key, 2, ttl=60)
-    thread = threading.Thread(target=waited, args=(waiter,))
-    thread.start()
-    try:
-        wait_for(lambda: client.zcard(companion_key(key, "queue")) == 1, what="the waiter to queue")
-        found = stats(app)
-        assert found["held"]["execution"] == 2 and found["held"]["waiters"] == 1
-    finally:
-        lock.release()
-        permit.release()
-        thread.join(timeout=30)
+    with one_waiter(client, key, 2):
+        try:
+            found = stats(app)
+        finally:
+            lock.release()
+            permit.release()
+    assert found["held"]["execution"] == 2 and found["held"]["waiters"] == 1

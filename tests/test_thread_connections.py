@@ -9,8 +9,10 @@ server (``CLIENT LIST``, by the client's name). The interrupted and the stale co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -115,6 +117,38 @@ def test_a_call_inside_another_on_the_same_thread_uses_another_connection(
     other.close()
 
 
+@contextlib.contextmanager
+def idle_threads(client: redis.Redis, prefix: str, count: int, *, together: bool) -> Iterator[None]:
+    """``count`` threads that each lock once, then stay alive and idle for the block: one after
+    another (only the connections they keep can run out), or ``together`` (their first calls at
+    once). A thread's failure fails the block's start."""
+    one_at_a_time = contextlib.nullcontext() if together else threading.Lock()
+    start, done = threading.Barrier(count), threading.Barrier(count + 1)
+    failed: list[BaseException] = []
+
+    def work(key: str) -> None:
+        try:
+            start.wait(60)
+            with one_at_a_time:
+                lock_calls(client, key, count=1)
+        except BaseException as exc:
+            failed.append(exc)
+        done.wait(60)  # alive, idle, while the block runs
+        done.wait(60)
+
+    threads = [threading.Thread(target=work, args=(f"{prefix}:{n}",)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    done.wait(60)
+    try:
+        assert failed == []
+        yield
+    finally:
+        done.wait(60)
+        for thread in threads:
+            thread.join(60)
+
+
 def test_a_bounded_pool_lends_per_call_so_idle_threads_keep_none(
     redis_server: RedisServer, prefix: str
 ) -> None:
@@ -122,32 +156,10 @@ def test_a_bounded_pool_lends_per_call_so_idle_threads_keep_none(
     threads that each locked, all still alive, leave the pool of four to the next caller."""
     name = f"{prefix}-bounded"
     client = redis.Redis.from_url(redis_server.url, client_name=name, max_connections=4)
-    one_at_a_time = threading.Lock()  # never more than one call at once: only kept ones can run out
-    done = threading.Barrier(7)
-    failed: list[BaseException] = []
-
-    def work(key: str) -> None:
-        try:
-            with one_at_a_time:
-                lock_calls(client, key)
-        except BaseException as exc:
-            failed.append(exc)
-        done.wait(30)  # alive, idle, while the main thread calls
-        done.wait(30)
-
-    threads = [threading.Thread(target=work, args=(f"{prefix}:{n}",)) for n in range(6)]
-    for thread in threads:
-        thread.start()
-    done.wait(30)
-    try:
-        assert failed == []
+    with idle_threads(client, prefix, 6, together=False):
         assert client.ping()
         lock_calls(client, f"{prefix}:main")
         assert named_connections(redis_server, name) <= 4
-    finally:
-        done.wait(30)
-        for thread in threads:
-            thread.join(30)
     client.close()
 
 
@@ -159,32 +171,10 @@ def test_idle_threads_keep_at_most_half_of_a_default_pool(redis_server: RedisSer
     client = redis.Redis.from_url(redis_server.url, client_name=name)
     limit = client.connection_pool.max_connections
     threads_count = min(limit + 20, 200)  # past the pool's bound where it has one
-    one_at_a_time = threading.Lock()  # never more than one call at once: only kept ones can run out
-    done = threading.Barrier(threads_count + 1)
-    failed: list[BaseException] = []
-
-    def work(key: str) -> None:
-        try:
-            with one_at_a_time:
-                lock_calls(client, key, count=1)
-        except BaseException as exc:
-            failed.append(exc)
-        done.wait(60)  # alive, idle, while the main thread calls
-        done.wait(60)
-
-    threads = [threading.Thread(target=work, args=(f"{prefix}:{n}",)) for n in range(threads_count)]
-    for thread in threads:
-        thread.start()
-    done.wait(60)
-    try:
-        assert failed == []
+    with idle_threads(client, prefix, threads_count, together=False):
         lock_calls(client, f"{prefix}:main")
         assert client.ping()
         assert named_connections(redis_server, name) <= min(limit // 2, threads_count) + 1
-    finally:
-        done.wait(60)
-        for thread in threads:
-            thread.join(60)
     client.close()
 
 
@@ -194,38 +184,15 @@ def test_threads_that_first_lock_at_once_keep_at_most_half_of_a_default_pool(
     """Threads whose first calls start together (a burst of tasks in a gevent worker): a place
     among the kept connections is claimed before its connection is made, so that they cannot
     all find room while they connect."""
-    name = f"{prefix}-burst"
-    client = redis.Redis.from_url(redis_server.url, client_name=name)
-    limit = client.connection_pool.max_connections
+    client = redis.Redis.from_url(redis_server.url)
+    pool = client.connection_pool
+    limit = pool.max_connections
     if limit > 1000:
         pytest.skip(f"redis-py {redis.__version__}'s default pool has no bound to keep under")
-    threads_count = limit * 4 // 5
-    start, done = threading.Barrier(threads_count), threading.Barrier(threads_count + 1)
-    failed: list[BaseException] = []
-
-    def work(key: str) -> None:
-        try:
-            start.wait(60)
-            lock_calls(client, key, count=1)
-        except BaseException as exc:
-            failed.append(exc)
-        done.wait(60)  # alive, idle, while the main thread counts
-        done.wait(60)
-
-    threads = [threading.Thread(target=work, args=(f"{prefix}:{n}",)) for n in range(threads_count)]
-    for thread in threads:
-        thread.start()
-    done.wait(60)
-    pool = client.connection_pool
-    try:
-        assert failed == []
+    with idle_threads(client, prefix, limit * 4 // 5, together=True):
         # Half the pool is free for others: the threads keep at most half, and the connections
         # their calls over that bound checked out are back (open, idle, in the pool).
         others = [pool.get_connection() for _ in range(limit - limit // 2)]
         for connection in others:
             pool.release(connection)
-    finally:
-        done.wait(60)
-        for thread in threads:
-            thread.join(60)
     client.close()
