@@ -16,6 +16,7 @@ a worker, runs a task twice at once and prints the child's ``redislock_`` lines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import urllib.request
@@ -46,6 +47,21 @@ def _export_from_a_pool_child(**_: Any) -> None:
     start_http_server(PORT + 1 + index, addr="127.0.0.1")
 
 
+def free_ports(count: int) -> int:
+    """A port P such that P to P + count - 1 are all free on 127.0.0.1 now."""
+    while True:
+        with contextlib.ExitStack() as probes:
+            first = probes.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port: int = first.getsockname()[1]
+            try:
+                for next_port in range(port + 1, port + count):
+                    probes.enter_context(socket.socket()).bind(("127.0.0.1", next_port))
+            except (OSError, OverflowError):  # one of the next is taken, or past 65535: try another
+                continue
+            return port
+
+
 def scrape(port: int) -> list[str]:
     """The ``redislock_`` lines of the metrics served on ``port``."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
@@ -57,9 +73,7 @@ def main() -> None:
     from examples._support import QUEUE, CeleryProcess, redis_url, say
     from examples.tasks import sync_account
 
-    with socket.socket() as probe:  # a free port, unless METRICS_PORT names one
-        probe.bind(("127.0.0.1", 0))
-        port = int(os.environ.get("METRICS_PORT") or probe.getsockname()[1])
+    port = int(os.environ.get("METRICS_PORT") or free_ports(3))  # the main process and 2 children
     with redis_url():
         name = f"metrics-{os.getpid()}"
         args = [
