@@ -6,9 +6,17 @@ come from the global ``MeterProvider`` and ``TracerProvider``: the API's
 proxies, which do nothing until the application sets real providers (before
 or after importing this package) and then forward to them.
 
-A run pays for two histogram measurements; the counters are summed here, under
-a lock, and read by the SDK at each collection (asynchronous counters: the same
-cumulative sums, without an SDK measurement per run). The spans follow
+A run's metrics are gathered here and handed to the SDK in bulk. The counters
+are summed, under a lock, and read by the SDK at each collection (asynchronous
+counters: the same cumulative sums, without an SDK measurement per run). The
+histograms' values are buffered (``Samples``) and recorded into the SDK's
+histograms ``BATCH`` at a time, and at each collection before the SDK reads
+them: a collection sees every value recorded before it began, the same buckets,
+sums and counts; the values carry no exemplars. Until a real provider is set
+the buffered values are dropped, as the API's proxies would drop them. A
+process that exits without a last collection (a prefork pool child, which the
+SDK does not shut down) loses what it recorded since its last one, buffered
+or not, as the SDK would. The spans follow
 ``redislock_spans``: ``"auto"`` makes them only under a recording span (the
 task's, when Celery is instrumented), ``"always"`` also as roots, ``"never"``
 not at all (``bench/otel_bench.py`` measures each).
@@ -30,10 +38,11 @@ current span, the task's when Celery is instrumented.
 from __future__ import annotations
 
 import abc
+import collections
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -42,9 +51,9 @@ from celery.exceptions import Ignore, Reject, Retry
 from .exceptions import LockNotAcquired
 
 try:
-    from opentelemetry import metrics, trace
+    from opentelemetry import context, metrics, trace
 except ImportError:  # the [otel] extra is not installed: every hook is a no-op
-    metrics = trace = None  # type: ignore[assignment]
+    context = metrics = trace = None  # type: ignore[assignment]
 
 __all__ = [
     "OUTCOMES",
@@ -80,6 +89,8 @@ OUTCOMES = (
 )
 #: Bucket bounds (seconds) of the two histograms: a millisecond to an hour.
 BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+#: How many values a histogram buffers before they go to the SDK (``Samples``).
+BATCH = 64
 #: What a busy policy raising this means (``Acquisition``).
 _RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise", Reject: "busy-reject"}
 
@@ -112,24 +123,91 @@ class Counts:
         return [metrics.Observation(total, dict(attributes)) for attributes, total in sums]
 
 
+class Samples:
+    """A histogram's values, buffered: ``record`` costs an append, and the values go to the
+    SDK's ``histogram`` in bulk (``flush``): once ``BATCH`` are buffered, and at each collection
+    (``observe``, a callback the SDK runs before it reads its histograms). Each value is handed
+    over once, by the process that recorded it: a forked child starts with an empty buffer
+    (the values buffered at the fork are the parent's to hand over) and a new lock.
+    """
+
+    def __init__(self, histogram: Any) -> None:
+        self._histogram = histogram
+        self._values: collections.deque[tuple[float, dict[str, str]]] = collections.deque()
+        self._lock = threading.Lock()  # one flush at a time: a collection waits for one under way
+        self._forwards = False  # the histogram records: a real provider made it, or is set now
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._values, self._lock = collections.deque(), threading.Lock()
+
+    def record(self, value: float, attributes: dict[str, str]) -> None:
+        """Buffer ``value`` at ``attributes`` (append is atomic: no lock)."""
+        self._values.append((value, attributes))
+        if len(self._values) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Record the buffered values into the histogram, outside any span (no exemplar names a
+        run's trace: the values are not recorded in their runs' contexts); drop them while no
+        real provider is set."""
+        with self._lock:
+            values = self._values
+            self._forwards = self._forwards or _records(self._histogram)
+            if not self._forwards:
+                values.clear()
+                return
+            token = context.attach(context.Context())
+            try:
+                for _ in range(len(values)):
+                    self._histogram.record(*values.popleft())
+            finally:
+                context.detach(token)
+
+    def observe(self, options: Any) -> Iterable[Any]:
+        """Flush, and observe nothing (a callback of an asynchronous counter: the SDK runs
+        the callbacks of a collection before it reads the histograms)."""
+        self.flush()
+        return ()
+
+
+def _records(histogram: Any) -> bool:
+    """Whether ``histogram`` records: not the API's own (its proxy or no-op), or a proxy
+    that forwards now, a real ``MeterProvider`` being set (a provider is set once per process)."""
+    api = metrics.__name__ + "."
+    return not type(histogram).__module__.startswith(api) or not type(
+        metrics.get_meter_provider()
+    ).__module__.startswith(api)
+
+
 class Instruments:
     """The package's instruments, made by ``meter`` (names and units are what dashboards read);
-    the counters are asynchronous, their sums kept here (``Counts``)."""
+    the histograms' values are buffered here (``Samples``), the counters are asynchronous, their
+    sums kept here (``Counts``)."""
 
     def __init__(self, meter: Any) -> None:
-        self.wait = meter.create_histogram(
-            "redislock.lock.wait",
-            unit="s",
-            description="From a run's first acquire attempt to its outcome",
-            explicit_bucket_boundaries_advisory=BOUNDS,
+        self.wait = Samples(
+            meter.create_histogram(
+                "redislock.lock.wait",
+                unit="s",
+                description="From a run's first acquire attempt to its outcome",
+                explicit_bucket_boundaries_advisory=BOUNDS,
+            )
         )
-        self.held = meter.create_histogram(
-            "redislock.lock.held",
-            unit="s",
-            description="From a run's acquisition to its release, park or settle",
-            explicit_bucket_boundaries_advisory=BOUNDS,
+        self.held = Samples(
+            meter.create_histogram(
+                "redislock.lock.held",
+                unit="s",
+                description="From a run's acquisition to its release, park or settle",
+                explicit_bucket_boundaries_advisory=BOUNDS,
+            )
         )
-        self.acquisitions = _counter(meter, "acquisitions", "Runs, enqueues and beat slots, by outcome")
+        self.acquisitions = _counter(
+            meter,
+            "acquisitions",
+            "Runs, enqueues and beat slots, by outcome",
+            flushes=(self.wait.observe, self.held.observe),
+        )
         self.lost = _counter(meter, "lost", "Locks lost while held")
         self.renewals = _counter(meter, "renewals", "Lease renewals, by result")
         self.crash_releases = _counter(
@@ -137,11 +215,14 @@ class Instruments:
         )
 
 
-def _counter(meter: Any, name: str, description: str) -> Counts:
-    """The asynchronous counter ``redislock.lock.<name>`` of ``meter``, its sums kept in the result."""
+def _counter(
+    meter: Any, name: str, description: str, flushes: Iterable[Callable[[Any], Iterable[Any]]] = ()
+) -> Counts:
+    """The asynchronous counter ``redislock.lock.<name>`` of ``meter``, its sums kept in the
+    result; ``flushes``: callbacks to run first at each collection."""
     counts = Counts()
     meter.create_observable_counter(
-        f"redislock.lock.{name}", callbacks=[counts.observe], description=description
+        f"redislock.lock.{name}", callbacks=[*flushes, counts.observe], description=description
     )
     return counts
 

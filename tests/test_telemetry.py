@@ -14,6 +14,10 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -368,3 +372,89 @@ def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own()
         raise
     assert os.waitstatus_to_exitcode(status) == 0
     assert [seen.value for seen in counts.observe(None)] == [1]
+
+
+def own_instruments() -> tuple[telemetry.Instruments, Otel]:
+    """The package's instruments made by a ``MeterProvider`` of their own, and its reader."""
+    otel = Otel()
+    return telemetry.Instruments(MeterProvider(metric_readers=[otel.reader]).get_meter("test")), otel
+
+
+def test_a_collection_sees_every_value_recorded_before_it() -> None:
+    """Fewer than a batch, one of them from another thread: each collection has them all, once."""
+    made, otel = own_instruments()
+    at = {"task": "t", "mode": "m", "outcome": "acquired"}
+    made.wait.record(0.002, at)
+    recorder = threading.Thread(target=made.wait.record, args=(0.2, at))
+    recorder.start()
+    recorder.join()
+    [point] = otel.points("redislock.lock.wait").values()
+    assert (point.count, point.sum, point.min, point.max) == (2, 0.202, 0.002, 0.2)
+    made.wait.record(7.0, at)
+    [point] = otel.points("redislock.lock.wait").values()
+    assert (point.count, point.max) == (3, 7.0)
+    assert not point.exemplars  # recorded outside the run: no exemplar names its trace
+
+
+def test_a_full_batch_goes_to_the_sdk_without_a_collection() -> None:
+    made, _ = own_instruments()
+    for _ in range(telemetry.BATCH - 1):
+        made.held.record(0.01, {"task": "t", "mode": "m"})
+    assert len(made.held._values) == telemetry.BATCH - 1
+    made.held.record(0.01, {"task": "t", "mode": "m"})
+    assert not made.held._values
+
+
+def test_a_forked_child_hands_over_only_its_own_values() -> None:
+    """A value buffered at the fork counts in the parent only, not again in the child."""
+    made, otel = own_instruments()
+    at = {"task": "t", "mode": "m"}
+    made.held.record(0.5, at)  # buffered: no collection yet
+    pid = os.fork()
+    if pid == 0:  # the child: record once, exit 0 if its collection has that value alone
+        made.held.record(0.25, at)
+        [point] = otel.points("redislock.lock.held").values()
+        os._exit(0 if (point.count, point.sum) == (1, 0.25) else 1)
+
+    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return (status,) if done == pid else ()
+
+    try:
+        [status] = wait_for(ended, 10, "the child to collect")
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    assert os.waitstatus_to_exitcode(status) == 0
+    [point] = otel.points("redislock.lock.held").values()
+    assert (point.count, point.sum) == (1, 0.5)
+
+
+def test_values_are_dropped_until_a_provider_is_set_then_recorded() -> None:
+    """In a fresh process: with no provider the buffer does not grow (the values go nowhere, as
+    through the API's proxies); once the app sets one, after the import, a run's value is seen."""
+    script = textwrap.dedent(
+        """
+        from opentelemetry import metrics
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        from celery_redislock import telemetry
+
+        wait = telemetry._on.wait
+        for _ in range(telemetry.BATCH * 3):
+            wait.record(1.0, {"task": "t", "mode": "m", "outcome": "acquired"})
+        print(len(wait._values))
+        reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        wait.record(0.5, {"task": "t", "mode": "m", "outcome": "acquired"})
+        [scope] = reader.get_metrics_data().resource_metrics[0].scope_metrics
+        [[point]] = [metric.data.data_points for metric in scope.metrics if metric.name.endswith("wait")]
+        print(point.count, point.sum)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["0", "1", "0.5"], done.stderr
