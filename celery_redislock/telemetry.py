@@ -274,25 +274,24 @@ _Step_ = TypeVar("_Step_", bound="_Step")
 
 
 class _Step(abc.ABC):
-    """A step of a run's hold of ``lock`` (its task's name ``task``, its ``mode``): the span
-    ``NAME`` as ``spans`` (``redislock_spans``) asks, ended with the step's outcome
-    (``_outcome_of``; ``None``: the exception the block raised fails the span) and the hold's
-    fence; then its metrics (``_record``)."""
+    """A step of a run's hold of ``lock`` (its task's name ``task``, its ``mode``): its
+    metrics (``_record``), and the span ``NAME`` as ``spans`` (``redislock_spans``) asks, with
+    the step's outcome (``_outcome_of``; ``None``: the exception the block raised fails the span)
+    and the hold's fence.
+
+    The span is made once the step is over, as a child of the span current then (the same as
+    at its start: the block does not change the context), with its start time and all its
+    attributes at once: the block runs in no span of ours either way (a span only started).
+    """
 
     NAME = ""
-    __slots__ = ("fence", "lock", "mode", "span", "spans", "started", "task")
+    __slots__ = ("fence", "lock", "mode", "spans", "started", "task")
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
         self.task, self.mode, self.lock, self.spans = task, mode, lock, spans
-        self.span: Any = None
 
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
-        spans = self.spans
-        if trace is not None and (
-            spans == "always" or (spans == "auto" and trace.get_current_span().is_recording())
-        ):
-            self.span = _tracer.start_span(self.NAME, attributes={"task": self.task, "mode": self.mode})
         return self
 
     def __exit__(
@@ -300,11 +299,27 @@ class _Step(abc.ABC):
     ) -> None:
         if trace is None:
             return
-        outcome = self._outcome_of(kind)
-        if self.span is not None:
-            _end(self.span, outcome, self.fence if self.lock.fence is None else self.lock.fence, exc)
+        outcome, spans = self._outcome_of(kind), self.spans
+        if spans == "always" or (spans == "auto" and trace.get_current_span().is_recording()):
+            self._trace(outcome, exc)
         if outcome is not None:
             self._record(outcome)
+
+    def _trace(self, outcome: str | None, exc: BaseException | None) -> None:
+        """Make the step's span, from ``started`` to now; ``exc`` (not an outcome) fails it."""
+        attributes: dict[str, Any] = {"task": self.task, "mode": self.mode}
+        if outcome is not None:
+            attributes["outcome"] = outcome
+        fence = self.fence if self.lock.fence is None else self.lock.fence
+        if fence is not None:
+            attributes["fence"] = fence
+        ended = time.time_ns()
+        started = ended - int((time.monotonic() - self.started) * 1e9)
+        span = _tracer.start_span(self.NAME, attributes=attributes, start_time=started)
+        if exc is not None and outcome is None:
+            span.record_exception(exc)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, repr(exc)))
+        span.end(end_time=ended)
 
     @abc.abstractmethod
     def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
@@ -360,15 +375,3 @@ class Release(_Step):
 
     def _record(self, outcome: str) -> None:
         _on.held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
-
-
-def _end(span: Any, outcome: str | None, fence: int | None, exc: BaseException | None) -> None:
-    """End ``span`` with its ``outcome`` and ``fence``; ``exc`` (not an outcome) fails it."""
-    if outcome is not None:
-        span.set_attribute("outcome", outcome)
-    if fence is not None:
-        span.set_attribute("fence", fence)
-    if exc is not None and outcome is None:
-        span.record_exception(exc)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, repr(exc)))
-    span.end()

@@ -147,6 +147,9 @@ def test_a_run_is_counted_timed_and_traced_under_its_task_span(
     for span, outcome in ((acquire, "acquired"), (release, "released")):
         assert span.parent is not None and span.parent.span_id == run.context.span_id
         assert dict(span.attributes or {}) == {**attributes, "outcome": outcome, "fence": acquired["fence"]}
+    times = [run.start_time, acquire.start_time, acquire.end_time, release.start_time, release.end_time]
+    times.append(run.end_time)
+    assert None not in times and times == sorted(times)  # type: ignore[type-var]
     assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
     assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
     app.close()
