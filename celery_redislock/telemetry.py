@@ -208,11 +208,25 @@ class Instruments:
             "Runs, enqueues and beat slots, by outcome",
             flushes=(self.wait.observe, self.held.observe),
         )
+        self._attributes: dict[
+            tuple[str, str, str | None], tuple[tuple[tuple[str, str], ...], dict[str, str]]
+        ] = {}
         self.lost = _counter(meter, "lost", "Locks lost while held")
         self.renewals = _counter(meter, "renewals", "Lease renewals, by result")
         self.crash_releases = _counter(
             meter, "crash_releases", "Locks the worker's main process released after their pool child died"
         )
+
+    def attributes(
+        self, task: str, mode: str, outcome: str | None = None
+    ) -> tuple[tuple[tuple[str, str], ...], dict[str, str]]:
+        """The attributes ``task``, ``mode`` and ``outcome`` (if any) as a key of ``Counts`` and as
+        a histogram's, made once (a few sets: the attributes are of low cardinality)."""
+        made = self._attributes.get((task, mode, outcome))
+        if made is None:
+            key = (("task", task), ("mode", mode)) + ((("outcome", outcome),) if outcome is not None else ())
+            made = self._attributes[task, mode, outcome] = (key, dict(key))
+        return made
 
 
 def _counter(
@@ -249,7 +263,7 @@ def log_fields(
 def counted(task: str, mode: str, outcome: str) -> None:
     """An outcome decided without a wait (a duplicate refused, a slot dropped)."""
     if metrics is not None:
-        _on.acquisitions.add(1, (("task", task), ("mode", mode), ("outcome", outcome)))
+        _on.acquisitions.add(1, _on.attributes(task, mode, outcome)[0])
 
 
 def lost(task: str, reason: str) -> None:
@@ -353,8 +367,9 @@ class Acquisition(_Step):
 
     def _record(self, outcome: str) -> None:
         waited = time.monotonic() - self.started
-        _on.wait.record(waited, {"task": self.task, "mode": self.mode, "outcome": outcome})
-        _on.acquisitions.add(1, (("task", self.task), ("mode", self.mode), ("outcome", outcome)))
+        key, attributes = _on.attributes(self.task, self.mode, outcome)
+        _on.wait.record(waited, attributes)
+        _on.acquisitions.add(1, key)
 
 
 class Release(_Step):
@@ -374,4 +389,4 @@ class Release(_Step):
         return self.outcome
 
     def _record(self, outcome: str) -> None:
-        _on.held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
+        _on.held.record(time.monotonic() - self.lock.taken_at, _on.attributes(self.task, self.mode)[1])
