@@ -12,14 +12,17 @@ counters: the same cumulative sums, without an SDK measurement per run). The
 histograms' values are buffered (``Samples``) and recorded into the SDK's
 histograms ``BATCH`` at a time, and at each collection before the SDK reads
 them: a collection sees every value recorded before it began, the same buckets,
-sums and counts; the values carry no exemplars. Until a real provider is set
+sums, counts, minimum and maximum; the values carry no exemplars. Until a real provider is set
 the buffered values are dropped, as the API's proxies would drop them. A
 process that exits without a last collection (a prefork pool child, which the
 SDK does not shut down) loses what it recorded since its last one, buffered
-or not, as the SDK would. The spans follow
-``redislock_spans``: ``"auto"`` makes them only under a recording span (the
-task's, when Celery is instrumented), ``"always"`` also as roots, ``"never"``
-not at all (``bench/otel_bench.py`` measures each).
+or not, as the SDK would. A forked child hands over only the values it
+recorded itself.
+
+The spans follow ``redislock_spans``: ``"auto"`` makes them only under a
+recording span (the task's, when Celery is instrumented), ``"always"`` also as
+roots, ``"never"`` not at all (``bench/otel_bench.py`` measures each). A span
+is made once its step is over, with its start time and all its attributes.
 
 Metrics (attributes never hold a key, a digest or an argument):
 
