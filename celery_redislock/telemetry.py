@@ -189,22 +189,8 @@ class Instruments:
     sums kept here (``Counts``)."""
 
     def __init__(self, meter: Any) -> None:
-        self.wait = Samples(
-            meter.create_histogram(
-                "redislock.lock.wait",
-                unit="s",
-                description="From a run's first acquire attempt to its outcome",
-                explicit_bucket_boundaries_advisory=BOUNDS,
-            )
-        )
-        self.held = Samples(
-            meter.create_histogram(
-                "redislock.lock.held",
-                unit="s",
-                description="From a run's acquisition to its release, park or settle",
-                explicit_bucket_boundaries_advisory=BOUNDS,
-            )
-        )
+        self.wait = _histogram(meter, "wait", "From a run's first acquire attempt to its outcome")
+        self.held = _histogram(meter, "held", "From a run's acquisition to its release, park or settle")
         self.acquisitions = _counter(
             meter,
             "acquisitions",
@@ -230,6 +216,18 @@ class Instruments:
             key = (("task", task), ("mode", mode)) + ((("outcome", outcome),) if outcome is not None else ())
             made = self._attributes[task, mode, outcome] = (key, dict(key))
         return made
+
+
+def _histogram(meter: Any, name: str, description: str) -> Samples:
+    """The histogram ``redislock.lock.<name>`` of ``meter``, in seconds, its values buffered in the result."""
+    return Samples(
+        meter.create_histogram(
+            f"redislock.lock.{name}",
+            unit="s",
+            description=description,
+            explicit_bucket_boundaries_advisory=BOUNDS,
+        )
+    )
 
 
 def _counter(

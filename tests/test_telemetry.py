@@ -353,6 +353,22 @@ def test_every_logging_call_of_the_package_passes_its_fields() -> None:
     assert missing == []
 
 
+def exit_code(pid: int, what: str) -> int:
+    """The exit code of forked child ``pid`` once it ended (killed by its pid if it does not)."""
+
+    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return (status,) if done == pid else ()
+
+    try:
+        [status] = wait_for(ended, 10, what)
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    return os.waitstatus_to_exitcode(status)
+
+
 def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own() -> None:
     """The fork happens while another thread holds the sums' lock: the child still counts."""
     counts, at = telemetry.Counts(), (("task", "t"),)
@@ -362,18 +378,7 @@ def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own()
         if pid == 0:  # the child: count once more, exit 0 if the sum is 2
             counts.add(1, at)
             os._exit(0 if [seen.value for seen in counts.observe(None)] == [2] else 1)
-
-    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
-        done, status = os.waitpid(pid, os.WNOHANG)
-        return (status,) if done == pid else ()
-
-    try:
-        [status] = wait_for(ended, 10, "the child to count")
-    except AssertionError:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert exit_code(pid, "the child to count") == 0
     assert [seen.value for seen in counts.observe(None)] == [1]
 
 
@@ -418,18 +423,7 @@ def test_a_forked_child_hands_over_only_its_own_values() -> None:
         made.held.record(0.25, at)
         [point] = otel.points("redislock.lock.held").values()
         os._exit(0 if (point.count, point.sum) == (1, 0.25) else 1)
-
-    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
-        done, status = os.waitpid(pid, os.WNOHANG)
-        return (status,) if done == pid else ()
-
-    try:
-        [status] = wait_for(ended, 10, "the child to collect")
-    except AssertionError:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert exit_code(pid, "the child to collect") == 0
     [point] = otel.points("redislock.lock.held").values()
     assert (point.count, point.sum) == (1, 0.5)
 
