@@ -11,13 +11,13 @@ are summed, under a lock, and read by the SDK at each collection (asynchronous
 counters: the same cumulative sums, without an SDK measurement per run). The
 histograms' values are buffered (``Samples``) and recorded into the SDK's
 histograms ``BATCH`` at a time, and at each collection before the SDK reads
-them: a collection sees every value recorded before it began, the same buckets,
-sums, counts, minimum and maximum; the values carry no exemplars. Until a real provider is set
-the buffered values are dropped, as the API's proxies would drop them. A
-process that exits without a last collection (a prefork pool child, which the
-SDK does not shut down) loses what it recorded since its last one, buffered
-or not, as the SDK would. A forked child hands over only the values it
-recorded itself.
+them: a collection sees every value recorded before it began, the same
+buckets, sums, counts, minimum and maximum; the values carry no exemplars.
+Until a real provider is set the buffered values are dropped, as the API's
+proxies would drop them. A process that exits without a last collection (a
+prefork pool child, which the SDK does not shut down) loses what it recorded
+since its last one, buffered or not, as the SDK would. A forked child hands
+over only the values it recorded itself.
 
 The spans follow ``redislock_spans``: ``"auto"`` makes them only under a
 recording span (the task's, when Celery is instrumented), ``"always"`` also as
@@ -189,6 +189,9 @@ class Instruments:
     sums kept here (``Counts``)."""
 
     def __init__(self, meter: Any) -> None:
+        self._attributes: dict[
+            tuple[str, str, str | None], tuple[tuple[tuple[str, str], ...], dict[str, str]]
+        ] = {}
         self.wait = _histogram(meter, "wait", "From a run's first acquire attempt to its outcome")
         self.held = _histogram(meter, "held", "From a run's acquisition to its release, park or settle")
         self.acquisitions = _counter(
@@ -197,9 +200,6 @@ class Instruments:
             "Runs, enqueues and beat slots, by outcome",
             flushes=(self.wait.observe, self.held.observe),
         )
-        self._attributes: dict[
-            tuple[str, str, str | None], tuple[tuple[tuple[str, str], ...], dict[str, str]]
-        ] = {}
         self.lost = _counter(meter, "lost", "Locks lost while held")
         self.renewals = _counter(meter, "renewals", "Lease renewals, by result")
         self.crash_releases = _counter(
@@ -296,7 +296,7 @@ class _Step(abc.ABC):
 
     The span is made once the step is over, as a child of the span current then (the same as
     at its start: the block does not change the context), with its start time and all its
-    attributes at once: the block runs in no span of ours either way (a span only started).
+    attributes at once; the block runs in no span of ours.
     """
 
     NAME = ""
