@@ -404,6 +404,27 @@ def test_a_collection_sees_every_value_recorded_before_it() -> None:
     assert not point.exemplars  # recorded outside the run: no exemplar names its trace
 
 
+def test_threads_recording_while_collections_run_lose_and_repeat_nothing() -> None:
+    """Four threads record many batches each while this one collects: every value counts once."""
+    made, otel = own_instruments()
+    at, per_thread = {"task": "t", "mode": "m"}, telemetry.BATCH * 20 + 3
+
+    def record() -> None:
+        for _ in range(per_thread):
+            made.held.record(0.01, at)
+
+    threads = [threading.Thread(target=record) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    counts = [0]
+    while any(thread.is_alive() for thread in threads):
+        counts.append(sum(point.count for point in otel.points("redislock.lock.held").values()))
+    for thread in threads:
+        thread.join()
+    [point] = otel.points("redislock.lock.held").values()
+    assert counts == sorted(counts) and point.count == 4 * per_thread
+
+
 def test_a_full_batch_goes_to_the_sdk_without_a_collection() -> None:
     made, _ = own_instruments()
     for _ in range(telemetry.BATCH - 1):
