@@ -434,16 +434,19 @@ def test_a_full_batch_goes_to_the_sdk_without_a_collection() -> None:
     assert not made.held._values
 
 
-def test_a_forked_child_hands_over_only_its_own_values() -> None:
-    """A value buffered at the fork counts in the parent only, not again in the child."""
+def test_a_forked_child_hands_over_only_its_own_values_with_a_lock_of_its_own() -> None:
+    """A value buffered at the fork counts in the parent only, not again in the child. The fork
+    happens while another thread holds the buffer's lock: the child's full batch still goes."""
     made, otel = own_instruments()
     at = {"task": "t", "mode": "m"}
     made.held.record(0.5, at)  # buffered: no collection yet
-    pid = os.fork()
-    if pid == 0:  # the child: record once, exit 0 if its collection has that value alone
-        made.held.record(0.25, at)
-        [point] = otel.points("redislock.lock.held").values()
-        os._exit(0 if (point.count, point.sum) == (1, 0.25) else 1)
+    with made.held._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: record a batch (a flush), exit 0 if its collection has it alone
+            for _ in range(telemetry.BATCH):
+                made.held.record(0.25, at)
+            [point] = otel.points("redislock.lock.held").values()
+            os._exit(0 if (point.count, point.sum) == (telemetry.BATCH, telemetry.BATCH * 0.25) else 1)
     assert exit_code(pid, "the child to collect") == 0
     [point] = otel.points("redislock.lock.held").values()
     assert (point.count, point.sum) == (1, 0.5)
