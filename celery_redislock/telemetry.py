@@ -45,6 +45,7 @@ import collections
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -98,6 +99,19 @@ BATCH = 64
 _RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise", Reject: "busy-reject"}
 
 
+def _in_forked_child(method: Callable[[], None]) -> None:
+    """Call ``method`` in each child forked while its object lives: the registration lasts as
+    long as the process, so it holds the object weakly (as the SDK's own fork hooks do)."""
+    held = weakref.WeakMethod(method)
+
+    def after_fork() -> None:
+        alive = held()
+        if alive is not None:
+            alive()
+
+    os.register_at_fork(after_in_child=after_fork)
+
+
 class Counts:
     """The cumulative sums of a counter, by attributes: ``add`` costs a dict update, and the
     SDK reads them at each collection (``observe``, the asynchronous counter's callback).
@@ -109,7 +123,7 @@ class Counts:
     def __init__(self) -> None:
         self._sums: dict[tuple[tuple[str, str], ...], int] = {}
         self._lock = threading.Lock()  # watchdog and pool threads add too
-        os.register_at_fork(after_in_child=self._new_lock)
+        _in_forked_child(self._new_lock)
 
     def _new_lock(self) -> None:
         self._lock = threading.Lock()
@@ -139,7 +153,7 @@ class Samples:
         self._values: collections.deque[tuple[float, dict[str, str]]] = collections.deque()
         self._lock = threading.Lock()  # one flush at a time: a collection waits for one under way
         self._forwards = False  # the histogram records: a real provider made it, or is set now
-        os.register_at_fork(after_in_child=self._forget)
+        _in_forked_child(self._forget)
 
     def _forget(self) -> None:
         self._values, self._lock = collections.deque(), threading.Lock()

@@ -9,6 +9,7 @@ for the rest of the session (later tests run instrumented), and each test reads 
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -380,6 +382,20 @@ def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own()
             os._exit(0 if [seen.value for seen in counts.observe(None)] == [2] else 1)
     assert exit_code(pid, "the child to count") == 0
     assert [seen.value for seen in counts.observe(None)] == [1]
+
+
+def test_instruments_are_collected_once_unreferenced() -> None:
+    """Nothing of the package keeps them (their fork hooks hold them weakly): once their provider
+    is shut down and nothing refers to them, the instruments, buffers and sums are collected."""
+    provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    made = telemetry.Instruments(provider.get_meter("test"))
+    made.held.record(0.5, {"task": "t", "mode": "m"})
+    made.acquisitions.add(1, (("task", "t"),))
+    refs = [weakref.ref(kept) for kept in (made, made.held, made.acquisitions)]
+    provider.shutdown()
+    del made, provider
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
 
 
 def own_instruments() -> tuple[telemetry.Instruments, Otel]:
