@@ -417,7 +417,20 @@ def test_a_collection_sees_every_value_recorded_before_it() -> None:
     made.wait.record(7.0, at)
     [point] = otel.points("redislock.lock.wait").values()
     assert (point.count, point.max) == (3, 7.0)
-    assert not point.exemplars  # recorded outside the run: no exemplar names its trace
+
+
+def test_values_recorded_in_a_span_carry_no_exemplar_of_it() -> None:
+    """The values go to the SDK outside any span, whether a full batch or a collection sends them
+    from inside one: no exemplar names a trace (the SDK's default filter takes sampled spans)."""
+    made, otel = own_instruments()
+    at = {"task": "t", "mode": "m", "outcome": "acquired"}
+    with TracerProvider().get_tracer("test").start_as_current_span("run") as run:
+        assert run.get_span_context().trace_flags.sampled
+        for _ in range(telemetry.BATCH + 1):  # a batch sent at its last value, one at the collection
+            made.wait.record(0.002, at)
+        [point] = otel.points("redislock.lock.wait").values()
+    assert point.count == telemetry.BATCH + 1
+    assert not point.exemplars
 
 
 def test_threads_recording_while_collections_run_lose_and_repeat_nothing() -> None:
