@@ -34,7 +34,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY, generate_latest
 
-from celery_redislock import LockConfigurationError, RedisLock, busy, signals, task_lock_key, telemetry
+from celery_redislock import (
+    LockConfigurationError,
+    RedisLock,
+    RedisLockError,
+    busy,
+    signals,
+    task_lock_key,
+    telemetry,
+)
 from celery_redislock.config import app_settings
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
@@ -214,6 +222,28 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
     names = [span.name for span in otel.spans.get_finished_spans()]
     assert (f"run/{task.name}" in names) == instrumented
     assert not {"redislock.acquire", "redislock.release"} & set(names), names
+    app.close()
+
+
+def test_an_acquisition_that_fails_marks_its_span_failed_under_the_run(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """Redis is down when a run takes its lock: the block raises a ``ConnectionError``, no outcome;
+    the acquire span, a child of the run's, records the exception and the ERROR status."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task = app.tasks["taskapp.hold_skip"]
+    fresh_server.stop()
+    with trace.get_tracer("test").start_as_current_span("run") as run:
+        failed = task.apply(("x",))
+    assert isinstance(failed.result, RedisLockError), failed.result
+    [acquire] = spans_named(otel, "redislock.acquire")
+    assert acquire.parent is not None and acquire.parent.span_id == run.get_span_context().span_id
+    assert acquire.status.status_code is trace.StatusCode.ERROR
+    assert "ConnectionError" in (acquire.status.description or "")
+    [event] = acquire.events
+    assert event.name == "exception" and event.attributes is not None
+    assert str(event.attributes["exception.type"]).endswith("ConnectionError")
+    assert "outcome" not in (acquire.attributes or {})
     app.close()
 
 
