@@ -13,8 +13,9 @@ histograms' values are buffered (``Samples``) and recorded into the SDK's
 histograms ``BATCH`` at a time, and at each collection before the SDK reads
 them: a collection sees every value recorded before it began, the same
 buckets, sums, counts, minimum and maximum; the values carry no exemplars.
-Until a real provider is set the buffered values are dropped, as the API's
-proxies would drop them. A process that exits without a last collection (a
+Until a real provider is set, each full buffer is dropped, as the API's
+proxies would drop its values; the values still buffered (fewer than ``BATCH``)
+when the application sets one go to it. A process that exits without a last collection (a
 prefork pool child, which the SDK does not shut down) loses what it recorded
 since its last one, buffered or not, as the SDK would. A forked child hands
 over only the values it recorded itself.

@@ -511,9 +511,10 @@ def test_a_forked_child_hands_over_only_its_own_values_with_a_lock_of_its_own() 
     assert (point.count, point.sum) == (1, 0.5)
 
 
-def test_values_are_dropped_until_a_provider_is_set_then_recorded() -> None:
-    """In a fresh process: with no provider the buffer does not grow (the values go nowhere, as
-    through the API's proxies); once the app sets one, after the import, a run's value is seen.
+def test_values_are_dropped_a_batch_at_a_time_until_a_provider_is_set() -> None:
+    """In a fresh process: with no provider each full batch goes nowhere (as through the API's
+    proxies), the rest stays buffered; once the app sets one, after the import, a run's value
+    and those still buffered are seen.
     Also an internals check: the API's proxies are told from real instruments by their module
     (``telemetry._records``); should that change upstream, the values would go to the proxies
     (no harm, a cost) and this fails."""
@@ -526,7 +527,7 @@ def test_values_are_dropped_until_a_provider_is_set_then_recorded() -> None:
         from celery_redislock import telemetry
 
         wait = telemetry._on.wait
-        for _ in range(telemetry.BATCH * 3):
+        for _ in range(telemetry.BATCH * 3 + 5):
             wait.record(1.0, {"task": "t", "mode": "m", "outcome": "acquired"})
         print(len(wait._values), wait._forwards)
         reader = InMemoryMetricReader()
@@ -540,4 +541,4 @@ def test_values_are_dropped_until_a_provider_is_set_then_recorded() -> None:
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
     )
-    assert done.stdout.split() == ["0", "False", "1", "0.5"], done.stderr
+    assert done.stdout.split() == ["5", "False", "6", "5.5"], done.stderr
