@@ -10,15 +10,17 @@ A run's metrics are gathered here and handed to the SDK in bulk. The counters
 are summed, under a lock, and read by the SDK at each collection (asynchronous
 counters: the same cumulative sums, without an SDK measurement per run). The
 histograms' values are buffered (``Samples``) and recorded into the SDK's
-histograms ``BATCH`` at a time, and at each collection before the SDK reads
-them: a collection sees every value recorded before it began, the same
+histograms ``BATCH`` at a time, and at each collection by a callback of the
+counters. With the OpenTelemetry Python SDK, whose collection runs every
+callback (under one lock) before it reads the histograms, a collection of
+any of its readers sees every value recorded before it began, the same
 buckets, sums, counts, minimum and maximum; the values carry no exemplars.
 Until a real provider is set, each full buffer is dropped, as the API's
-proxies would drop its values; the values still buffered (fewer than ``BATCH``)
-when the application sets one go to it. A process that exits without a last collection (a
-prefork pool child, which the SDK does not shut down) loses what it recorded
-since its last one, buffered or not, as the SDK would. A forked child hands
-over only the values it recorded itself.
+proxies would drop its values; the values still buffered (fewer than
+``BATCH``) when the application sets one go to it. A process that exits
+without a last collection (a prefork pool child, which the SDK does not shut
+down) loses what it recorded since its last one, buffered or not, as the SDK
+would. A forked child hands over only the values it recorded itself.
 
 The spans follow ``redislock_spans``: ``"auto"`` makes them only under a
 recording span (the task's, when Celery is instrumented), ``"always"`` also as

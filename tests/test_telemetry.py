@@ -28,7 +28,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -55,8 +55,8 @@ DASHBOARD = ROOT / "examples" / "grafana_dashboard.json"
 class Otel:
     """The session's in-memory metric reader and span exporter."""
 
-    def __init__(self) -> None:
-        self.reader = InMemoryMetricReader()
+    def __init__(self, reader: InMemoryMetricReader | None = None) -> None:
+        self.reader = InMemoryMetricReader() if reader is None else reader
         self.spans = InMemorySpanExporter()
 
     def points(self, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
@@ -434,19 +434,56 @@ def own_instruments() -> tuple[telemetry.Instruments, Otel]:
     return telemetry.Instruments(MeterProvider(metric_readers=[otel.reader]).get_meter("test")), otel
 
 
-def test_a_collection_sees_every_value_recorded_before_it() -> None:
-    """Fewer than a batch, one of them from another thread: each collection has them all, once."""
-    made, otel = own_instruments()
-    at = {"task": "t", "mode": "m", "outcome": "acquired"}
-    made.wait.record(0.002, at)
-    recorder = threading.Thread(target=made.wait.record, args=(0.2, at))
-    recorder.start()
-    recorder.join()
-    [point] = otel.points("redislock.lock.wait").values()
-    assert (point.count, point.sum, point.min, point.max) == (2, 0.202, 0.002, 0.2)
-    made.wait.record(7.0, at)
-    [point] = otel.points("redislock.lock.wait").values()
-    assert (point.count, point.max) == (3, 7.0)
+def count_and_sum(reader: MetricReader) -> tuple[float, float]:
+    """The count and sum (rounded to 9 places) of ``redislock.lock.wait``, one set of attributes,
+    that ``reader`` collects."""
+    if isinstance(reader, PrometheusMetricReader):  # a scrape: the registry collects through it
+        text = generate_latest(REGISTRY).decode()
+        found = [
+            float(value)
+            for what in ("count", "sum")
+            for value in re.findall(
+                rf"^redislock_lock_wait_seconds_{what}(?:{{.*}})? (\S+)$", text, re.MULTILINE
+            )
+        ]
+        assert len(found) == 2, text
+        return found[0], round(found[1], 9)
+    assert isinstance(reader, InMemoryMetricReader)
+    [point] = Otel(reader).points("redislock.lock.wait").values()
+    return point.count, round(point.sum, 9)
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        pytest.param(None, id="one-in-memory-reader"),
+        pytest.param(InMemoryMetricReader, id="two-in-memory-readers"),
+        pytest.param(PrometheusMetricReader, id="in-memory-and-prometheus-readers"),
+    ],
+)
+def test_a_collection_sees_every_value_recorded_before_it(second: type[MetricReader] | None) -> None:
+    """Fewer than a batch, one of them from another thread: each collection of each reader has
+    them all, once, whichever reader collects first (a collection of the SDK runs every callback)."""
+    otel = Otel()
+    readers = [otel.reader] if second is None else [otel.reader, second()]
+    provider = MeterProvider(metric_readers=readers)
+    try:
+        made = telemetry.Instruments(provider.get_meter("test"))
+        at = {"task": "t", "mode": "m", "outcome": "acquired"}
+        made.wait.record(0.002, at)
+        recorder = threading.Thread(target=made.wait.record, args=(0.2, at))
+        recorder.start()
+        recorder.join()
+        [point] = otel.points("redislock.lock.wait").values()
+        assert (point.count, point.sum, point.min, point.max) == (2, 0.202, 0.002, 0.2)
+        others = readers[1:]
+        assert [count_and_sum(reader) for reader in others] == [(2, 0.202)] * len(others)
+        made.wait.record(7.0, at)  # the other reader collects first now
+        assert [count_and_sum(reader) for reader in others] == [(3, 7.202)] * len(others)
+        [point] = otel.points("redislock.lock.wait").values()
+        assert (point.count, point.max) == (3, 7.0)
+    finally:
+        provider.shutdown()  # takes a Prometheus reader's collector out of the registry
 
 
 def test_values_recorded_in_a_span_carry_no_exemplar_of_it() -> None:
