@@ -227,7 +227,13 @@ class Instruments:
         self, task: str, mode: str, outcome: str | None = None
     ) -> tuple[tuple[tuple[str, str], ...], dict[str, str]]:
         """The attributes ``task``, ``mode`` and ``outcome`` (if any) as a key of ``Counts`` and as
-        a histogram's, made once (a few sets: the attributes are of low cardinality)."""
+        a histogram's, made once (a few sets: the attributes are of low cardinality).
+
+        The dict is shared by every value recorded at those attributes, and nothing changes it:
+        the SDK copies it per measurement (1.45), or keeps the first it is given as its data
+        points' attributes, which exporters only read (1.30). Not a ``MappingProxyType``: the
+        data points' ``to_json`` (the console exporter) cannot copy one (``dataclasses.asdict``).
+        """
         made = self._attributes.get((task, mode, outcome))
         if made is None:
             key = (("task", task), ("mode", mode)) + ((("outcome", outcome),) if outcome is not None else ())
