@@ -2,22 +2,28 @@
 with the SDK's providers on against the same without, in one run.
 
 Each round runs ``task_bench.run_once("LockedTask", ...)`` once per way, the order rotating
-between rounds: ``off`` as task_bench runs it (opentelemetry-api installed, no provider set: the
-hooks are the API's proxies); ``metrics``, with ``TASK_BENCH_OTEL=metrics``, under which the worker
-(its main process, before the pool forks) sets an SDK ``MeterProvider`` (an in-memory reader, read
-by nobody: every measurement is aggregated, as for an exporter); ``all``, which also sets a
-``TracerProvider`` (a batch processor into an exporter that drops the spans) under the default
+between rounds: ``off`` as task_bench runs it (opentelemetry-api installed, no provider set);
+``metrics``, with ``TASK_BENCH_OTEL=metrics``, under which the worker (its main process, before
+the pool forks) sets an SDK ``MeterProvider`` (an in-memory reader, read by nobody: every
+measurement is aggregated, as for an exporter); ``all``, which also sets a ``TracerProvider`` (a
+batch processor into an exporter that drops the spans) under the default
 ``redislock_spans="auto"``: Celery is not instrumented, so no task span, and no lock span;
 ``spans``, the same with ``redislock_spans="always"``: every lock's metrics and its two spans
-are recorded. The headline is, for each instrumented way, the median over the rounds of the
-per-round ratio to ``off`` of the worker pool's CPU per task and of the wall time (target
-< 1.03); before the runs, the hooks' own cost per run in this process without the API, with no
-provider, and with the SDK each way (a tight loop: a lower bound), then what the SDK's metrics
-add to a run among its other work (``metrics_in_runs_us``) and from it an estimate of the
-``metrics`` ratio with less noise on a shared machine; the load average before and after.
-Results go to ``bench/results/otel_bench.json``.
+are recorded. Then where users have spans: ``celery-never``, the SDK's providers and Celery
+instrumented (opentelemetry-instrumentation-celery: each task has its span, recorded and
+exported) with ``redislock_spans="never"``, and ``celery``, the same with the default
+``"auto"``: each run's two lock spans are children of its task's span.
 
-Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 3 min at the
+The headline is, for each instrumented way, the median over the rounds of the per-round ratio
+to ``off`` of the worker pool's CPU per task and of the wall time (target < 1.03), and the same
+of ``celery`` to ``celery-never`` (what the lock spans add where tasks are traced). Before the
+runs, the hooks' own cost per run in this process without the API, with no provider, and with
+the SDK each way (a tight loop: a lower bound; the ``celery`` ways in a span of their own), then
+what the SDK's metrics add to a run among its other work (``metrics_in_runs_us``) and from it an
+estimate of the ``metrics`` ratio with less noise on a shared machine; the load average before
+and after. Results go to ``bench/results/otel_bench.json``.
+
+Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 5 min at the
 defaults). Needs the SDK: ``pip install -e '.[test]'``.
 """
 
@@ -37,16 +43,19 @@ RESULTS = HERE / "results" / "otel_bench.json"
 #: The environment variable that turns the SDK on in task_bench's worker (``metrics`` or ``all``).
 SWITCH = "TASK_BENCH_OTEL"
 #: Uninstrumented, then the SDK's metrics, then its metrics and tracer (spans "auto"), then
-#: its metrics and spans ("always").
-WAYS = ("off", "metrics", "all", "spans")
+#: its metrics and spans ("always"); then Celery instrumented too, with no lock spans, and
+#: with them ("auto").
+WAYS = ("off", "metrics", "all", "spans", "celery-never", "celery")
 #: ``redislock_spans`` each way (the default elsewhere).
-SPANS = {"spans": "always"}
+SPANS = {"spans": "always", "celery-never": "never"}
+#: Each instrumented way against the way it adds to.
+BASES = {"metrics": "off", "all": "off", "spans": "off", "celery": "celery-never"}
 
 
 def instrument(way: str) -> dict[str, Any]:
-    """Set the SDK's global providers: the ``MeterProvider``, and for ``way`` ``"all"`` and
-    ``"spans"`` the ``TracerProvider`` too (the worker calls this with ``SWITCH``'s value); return
-    the app settings of the way."""
+    """Set the SDK's global providers: the ``MeterProvider``, and for ``way`` other than
+    ``"metrics"`` the ``TracerProvider`` too, and for the ``celery`` ways instrument Celery
+    (the worker calls this with ``SWITCH``'s value); return the app settings of the way."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -60,33 +69,51 @@ def instrument(way: str) -> dict[str, Any]:
             return SpanExportResult.SUCCESS
 
     metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
-    if way in ("all", "spans"):
+    if way != "metrics":
         tracer_provider = TracerProvider()
         tracer_provider.add_span_processor(BatchSpanProcessor(Dropping()))
         trace.set_tracer_provider(tracer_provider)
+    if way.startswith("celery"):
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+
+        CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]
     return {"redislock_spans": SPANS.get(way, "auto")}
 
 
-def hook_cost_us(rounds: int = 100_000, spans: str = "auto") -> float:
+def hook_cost_us(rounds: int = 100_000, spans: str = "auto", in_task_span: bool = False) -> float:
     """Microseconds per run spent in the hooks a run calls (``Acquisition``, ``Release``), with
-    this process's providers (none is set here: the API's proxies, or no API at all)."""
+    this process's providers (none is set here: the API's proxies, or no API at all), in a
+    task's span if ``in_task_span`` (as under an instrumented Celery)."""
+    from contextlib import nullcontext
+
     from celery_redislock import telemetry
 
     class Hold:  # what the hooks read of a held lock
         fence, taken_at = 1, 0.0
 
+    def task_span() -> Any:
+        if not in_task_span:
+            return nullcontext()
+        from opentelemetry import trace
+
+        return trace.get_tracer("otel_bench").start_as_current_span("task")
+
     hold, began = Hold(), time.perf_counter()
     for _ in range(rounds):
-        with telemetry.Acquisition("bench", "while_executing", hold, spans) as acquisition:
-            acquisition.taken = True
-        with telemetry.Release("bench", "while_executing", hold, spans) as release:
-            release.outcome = "released"
+        with task_span():
+            with telemetry.Acquisition("bench", "while_executing", hold, spans) as acquisition:
+                acquisition.taken = True
+            with telemetry.Release("bench", "while_executing", hold, spans) as release:
+                release.outcome = "released"
     return (time.perf_counter() - began) / rounds * 1e6
 
 
-def hook_cost_elsewhere_us(setup: str, spans: str = "auto") -> float:
+def hook_cost_elsewhere_us(setup: str, spans: str = "auto", in_task_span: bool = False) -> float:
     """``hook_cost_us`` in a fresh process after ``setup`` (Python)."""
-    code = f"{setup}; from otel_bench import hook_cost_us; print(hook_cost_us(20_000, {spans!r}))"
+    code = (
+        f"{setup}; from otel_bench import hook_cost_us; "
+        f"print(hook_cost_us(20_000, {spans!r}, {in_task_span!r}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
     return float(done.stdout)
 
@@ -176,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         "off": hook_cost_us(),
         **{
             way: hook_cost_elsewhere_us(
-                f"import otel_bench; otel_bench.instrument({way!r})", SPANS.get(way, "auto")
+                f"import otel_bench; otel_bench.instrument({way!r})",
+                SPANS.get(way, "auto"),
+                in_task_span=way.startswith("celery"),
             )
             for way in WAYS[1:]
         },
@@ -194,21 +223,34 @@ def main(argv: list[str] | None = None) -> int:
             for way in WAYS[repeat % len(WAYS) :] + WAYS[: repeat % len(WAYS)]:
                 row = run(way, args.tasks, args.concurrency, broker, locks)
                 runs[way].append(row)
-                print(f"  round {repeat + 1}/{args.repeats} {way:<7} {row['wall_s']:.2f}s", flush=True)
+                print(f"  round {repeat + 1}/{args.repeats} {way:<12} {row['wall_s']:.2f}s", flush=True)
     load_after = os.getloadavg()
+    measures = (("pool_cpu", pool_cpu_of), ("wall", wall_of))
     ratios = {
         measure: {way: paired_ratio(runs[way], runs["off"], read) for way in WAYS[1:]}
-        for measure, read in (("pool_cpu", pool_cpu_of), ("wall", wall_of))
+        for measure, read in measures
+    }
+    to_base = {
+        measure: {way: paired_ratio(runs[way], runs[base], read) for way, base in BASES.items()}
+        for measure, read in measures
     }
     pool_cpu = {way: statistics.median(pool_cpu_of(row) for row in rows) for way, rows in runs.items()}
     print(f"\n{args.tasks} LockedTask tasks, prefork -c {args.concurrency}, {args.repeats} rounds")
-    print("  x off: the median of the per-round ratios (target < 1.03): pool CPU, wall; pool CPU per task")
+    print(
+        "  the median of the per-round ratios (target < 1.03) to off, then to the way each adds to:"
+        " pool CPU, wall; pool CPU per task"
+    )
     # the metrics' cost among a run's other work over off's pool CPU per task: less noise
     estimate = 1 + in_runs / (pool_cpu["off"] * 1000)
-    print(f"  off      {1:.3f}  {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
+    print(f"  off          {1:.3f}  {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
     for way in WAYS[1:]:
         cpu, wall = ratios["pool_cpu"][way], ratios["wall"][way]
-        print(f"  {way:<8} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us")
+        based = (
+            f"; x {BASES[way]}: {to_base['pool_cpu'][way]:.3f}  {to_base['wall'][way]:.3f}"
+            if way in BASES and BASES[way] != "off"
+            else ""
+        )
+        print(f"  {way:<12} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us{based}")
     print(f"  metrics, estimated: {estimate:.3f} (+{in_runs:.1f}us a run over off's pool CPU per task)")
     print(f"  load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
     write_json(
@@ -217,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             **run_header(args),
             "duration_s": time.monotonic() - started,
             "ratio_to_off": ratios,
+            "ratio_to_base": {"bases": BASES, **to_base},
             "hook_us_per_run": hooks,
             "metrics_in_runs_us": in_runs,
             "metrics_estimate_to_off": estimate,

@@ -6,12 +6,26 @@ come from the global ``MeterProvider`` and ``TracerProvider``: the API's
 proxies, which do nothing until the application sets real providers (before
 or after importing this package) and then forward to them.
 
-A run pays for two histogram measurements; the counters are summed here, under
-a lock, and read by the SDK at each collection (asynchronous counters: the same
-cumulative sums, without an SDK measurement per run). The spans follow
-``redislock_spans``: ``"auto"`` makes them only under a recording span (the
-task's, when Celery is instrumented), ``"always"`` also as roots, ``"never"``
-not at all (``bench/otel_bench.py`` measures each).
+A run's metrics are gathered here and handed to the SDK in bulk. The counters
+are summed, under a lock, and read by the SDK at each collection (asynchronous
+counters: the same cumulative sums, without an SDK measurement per run). The
+histograms' values are buffered (``Samples``) and recorded into the SDK's
+histograms ``BATCH`` at a time, and at each collection by a callback of the
+counters. With the OpenTelemetry Python SDK, whose collection runs every
+callback (under one lock) before it reads the histograms, a collection of
+any of its readers sees every value recorded before it began, the same
+buckets, sums, counts, minimum and maximum; the values carry no exemplars.
+Until a real provider is set, each full buffer is dropped, as the API's
+proxies would drop its values; the values still buffered (fewer than
+``BATCH``) when the application sets one go to it. A process that exits
+without a last collection (a prefork pool child, which the SDK does not shut
+down) loses what it recorded since its last one, buffered or not, as the SDK
+would. A forked child hands over only the values it recorded itself.
+
+The spans follow ``redislock_spans``: ``"auto"`` makes them only under a
+recording span (the task's, when Celery is instrumented), ``"always"`` also as
+roots, ``"never"`` not at all (``bench/otel_bench.py`` measures each). A span
+is made once its step is over, with its start time and all its attributes.
 
 Metrics (attributes never hold a key, a digest or an argument):
 
@@ -30,10 +44,12 @@ current span, the task's when Celery is instrumented.
 from __future__ import annotations
 
 import abc
+import collections
 import os
 import threading
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -42,9 +58,9 @@ from celery.exceptions import Ignore, Reject, Retry
 from .exceptions import LockNotAcquired
 
 try:
-    from opentelemetry import metrics, trace
+    from opentelemetry import context, metrics, trace
 except ImportError:  # the [otel] extra is not installed: every hook is a no-op
-    metrics = trace = None  # type: ignore[assignment]
+    context = metrics = trace = None  # type: ignore[assignment]
 
 __all__ = [
     "OUTCOMES",
@@ -80,8 +96,25 @@ OUTCOMES = (
 )
 #: Bucket bounds (seconds) of the two histograms: a millisecond to an hour.
 BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+#: How many values a histogram buffers before they go to the SDK (``Samples``): the run whose value
+#: fills the buffer hands them over on its own thread (about 9 µs a value with the SDK). 16 keeps
+#: most of what 64 saves a run, a quarter of the wait (docs/operations.md).
+BATCH = 16
 #: What a busy policy raising this means (``Acquisition``).
 _RAISED = {Retry: "busy-retry", Ignore: "busy-skip", LockNotAcquired: "busy-raise", Reject: "busy-reject"}
+
+
+def _in_forked_child(method: Callable[[], None]) -> None:
+    """Call ``method`` in each child forked while its object lives: the registration lasts as
+    long as the process, so it holds the object weakly (as the SDK's own fork hooks do)."""
+    held = weakref.WeakMethod(method)
+
+    def after_fork() -> None:
+        alive = held()
+        if alive is not None:
+            alive()
+
+    os.register_at_fork(after_in_child=after_fork)
 
 
 class Counts:
@@ -95,7 +128,7 @@ class Counts:
     def __init__(self) -> None:
         self._sums: dict[tuple[tuple[str, str], ...], int] = {}
         self._lock = threading.Lock()  # watchdog and pool threads add too
-        os.register_at_fork(after_in_child=self._new_lock)
+        _in_forked_child(self._new_lock)
 
     def _new_lock(self) -> None:
         self._lock = threading.Lock()
@@ -112,36 +145,124 @@ class Counts:
         return [metrics.Observation(total, dict(attributes)) for attributes, total in sums]
 
 
+class Samples:
+    """A histogram's values, buffered: ``record`` costs an append, and the values go to the
+    SDK's ``histogram`` in bulk (``flush``): once ``BATCH`` are buffered, and at each collection
+    (``observe``, a callback the SDK runs before it reads its histograms). Each value is handed
+    over once, by the process that recorded it: a forked child starts with an empty buffer
+    (the values buffered at the fork are the parent's to hand over) and a new lock.
+    """
+
+    def __init__(self, histogram: Any) -> None:
+        self._histogram = histogram
+        self._values: collections.deque[tuple[float, dict[str, str]]] = collections.deque()
+        self._lock = threading.Lock()  # one flush at a time: a collection waits for one under way
+        self._forwards = False  # the histogram records: a real provider made it, or is set now
+        _in_forked_child(self._forget)
+
+    def _forget(self) -> None:
+        self._values, self._lock = collections.deque(), threading.Lock()
+
+    def record(self, value: float, attributes: dict[str, str]) -> None:
+        """Buffer ``value`` at ``attributes`` (append is atomic: no lock)."""
+        self._values.append((value, attributes))
+        if len(self._values) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Record the buffered values into the histogram, outside any span (no exemplar names a
+        run's trace: the values are not recorded in their runs' contexts); drop them while no
+        real provider is set."""
+        with self._lock:
+            values = self._values
+            self._forwards = self._forwards or _records(self._histogram)
+            if not self._forwards:
+                values.clear()
+                return
+            token = context.attach(context.Context())
+            try:
+                for _ in range(len(values)):
+                    self._histogram.record(*values.popleft())
+            finally:
+                context.detach(token)
+
+    def observe(self, options: Any) -> Iterable[Any]:
+        """Flush, and observe nothing (a callback of an asynchronous counter: the SDK runs
+        the callbacks of a collection before it reads the histograms)."""
+        self.flush()
+        return ()
+
+
+def _records(histogram: Any) -> bool:
+    """Whether ``histogram`` records: not the API's own (its proxy or no-op), or a proxy
+    that forwards now, a real ``MeterProvider`` being set (a provider is set once per process)."""
+    api = metrics.__name__ + "."
+    return not type(histogram).__module__.startswith(api) or not type(
+        metrics.get_meter_provider()
+    ).__module__.startswith(api)
+
+
 class Instruments:
     """The package's instruments, made by ``meter`` (names and units are what dashboards read);
-    the counters are asynchronous, their sums kept here (``Counts``)."""
+    the histograms' values are buffered here (``Samples``), the counters are asynchronous, their
+    sums kept here (``Counts``)."""
 
     def __init__(self, meter: Any) -> None:
-        self.wait = meter.create_histogram(
-            "redislock.lock.wait",
-            unit="s",
-            description="From a run's first acquire attempt to its outcome",
-            explicit_bucket_boundaries_advisory=BOUNDS,
+        self._attributes: dict[
+            tuple[str, str, str | None], tuple[tuple[tuple[str, str], ...], dict[str, str]]
+        ] = {}
+        self.wait = _histogram(meter, "wait", "From a run's first acquire attempt to its outcome")
+        self.held = _histogram(meter, "held", "From a run's acquisition to its release, park or settle")
+        self.acquisitions = _counter(
+            meter,
+            "acquisitions",
+            "Runs, enqueues and beat slots, by outcome",
+            flushes=(self.wait.observe, self.held.observe),
         )
-        self.held = meter.create_histogram(
-            "redislock.lock.held",
-            unit="s",
-            description="From a run's acquisition to its release, park or settle",
-            explicit_bucket_boundaries_advisory=BOUNDS,
-        )
-        self.acquisitions = _counter(meter, "acquisitions", "Runs, enqueues and beat slots, by outcome")
         self.lost = _counter(meter, "lost", "Locks lost while held")
         self.renewals = _counter(meter, "renewals", "Lease renewals, by result")
         self.crash_releases = _counter(
             meter, "crash_releases", "Locks the worker's main process released after their pool child died"
         )
 
+    def attributes(
+        self, task: str, mode: str, outcome: str | None = None
+    ) -> tuple[tuple[tuple[str, str], ...], dict[str, str]]:
+        """The attributes ``task``, ``mode`` and ``outcome`` (if any) as a key of ``Counts`` and as
+        a histogram's, made once (a few sets: the attributes are of low cardinality).
 
-def _counter(meter: Any, name: str, description: str) -> Counts:
-    """The asynchronous counter ``redislock.lock.<name>`` of ``meter``, its sums kept in the result."""
+        The dict is shared by every value recorded at those attributes, and nothing changes it:
+        the SDK copies it per measurement (1.45), or keeps the first it is given as its data
+        points' attributes, which exporters only read (1.30). Not a ``MappingProxyType``: the
+        data points' ``to_json`` (the console exporter) cannot copy one (``dataclasses.asdict``).
+        """
+        made = self._attributes.get((task, mode, outcome))
+        if made is None:
+            key = (("task", task), ("mode", mode)) + ((("outcome", outcome),) if outcome is not None else ())
+            made = self._attributes[task, mode, outcome] = (key, dict(key))
+        return made
+
+
+def _histogram(meter: Any, name: str, description: str) -> Samples:
+    """The histogram ``redislock.lock.<name>`` of ``meter``, in seconds, its values buffered in the result."""
+    return Samples(
+        meter.create_histogram(
+            f"redislock.lock.{name}",
+            unit="s",
+            description=description,
+            explicit_bucket_boundaries_advisory=BOUNDS,
+        )
+    )
+
+
+def _counter(
+    meter: Any, name: str, description: str, flushes: Iterable[Callable[[Any], Iterable[Any]]] = ()
+) -> Counts:
+    """The asynchronous counter ``redislock.lock.<name>`` of ``meter``, its sums kept in the
+    result; ``flushes``: callbacks to run first at each collection."""
     counts = Counts()
     meter.create_observable_counter(
-        f"redislock.lock.{name}", callbacks=[counts.observe], description=description
+        f"redislock.lock.{name}", callbacks=[*flushes, counts.observe], description=description
     )
     return counts
 
@@ -168,7 +289,7 @@ def log_fields(
 def counted(task: str, mode: str, outcome: str) -> None:
     """An outcome decided without a wait (a duplicate refused, a slot dropped)."""
     if metrics is not None:
-        _on.acquisitions.add(1, (("task", task), ("mode", mode), ("outcome", outcome)))
+        _on.acquisitions.add(1, _on.attributes(task, mode, outcome)[0])
 
 
 def lost(task: str, reason: str) -> None:
@@ -193,25 +314,24 @@ _Step_ = TypeVar("_Step_", bound="_Step")
 
 
 class _Step(abc.ABC):
-    """A step of a run's hold of ``lock`` (its task's name ``task``, its ``mode``): the span
-    ``NAME`` as ``spans`` (``redislock_spans``) asks, ended with the step's outcome
-    (``_outcome_of``; ``None``: the exception the block raised fails the span) and the hold's
-    fence; then its metrics (``_record``)."""
+    """A step of a run's hold of ``lock`` (its task's name ``task``, its ``mode``): its
+    metrics (``_record``), and the span ``NAME`` as ``spans`` (``redislock_spans``) asks, with
+    the step's outcome (``_outcome_of``; ``None``: the exception the block raised fails the span)
+    and the hold's fence.
+
+    The span is made once the step is over, as a child of the span current then (the same as
+    at its start: the block does not change the context), with its start time and all its
+    attributes at once; the block runs in no span of ours.
+    """
 
     NAME = ""
-    __slots__ = ("fence", "lock", "mode", "span", "spans", "started", "task")
+    __slots__ = ("fence", "lock", "mode", "spans", "started", "task")
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
         self.task, self.mode, self.lock, self.spans = task, mode, lock, spans
-        self.span: Any = None
 
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
-        spans = self.spans
-        if trace is not None and (
-            spans == "always" or (spans == "auto" and trace.get_current_span().is_recording())
-        ):
-            self.span = _tracer.start_span(self.NAME, attributes={"task": self.task, "mode": self.mode})
         return self
 
     def __exit__(
@@ -219,11 +339,27 @@ class _Step(abc.ABC):
     ) -> None:
         if trace is None:
             return
-        outcome = self._outcome_of(kind)
-        if self.span is not None:
-            _end(self.span, outcome, self.fence if self.lock.fence is None else self.lock.fence, exc)
+        outcome, spans = self._outcome_of(kind), self.spans
+        if spans == "always" or (spans == "auto" and trace.get_current_span().is_recording()):
+            self._trace(outcome, exc)
         if outcome is not None:
             self._record(outcome)
+
+    def _trace(self, outcome: str | None, exc: BaseException | None) -> None:
+        """Make the step's span, from ``started`` to now; ``exc`` (not an outcome) fails it."""
+        attributes: dict[str, Any] = {"task": self.task, "mode": self.mode}
+        if outcome is not None:
+            attributes["outcome"] = outcome
+        fence = self.fence if self.lock.fence is None else self.lock.fence
+        if fence is not None:
+            attributes["fence"] = fence
+        ended = time.time_ns()
+        started = ended - int((time.monotonic() - self.started) * 1e9)
+        span = _tracer.start_span(self.NAME, attributes=attributes, start_time=started)
+        if exc is not None and outcome is None:
+            span.record_exception(exc)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, repr(exc)))
+        span.end(end_time=ended)
 
     @abc.abstractmethod
     def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
@@ -257,8 +393,9 @@ class Acquisition(_Step):
 
     def _record(self, outcome: str) -> None:
         waited = time.monotonic() - self.started
-        _on.wait.record(waited, {"task": self.task, "mode": self.mode, "outcome": outcome})
-        _on.acquisitions.add(1, (("task", self.task), ("mode", self.mode), ("outcome", outcome)))
+        key, attributes = _on.attributes(self.task, self.mode, outcome)
+        _on.wait.record(waited, attributes)
+        _on.acquisitions.add(1, key)
 
 
 class Release(_Step):
@@ -278,16 +415,4 @@ class Release(_Step):
         return self.outcome
 
     def _record(self, outcome: str) -> None:
-        _on.held.record(time.monotonic() - self.lock.taken_at, {"task": self.task, "mode": self.mode})
-
-
-def _end(span: Any, outcome: str | None, fence: int | None, exc: BaseException | None) -> None:
-    """End ``span`` with its ``outcome`` and ``fence``; ``exc`` (not an outcome) fails it."""
-    if outcome is not None:
-        span.set_attribute("outcome", outcome)
-    if fence is not None:
-        span.set_attribute("fence", fence)
-    if exc is not None and outcome is None:
-        span.record_exception(exc)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, repr(exc)))
-    span.end()
+        _on.held.record(time.monotonic() - self.lock.taken_at, _on.attributes(self.task, self.mode)[1])

@@ -9,11 +9,17 @@ for the rest of the session (later tests run instrumented), and each test reads 
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import logging
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,13 +28,21 @@ from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY, generate_latest
 
-from celery_redislock import LockConfigurationError, RedisLock, busy, signals, task_lock_key, telemetry
+from celery_redislock import (
+    LockConfigurationError,
+    RedisLock,
+    RedisLockError,
+    busy,
+    signals,
+    task_lock_key,
+    telemetry,
+)
 from celery_redislock.config import app_settings
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
@@ -41,8 +55,8 @@ DASHBOARD = ROOT / "examples" / "grafana_dashboard.json"
 class Otel:
     """The session's in-memory metric reader and span exporter."""
 
-    def __init__(self) -> None:
-        self.reader = InMemoryMetricReader()
+    def __init__(self, reader: InMemoryMetricReader | None = None) -> None:
+        self.reader = InMemoryMetricReader() if reader is None else reader
         self.spans = InMemorySpanExporter()
 
     def points(self, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
@@ -143,6 +157,9 @@ def test_a_run_is_counted_timed_and_traced_under_its_task_span(
     for span, outcome in ((acquire, "acquired"), (release, "released")):
         assert span.parent is not None and span.parent.span_id == run.context.span_id
         assert dict(span.attributes or {}) == {**attributes, "outcome": outcome, "fence": acquired["fence"]}
+    times = [run.start_time, acquire.start_time, acquire.end_time, release.start_time, release.end_time]
+    times.append(run.end_time)
+    assert None not in times and times == sorted(times)  # type: ignore[type-var]
     assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
     assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
     app.close()
@@ -205,6 +222,28 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
     names = [span.name for span in otel.spans.get_finished_spans()]
     assert (f"run/{task.name}" in names) == instrumented
     assert not {"redislock.acquire", "redislock.release"} & set(names), names
+    app.close()
+
+
+def test_an_acquisition_that_fails_marks_its_span_failed_under_the_run(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """Redis is down when a run takes its lock: the block raises a ``ConnectionError``, no outcome;
+    the acquire span, a child of the run's, records the exception and the ERROR status."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task = app.tasks["taskapp.hold_skip"]
+    fresh_server.stop()
+    with trace.get_tracer("test").start_as_current_span("run") as run:
+        failed = task.apply(("x",))
+    assert isinstance(failed.result, RedisLockError), failed.result
+    [acquire] = spans_named(otel, "redislock.acquire")
+    assert acquire.parent is not None and acquire.parent.span_id == run.get_span_context().span_id
+    assert acquire.status.status_code is trace.StatusCode.ERROR
+    assert "ConnectionError" in (acquire.status.description or "")
+    [event] = acquire.events
+    assert event.name == "exception" and event.attributes is not None
+    assert str(event.attributes["exception.type"]).endswith("ConnectionError")
+    assert "outcome" not in (acquire.attributes or {})
     app.close()
 
 
@@ -346,6 +385,22 @@ def test_every_logging_call_of_the_package_passes_its_fields() -> None:
     assert missing == []
 
 
+def exit_code(pid: int, what: str) -> int:
+    """The exit code of forked child ``pid`` once it ended (killed by its pid if it does not)."""
+
+    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return (status,) if done == pid else ()
+
+    try:
+        [status] = wait_for(ended, 10, what)
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    return os.waitstatus_to_exitcode(status)
+
+
 def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own() -> None:
     """The fork happens while another thread holds the sums' lock: the child still counts."""
     counts, at = telemetry.Counts(), (("task", "t"),)
@@ -355,16 +410,172 @@ def test_a_forked_child_counts_on_from_its_parents_sums_with_a_lock_of_its_own()
         if pid == 0:  # the child: count once more, exit 0 if the sum is 2
             counts.add(1, at)
             os._exit(0 if [seen.value for seen in counts.observe(None)] == [2] else 1)
-
-    def ended() -> tuple[int, ...]:  # (its wait status) once it ended
-        done, status = os.waitpid(pid, os.WNOHANG)
-        return (status,) if done == pid else ()
-
-    try:
-        [status] = wait_for(ended, 10, "the child to count")
-    except AssertionError:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert exit_code(pid, "the child to count") == 0
     assert [seen.value for seen in counts.observe(None)] == [1]
+
+
+def test_instruments_are_collected_once_unreferenced() -> None:
+    """Nothing of the package keeps them (their fork hooks hold them weakly): once their provider
+    is shut down and nothing refers to them, the instruments, buffers and sums are collected."""
+    provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    made = telemetry.Instruments(provider.get_meter("test"))
+    made.held.record(0.5, {"task": "t", "mode": "m"})
+    made.acquisitions.add(1, (("task", "t"),))
+    refs = [weakref.ref(kept) for kept in (made, made.held, made.acquisitions)]
+    provider.shutdown()
+    del made, provider
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
+
+
+def own_instruments() -> tuple[telemetry.Instruments, Otel]:
+    """The package's instruments made by a ``MeterProvider`` of their own, and its reader."""
+    otel = Otel()
+    return telemetry.Instruments(MeterProvider(metric_readers=[otel.reader]).get_meter("test")), otel
+
+
+def count_and_sum(reader: MetricReader) -> tuple[float, float]:
+    """The count and sum (rounded to 9 places) of ``redislock.lock.wait``, one set of attributes,
+    that ``reader`` collects."""
+    if isinstance(reader, PrometheusMetricReader):  # a scrape: the registry collects through it
+        text = generate_latest(REGISTRY).decode()
+        found = [
+            float(value)
+            for what in ("count", "sum")
+            for value in re.findall(
+                rf"^redislock_lock_wait_seconds_{what}(?:{{.*}})? (\S+)$", text, re.MULTILINE
+            )
+        ]
+        assert len(found) == 2, text
+        return found[0], round(found[1], 9)
+    assert isinstance(reader, InMemoryMetricReader)
+    [point] = Otel(reader).points("redislock.lock.wait").values()
+    return point.count, round(point.sum, 9)
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        pytest.param(None, id="one-in-memory-reader"),
+        pytest.param(InMemoryMetricReader, id="two-in-memory-readers"),
+        pytest.param(PrometheusMetricReader, id="in-memory-and-prometheus-readers"),
+    ],
+)
+def test_a_collection_sees_every_value_recorded_before_it(second: type[MetricReader] | None) -> None:
+    """Fewer than a batch, one of them from another thread: each collection of each reader has
+    them all, once, whichever reader collects first (a collection of the SDK runs every callback)."""
+    otel = Otel()
+    readers = [otel.reader] if second is None else [otel.reader, second()]
+    provider = MeterProvider(metric_readers=readers)
+    try:
+        made = telemetry.Instruments(provider.get_meter("test"))
+        at = {"task": "t", "mode": "m", "outcome": "acquired"}
+        made.wait.record(0.002, at)
+        recorder = threading.Thread(target=made.wait.record, args=(0.2, at))
+        recorder.start()
+        recorder.join()
+        [point] = otel.points("redislock.lock.wait").values()
+        assert (point.count, point.sum, point.min, point.max) == (2, 0.202, 0.002, 0.2)
+        others = readers[1:]
+        assert [count_and_sum(reader) for reader in others] == [(2, 0.202)] * len(others)
+        made.wait.record(7.0, at)  # the other reader collects first now
+        assert [count_and_sum(reader) for reader in others] == [(3, 7.202)] * len(others)
+        [point] = otel.points("redislock.lock.wait").values()
+        assert (point.count, point.max) == (3, 7.0)
+    finally:
+        provider.shutdown()  # takes a Prometheus reader's collector out of the registry
+
+
+def test_values_recorded_in_a_span_carry_no_exemplar_of_it() -> None:
+    """The values go to the SDK outside any span, whether a full batch or a collection sends them
+    from inside one: no exemplar names a trace (the SDK's default filter takes sampled spans)."""
+    made, otel = own_instruments()
+    at = {"task": "t", "mode": "m", "outcome": "acquired"}
+    with TracerProvider().get_tracer("test").start_as_current_span("run") as run:
+        assert run.get_span_context().trace_flags.sampled
+        for _ in range(telemetry.BATCH + 1):  # a batch sent at its last value, one at the collection
+            made.wait.record(0.002, at)
+        [point] = otel.points("redislock.lock.wait").values()
+    assert point.count == telemetry.BATCH + 1
+    assert not point.exemplars
+
+
+def test_threads_recording_while_collections_run_lose_and_repeat_nothing() -> None:
+    """Four threads record many batches each while this one collects: every value counts once."""
+    made, otel = own_instruments()
+    at, per_thread = {"task": "t", "mode": "m"}, telemetry.BATCH * 20 + 3
+
+    def record() -> None:
+        for _ in range(per_thread):
+            made.held.record(0.01, at)
+
+    threads = [threading.Thread(target=record) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    counts = [0]
+    while any(thread.is_alive() for thread in threads):
+        counts.append(sum(point.count for point in otel.points("redislock.lock.held").values()))
+    for thread in threads:
+        thread.join()
+    [point] = otel.points("redislock.lock.held").values()
+    assert counts == sorted(counts) and point.count == 4 * per_thread
+
+
+def test_a_full_batch_goes_to_the_sdk_without_a_collection() -> None:
+    made, _ = own_instruments()
+    for _ in range(telemetry.BATCH - 1):
+        made.held.record(0.01, {"task": "t", "mode": "m"})
+    assert len(made.held._values) == telemetry.BATCH - 1
+    made.held.record(0.01, {"task": "t", "mode": "m"})
+    assert not made.held._values
+
+
+def test_a_forked_child_hands_over_only_its_own_values_with_a_lock_of_its_own() -> None:
+    """A value buffered at the fork counts in the parent only, not again in the child. The fork
+    happens while another thread holds the buffer's lock: the child's full batch still goes."""
+    made, otel = own_instruments()
+    at = {"task": "t", "mode": "m"}
+    made.held.record(0.5, at)  # buffered: no collection yet
+    with made.held._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: record a batch (a flush), exit 0 if its collection has it alone
+            for _ in range(telemetry.BATCH):
+                made.held.record(0.25, at)
+            [point] = otel.points("redislock.lock.held").values()
+            os._exit(0 if (point.count, point.sum) == (telemetry.BATCH, telemetry.BATCH * 0.25) else 1)
+    assert exit_code(pid, "the child to collect") == 0
+    [point] = otel.points("redislock.lock.held").values()
+    assert (point.count, point.sum) == (1, 0.5)
+
+
+def test_values_are_dropped_a_batch_at_a_time_until_a_provider_is_set() -> None:
+    """In a fresh process: with no provider each full batch goes nowhere (as through the API's
+    proxies), the rest stays buffered; once the app sets one, after the import, a run's value
+    and those still buffered are seen.
+    Also an internals check: the API's proxies are told from real instruments by their module
+    (``telemetry._records``); should that change upstream, the values would go to the proxies
+    (no harm, a cost) and this fails."""
+    script = textwrap.dedent(
+        """
+        from opentelemetry import metrics
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        from celery_redislock import telemetry
+
+        wait = telemetry._on.wait
+        for _ in range(telemetry.BATCH * 3 + 5):
+            wait.record(1.0, {"task": "t", "mode": "m", "outcome": "acquired"})
+        print(len(wait._values), wait._forwards)
+        reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        wait.record(0.5, {"task": "t", "mode": "m", "outcome": "acquired"})
+        [scope] = reader.get_metrics_data().resource_metrics[0].scope_metrics
+        [[point]] = [metric.data.data_points for metric in scope.metrics if metric.name.endswith("wait")]
+        print(point.count, point.sum)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["5", "False", "6", "5.5"], done.stderr
