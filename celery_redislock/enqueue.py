@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -41,7 +40,7 @@ import redis
 from . import signals
 from ._durations import to_ms
 from ._task_scripts import DROP, REPLACE, UNREPLACE
-from .attempt import busy_reply, seconds_left
+from .attempt import busy_reply, hostname, seconds_left
 from .config import AppSettings, LockOptions
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
@@ -88,7 +87,7 @@ def enqueue(
     """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock."""
     lock_options: LockOptions = task.lock_options
     settings: AppSettings = task.lock_settings
-    holder = holder_for(task_id, options.get("retries") or 0, socket.gethostname(), os.getpid(), "queued")
+    holder = holder_for(task_id, options.get("retries") or 0, hostname(), os.getpid(), "queued")
     ttl = _queue_ttl(lock_options, options)
     if lock_options.duplicate == "replace" and (options.get("group_id") or options.get("chord")):
         raise LockConfigurationError(

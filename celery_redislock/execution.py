@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from contextlib import AbstractContextManager, suppress
 from typing import Any
@@ -30,7 +29,7 @@ import redis
 from . import signals, telemetry
 from ._durations import to_ms
 from ._task_scripts import CLAIM, PARK, SETTLE
-from .attempt import seconds_left
+from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
 from .connection import ClientCallableFailed, client_for
@@ -87,7 +86,7 @@ class Execution:
         self.request, self.args, self.kwargs = request, args, kwargs
         self.task_id: str | None = None if request is None else request.id
         self.retries: int = 0 if request is None else request.retries or 0
-        self.node: str = (None if request is None else request.hostname) or socket.gethostname()
+        self.node: str = (None if request is None else request.hostname) or hostname()
         self.lock: ExecutionLock | None = None
         if not settings.enabled:  # redislock_enabled=False: no ticket, slot, lock; ``client``, ``url`` unset
             self.ticket = self.slot = None
@@ -242,7 +241,7 @@ class Execution:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
         ``"parked"``, ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
         ttl = self.options.queue_ttl + delay
-        queued = holder_for(self.task_id, self.retries + 1, socket.gethostname(), os.getpid(), "queued")
+        queued = holder_for(self.task_id, self.retries + 1, hostname(), os.getpid(), "queued")
         current, fence = lock.holder or "", lock.fence
         try:
             parked = PARK(

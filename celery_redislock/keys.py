@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import inspect
 import json
+import json.encoder
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,17 @@ def _function_signature(
 
 #: The encoder of the canonical text (sorted keys, no spaces), built once: it keeps no state between calls.
 _CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True)
+#: Its C encoder, made once instead of per call as ``encode`` does (saves ~1 µs a key, measured); no
+#: circular check (``markers=None``): what it encodes is a tree (``_delivered``, or decoded JSON).
+#: ``None`` where the json C extension is missing.
+_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # untyped in typeshed
+_CANONICAL_C = (
+    None
+    if _C_MAKE_ENCODER is None
+    else _C_MAKE_ENCODER(  # markers, default, encoder, indent, separators, sort_keys, skipkeys, allow_nan
+        None, _CANONICAL_JSON.default, json.encoder.encode_basestring, None, ":", ",", True, False, True
+    )
+)
 #: The keys of kombu's JSON envelope for a non-JSON type: ``{"__type__": "datetime", "__value__": ...}``.
 _ENVELOPE = frozenset({"__type__", "__value__"})
 
@@ -76,7 +88,9 @@ def _encode(value: Any, delivered: bool) -> str:
     anyway walks the value once)."""
     if not delivered:
         value = json.loads(json.dumps(value, cls=JSONEncoder, ensure_ascii=False, allow_nan=True))
-    return _CANONICAL_JSON.encode(value)
+    if _CANONICAL_C is None:
+        return _CANONICAL_JSON.encode(value)
+    return "".join(_CANONICAL_C(value, 0))
 
 
 #: The types JSON delivers as they were sent (``bool`` and ``None`` included; not subclasses).

@@ -53,8 +53,18 @@ def task_lock_key(
 
     Raises ``LockKeyError`` naming an argument that cannot be keyed.
     """
-    options, settings = _bound_options(task)
-    digest = call_digest(task.name, task.run, args or (), kwargs or {}, options.on, settings.key_secret)
+    return _lock_key(task, *_bound_options(task), args or (), kwargs or {})
+
+
+def _lock_key(
+    task: Task[Any, Any],
+    options: LockOptions,
+    settings: AppSettings,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> str:
+    """``task_lock_key`` for a caller that has the task's ``_bound_options`` already."""
+    digest = call_digest(task.name, task.run, args, kwargs, options.on, settings.key_secret)
     return lock_key(settings.prefix, task.name, digest)
 
 
@@ -153,8 +163,9 @@ class LockedTask(OnCommit):
         attempts, its message carries a token of its own, for which the attempt
         parks its hold when it lets go.
         """
-        key = task_lock_key(self, args or (), kwargs or {})  # unkeyable arguments fail before sending
-        rules = _bound_options(self)[0].rules
+        lock_options, settings = _bound_options(self)
+        key = _lock_key(self, lock_options, settings, args or (), kwargs or {})  # unkeyable: fails unsent
+        rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         in_canvas = (options.get("group_id") or options.get("chord")) and not in_canvas_opt_in
         headers = dict(options.pop("headers", None) or {})
@@ -213,7 +224,7 @@ class LockedTask(OnCommit):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         options, settings = _bound_options(self)
-        key = task_lock_key(self, args, kwargs)
+        key = _lock_key(self, options, settings, args, kwargs)
         held = _held_locks.get()
         raise_if_lost(held.values())  # a locked call inside a run is one of the run's check points
         if key in held:  # called directly from a call holding the same key: run under that hold

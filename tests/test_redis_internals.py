@@ -2,7 +2,8 @@
 
 The lock sends its scripts on a pooled connection, packed once
 (``ConnectionPool.get_connection``, ``Connection.encoder``, ``Retry.call_with_retry``,
-``send_packed_command``, ``read_response``), waits with ``can_read``, builds the watchdog's
+``send_packed_command``, ``read_response``), probes a connection between exchanges by polling
+its ``_sock``, waits with ``can_read``, builds the watchdog's
 connections from ``connection_pool.connection_kwargs`` and ``connection_class``, and finds
 Cluster nodes with ``get_node_from_key`` and ``nodes_manager.get_node_from_slot``. None of
 these is public API, so ``make matrix`` runs this module on every redis-py version it
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import socket
 import threading
 from typing import Any
 
@@ -24,6 +26,7 @@ import redis.asyncio
 import redis.cluster
 
 from celery_redislock import RedisLock
+from celery_redislock._redis import PooledConnection
 from celery_redislock.aio import AsyncRedisLock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisClusterServers, RedisServer
@@ -120,9 +123,7 @@ def test_redlock_sends_to_every_server_on_pooled_connections(
 ) -> None:
     """A Redlock tells its servers apart by ``connection_kwargs`` and sends each its script."""
     probe = redlock_servers[0].client()
-    found = spies(
-        monkeypatch, probe, "pool.get_connection", "connection.send_packed_command", "connection.can_read"
-    )
+    found = spies(monkeypatch, probe, "pool.get_connection", "connection.send_packed_command")
     name = f"{prefix}:k"
     lock = RedisLock([server.url for server in redlock_servers], name, ttl=LEASE)
     with pytest.raises(Exception, match="distinct"):
@@ -133,6 +134,40 @@ def test_redlock_sends_to_every_server_on_pooled_connections(
     assert all(server.client().exists(name) == 0 for server in redlock_servers)
     assert_called(found)
     probe.close()
+
+
+def test_a_connection_the_server_closed_is_found_by_polling_its_socket(
+    monkeypatch: pytest.MonkeyPatch, client: redis.Redis, prefix: str
+) -> None:
+    """Before an exchange, a thread's pooled connection is probed by polling redis-py's ``_sock``
+    (a plain socket): one the server closed meanwhile is connected afresh before the script is
+    sent, so the send is not lost and sent again by the retry policy."""
+    lock = RedisLock(client, f"{prefix}:k", ttl=LEASE, watchdog=False)
+    assert lock.acquire(blocking=False)
+    lock.release()  # the server has the release script from now on: one send is one EVALSHA
+    assert lock.acquire(blocking=False)
+    with PooledConnection(client) as connection:
+        assert type(connection._sock) is socket.socket
+        connection.send_command("CLIENT", "ID")
+        own_id = connection.read_response()
+    assert client.client_kill_filter(_id=own_id) == 1  # sent on another connection of the pool
+    wait_for(  # the server closes a killed client after its reply, in its event loop
+        lambda: str(own_id) not in {entry["id"] for entry in client.client_list()},
+        what="the server to close the killed connection",
+    )
+    found = spies(monkeypatch, client, "connection.can_read")
+    scripts_sent: list[bytes] = []
+    connection_class = type(connection)
+    send = connection_class.send_packed_command
+
+    def recording_send(self: Any, command: Any, check_health: bool = True) -> None:
+        scripts_sent.extend(part for part in command if b"EVALSHA" in part)
+        send(self, command, check_health)
+
+    monkeypatch.setattr(connection_class, "send_packed_command", recording_send)
+    lock.release()
+    assert (found["connection.can_read"].calls, len(scripts_sent)) == (0, 1)
+    assert client.exists(f"{prefix}:k") == 0
 
 
 def test_cluster_nodes_found_by_key_and_by_slot(
