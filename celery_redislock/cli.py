@@ -36,12 +36,12 @@ import click
 import redis
 
 from ._permit_scripts import MAX_LIMIT
-from .attempt import companion_key
 from .config import AppSettings, LockOptions, app_settings, bound_options
 from .connection import Client, client_for
 from .exceptions import RedisLockError
 from .inventory import HeldLock, force_release, held_locks, read_lock, read_locks
 from .modes import QUEUED_SUFFIXES
+from .semaphore import PermitBook
 from .stats import ORPHAN_AGE, summary
 from .task import LockedTask, task_lock_key
 
@@ -228,7 +228,7 @@ def release(
     kwargs = _json_option("--kwargs", kwargs_json or "{}", dict)
     call_key = task_lock_key(task, args, kwargs)
     # every permit a limit could have given out (a worker's may differ, or have been lowered since)
-    permits = (companion_key(call_key, f"permit:{i}") for i in range(1, MAX_LIMIT + 1))
+    permits = PermitBook(call_key, MAX_LIMIT).keys
     keys = [call_key, *(call_key + suffix for suffix in sorted(QUEUED_SUFFIXES)), *permits]
     held = read_locks(context.client, keys, context.prefix)
     if not held:
