@@ -11,6 +11,7 @@ import select
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -30,20 +31,54 @@ class _Loan:
     """A connection one thread keeps out of ``pool`` between its exchanges (``PooledConnection``),
     given back when the thread ends or the loan is replaced; dropped with a pool that is gone."""
 
-    __slots__ = ("__weakref__", "connection", "in_use", "pid", "pool")
+    __slots__ = ("__weakref__", "connection", "in_use", "pending", "pid", "pool")
 
     def __init__(self, pool: Any) -> None:
         self.connection: Any = None  # until made: its place among the pool's loans is claimed first
         self.pool = weakref.ref(pool)
         self.pid = os.getpid()
         self.in_use = False
+        #: the reply ``send_later`` left to read on ``connection`` before anything else is
+        self.pending: _Pending | None = None
 
     def __del__(self) -> None:
         pool = self.pool()
         # not a forked child's (its pool reset itself), nor one whose connection was never made
         if pool is not None and self.connection is not None and self.pid == os.getpid():
             with contextlib.suppress(Exception):  # at interpreter exit, or the pool closed
+                if self.pending is not None:  # its late reply must reach no other user of the pool
+                    self.connection.disconnect()
                 pool.release(self.connection)
+
+    def settle(self) -> None:
+        """Read the reply still pending on the connection (if any) and hand it over (``send_later``)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        self.in_use = True
+        try:
+            reply = pending.read(self.connection)
+        except redis.exceptions.ResponseError as exc:  # a complete error reply: the connection is clean
+            reply = exc
+        except BaseException as exc:  # interrupted or broken mid-read: a late reply must reach no one
+            self.connection.disconnect()
+            self.in_use = False
+            pending.then(exc)
+            if not isinstance(exc, redis.exceptions.RedisError):
+                raise
+            return
+        self.in_use = False
+        pending.then(reply)
+
+
+class _Pending:
+    """A reply sent for on a loaned connection and not read yet: ``read(connection)`` reads it,
+    ``then(reply)`` gets it (or the exception reading it raised)."""
+
+    __slots__ = ("read", "then")
+
+    def __init__(self, read: Callable[[Any], Any], then: Callable[[Any], None]) -> None:
+        self.read, self.then = read, then
 
 
 class _Loans(threading.local):
@@ -114,7 +149,7 @@ def _loan(pool: Any) -> _Loan | None:
     loans = _LOANS.by_pool
     loan = loans.get(pool)
     if loan is not None and loan.pid != os.getpid():  # inherited over a fork: the pool reset itself
-        del loans[pool]
+        del loans[pool]  # with any reply pending on it: the parent's to read, never this process's
         loan = None
     if loan is None:
         loan = _LENDING.claim(pool)
@@ -128,6 +163,8 @@ def _loan(pool: Any) -> _Loan | None:
         loans[pool] = loan
     elif loan.in_use:
         return None
+    else:
+        loan.settle()  # a reply left to read comes first: no exchange reads it as its own
     loan.in_use = True
     return loan
 
@@ -176,6 +213,45 @@ class PooledConnection:
             self.pool.release(self.connection)
         else:
             self.loan.in_use = False
+
+
+def send_later(client: Any, command: bytes, read: Callable[[Any], Any], then: Callable[[Any], None]) -> bool:
+    """Send ``command`` (packed RESP) on this thread's loaned connection of the pool of ``client``
+    (a plain ``redis.Redis``) and return without its reply; ``False``, nothing sent, where the pool
+    lends per exchange (``PooledConnection``: the connection would go back to the pool).
+
+    The reply is read (``read(connection)``) and handed to ``then`` (the reply, an error reply
+    as its exception) at the first of ``settle_later(client)`` and the next exchange this thread
+    starts on that connection, which reads it first. Reading it interrupted or broken drops the
+    connection and hands ``then`` the exception, which then propagates unless a Redis error. A
+    forked child never reads its parent's pending reply, and a thread that ends with one drops
+    the connection. A failed send raises, the connection dropped.
+    """
+    loan = _loan(client.connection_pool)
+    if loan is None:
+        return False
+    connection = loan.connection
+    try:
+        connection.connect()
+        if _stale(connection):
+            connection.disconnect()
+            connection.connect()
+        connection.send_packed_command([command])
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        loan.in_use = False
+    loan.pending = _Pending(read, then)
+    return True
+
+
+def settle_later(client: Any) -> None:
+    """Read and hand over the reply ``send_later`` left pending on this thread's loaned connection
+    of the pool of ``client``, if it is still unread (else nothing)."""
+    loan = _LOANS.by_pool.get(client.connection_pool)
+    if loan is not None and loan.pid == os.getpid() and not loan.in_use:
+        loan.settle()
 
 
 def _stale(connection: Any) -> bool:

@@ -37,7 +37,7 @@ from .enqueue import superseded
 from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
-from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release
+from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release, release_later
 from .state import app_state
 
 __all__ = ["Execution"]
@@ -227,15 +227,32 @@ class Execution:
             return
         retry = getattr(lock.request, "lock_retry", None)
         rules = self.options.rules
-        with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
-            if rules.parks_for_retry and retry is not None and retry[0] == lock.name and lock.held():
+        parks = rules.parks_for_retry and retry is not None and retry[0] == lock.name
+        settles = rules.settles and self.options.period is not None
+        spans = self.settings.spans
+        if not (parks or settles) and self._released_later(lock):
+            return  # the entry in ``running`` stays: task_postrun reads the release's reply
+        with telemetry.Release(self.task.name, self.options.mode, lock, spans) as ending:
+            if parks and retry is not None and lock.held():
                 ending.outcome = self._park(lock, retry[1], retry[2])
-            elif rules.settles and self.options.period is not None and lock.held() and self._settle(lock):
+            elif settles and lock.held() and self._settle(lock):
                 ending.outcome = "settled"
             else:
                 ending.outcome = release(self.task, lock, self.task_id)
         if self.task_id is not None:  # only once let go: an interrupted release is task_postrun's
             self.running.pop(threading.get_ident(), None)
+
+    def _released_later(self, lock: ExecutionLock) -> bool:
+        """Send the release without waiting for its reply, where a worker's trace follows whose
+        ``task_postrun`` reads it (``run_lock.release_later``): a run the worker or ``apply()``
+        started (a direct call has no trace), whose loss at release raises nothing
+        (``lock_on_lost="log"``: else ``__call__`` must know it before returning). ``False``:
+        nothing sent (not such a run, or the lock cannot leave its reply, see
+        ``RedisLock.release_later``)."""
+        if self.request is None or self.task_id is None or lock.raise_on_lost or not lock.held():
+            return False
+        ending = telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans)
+        return release_later(self.task, lock, self.task_id, ending)
 
     def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):

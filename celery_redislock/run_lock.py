@@ -14,13 +14,14 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
+from ._redis import settle_later
 from ._task_scripts import ADOPT
 from .attempt import busy_reply
 from .config import AppSettings
@@ -30,7 +31,16 @@ from .lock import RedisLock
 from .semaphore import PermitBook, Permits
 from .watchdog import Lease
 
-__all__ = ["EMPTY_BLOCK", "ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
+__all__ = [
+    "EMPTY_BLOCK",
+    "ExecutionLock",
+    "acquired",
+    "adopt",
+    "finish_release",
+    "raise_if_lost",
+    "release",
+    "release_later",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -165,32 +175,93 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
     """
     if not lock.held():
         return None
-    fence = lock.fence
+    report = _Report(task, lock, task_id, announce)
     try:
         lock.release()
     except LockNotOwned:
-        if not lock.lost.is_set():  # not reported by the watchdog: lost since its last renewal
-            lock.lost.set()
-            telemetry.lost(task.name, "not owned at release")
-        logger.warning(
-            "task %s[%s]: lock %s was no longer held when the task ended",
-            task.name,
-            task_id,
-            lock.name,
-            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "lost"),
-        )
-        return "lost"
+        return report.outcome(False)
     except redis.RedisError as exc:
-        logger.warning(
-            "task %s[%s]: could not release lock %s (%s); it expires within its ttl",
-            task.name,
-            task_id,
-            lock.name,
-            exc,
-            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "error"),
-        )
-        return "error"
-    if announce:
-        held = time.monotonic() - lock.taken_at
-        signals.lock_released.send(sender=task, key=lock.name, task_id=task_id, held=held, fence=fence)
-    return "released"
+        return report.outcome(exc)
+    return report.outcome(True)
+
+
+def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telemetry.Release) -> bool:
+    """``release``, its reply read later (``RedisLock.release_later``): at ``finish_release`` (the
+    ``task_postrun`` receiver) or this thread's next exchange on the connection, whichever comes
+    first; the outcome is then reported as ``release`` reports it, and ends ``ending`` (entered
+    here). ``False``: nothing done (the lock cannot leave a reply to read later, see
+    ``release_later``), call ``release``.
+
+    An exception that interrupts the read (a soft time limit) drops the connection and is
+    reported as ``"error"``: the outcome is unknown, and the key expires within its lease.
+    """
+    report = _Report(task, lock, task_id, announce=True)
+
+    def then(freed: bool | BaseException) -> None:
+        with ExitStack() as stack:
+            stack.push(ending)  # entered when the release was sent
+            ending.outcome = report.outcome(freed)
+
+    ending.__enter__()
+    try:
+        return lock.release_later(then)
+    except redis.RedisError as exc:  # the send failed: "error", as ``release``; the key expires
+        lock.forget()  # as after ``release``'s error, nothing tries again
+        then(exc)
+        return True
+    except BaseException as exc:  # interrupted: the hold is kept, for ``finish_release``
+        ending.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+
+
+def finish_release(task: Any, lock: RedisLock, task_id: str | None) -> None:
+    """After a run (``task_postrun``): read and report the reply of its release left to read
+    (``release_later``), if still unread; release what an asynchronous exception kept it from
+    releasing."""
+    settle_later(lock.client)
+    release(task, lock, task_id)
+
+
+class _Report:
+    """The report of the release of ``lock`` (its hold as when the release was sent) by ``task``'s
+    run ``task_id``: logs, the ``lost`` mark and metric, the ``lock_released`` signal."""
+
+    __slots__ = ("announce", "fence", "held", "holder", "lock", "task", "task_id")
+
+    def __init__(self, task: Any, lock: RedisLock, task_id: str | None, announce: bool) -> None:
+        self.task, self.lock, self.task_id, self.announce = task, lock, task_id, announce
+        self.fence, self.holder = lock.fence, lock.holder
+        #: from the hold's acquisition to the release's send (not its reply)
+        self.held = time.monotonic() - lock.taken_at
+
+    def outcome(self, freed: bool | BaseException) -> str:
+        """Report what the release came to: ``freed`` says whether the lock was still held, or is
+        the exception that left the outcome unknown; returns ``"released"``, ``"lost"``, ``"error"``."""
+        task, lock, task_id = self.task, self.lock, self.task_id
+        if isinstance(freed, BaseException):
+            logger.warning(
+                "task %s[%s]: could not release lock %s (%s); it expires within its ttl",
+                task.name,
+                task_id,
+                lock.name,
+                freed if isinstance(freed, redis.RedisError) else f"interrupted: {freed!r}",
+                extra=telemetry.log_fields(lock.name, task_id, self.holder, self.fence, "error"),
+            )
+            return "error"
+        if not freed:
+            if not lock.lost.is_set():  # not reported by the watchdog: lost since its last renewal
+                lock.lost.set()
+                telemetry.lost(task.name, "not owned at release")
+            logger.warning(
+                "task %s[%s]: lock %s was no longer held when the task ended",
+                task.name,
+                task_id,
+                lock.name,
+                extra=telemetry.log_fields(lock.name, task_id, self.holder, self.fence, "lost"),
+            )
+            return "lost"
+        if self.announce:
+            signals.lock_released.send(
+                sender=task, key=lock.name, task_id=task_id, held=self.held, fence=self.fence
+            )
+        return "released"

@@ -1,0 +1,324 @@
+"""A worker's run sends its release and reads the reply later: at ``task_postrun``, or first thing
+in the thread's next exchange on that connection (``run_lock.release_later``).
+
+Each test runs a real in-process worker (threads pool, one thread, so that every run, its
+signals and its receivers share the thread and its loaned connection) on the suite's Redis,
+and watches, from receivers of Celery's and the package's signals, when the release's
+outcome is reported: ``task_success`` comes after the result is stored and before
+``task_postrun``, whose package receiver reads the reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import task_postrun, task_prerun, task_success
+
+from celery_redislock import LockedTask, LockLost, RedisLock, signals, task_lock_key
+from celery_redislock import _redis as pooled
+from celery_redislock.connection import client_for
+from tests.invariants import Sampler, stored
+from tests.workers import threads_worker, wait_for
+
+RESULT_TIMEOUT = 30
+
+
+def pending_reply(client: redis.Redis) -> bool:
+    """Whether this thread's loaned connection of ``client``'s pool has a reply left to read."""
+    loan = pooled._LOANS.by_pool.get(client.connection_pool)
+    return loan is not None and loan.pending is not None
+
+
+class Watch:
+    """What happens around the runs of the task ``name``, in order: ``(event, details)`` from its
+    body, ``task_success``, ``lock_released`` and ``task_postrun`` (a receiver connected after the
+    package's), and the package's WARNINGs. ``on_success`` runs in ``task_success``."""
+
+    def __init__(self, name: str, client: redis.Redis) -> None:
+        self.name, self.client = name, client
+        self.events: list[tuple[str, Any]] = []
+        self.on_success: Callable[[], None] | None = None
+
+    def of(self, kind: str) -> list[Any]:
+        return [details for event, details in self.events if event == kind]
+
+    def kinds(self) -> list[str]:
+        return [event for event, _ in self.events]
+
+    def prerun(self, sender: Any = None, **_: Any) -> None:
+        if sender.name == self.name:
+            self.events.append(("prerun", time.monotonic()))
+
+    def success(self, sender: Any = None, **_: Any) -> None:
+        if sender.name == self.name:
+            key = sender.request.lock_key
+            self.events.append(("success", (time.monotonic(), pending_reply(self.client), key)))
+            if self.on_success is not None:
+                self.on_success()
+
+    def released(self, sender: Any = None, **kwargs: Any) -> None:
+        if sender.name == self.name:
+            self.events.append(("released", kwargs))
+
+    def postrun(self, sender: Any = None, **_: Any) -> None:
+        if sender.name == self.name:
+            self.events.append(("postrun", pending_reply(self.client)))
+
+
+class WarningsOf(logging.Handler):
+    """The package's WARNINGs, appended to ``watch``'s events as ``("warning", record)``."""
+
+    def __init__(self, watch: Watch) -> None:
+        super().__init__(logging.WARNING)
+        self.watch = watch
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.watch.events.append(("warning", record))
+
+
+@contextmanager
+def watching(app: Celery, task: Any) -> Iterator[Watch]:
+    """A ``Watch`` of ``task`` (the package's ``task_postrun`` receiver was connected when it was bound)."""
+    client, _ = client_for(app)
+    assert isinstance(client, redis.Redis)
+    watch = Watch(task.name, client)
+    handler = WarningsOf(watch)
+    package = logging.getLogger("celery_redislock")
+    connected = [
+        (task_prerun, watch.prerun),
+        (task_success, watch.success),
+        (signals.lock_released, watch.released),
+        (task_postrun, watch.postrun),
+    ]
+    for signal, receiver in connected:
+        signal.connect(receiver, weak=False)
+    package.addHandler(handler)
+    level = package.level
+    package.setLevel(logging.WARNING)  # the in-process worker sets the root logger's to ERROR
+    try:
+        yield watch
+    finally:
+        package.setLevel(level)
+        package.removeHandler(handler)
+        for signal, receiver in connected:
+            signal.disconnect(receiver)
+
+
+def define(app: Celery, name: str, body: Callable[..., Any] | None = None, **options: Any) -> Any:
+    def record(self: Any, x: int) -> int:
+        if body is not None:
+            body(self, x)
+        return x
+
+    return app.task(
+        **{"base": LockedTask, "bind": True, "shared": False, "name": f"defer.{name}", **options}
+    )(record)
+
+
+def test_the_reply_is_read_at_task_postrun_after_the_result_is_stored(app: Celery, prefix: str) -> None:
+    """The run waits for no release reply: at ``task_success`` (the result stored) the release was
+    sent (the key is gone) and its reply is still unread (no ``lock_released`` yet, a reply
+    pending on the connection); the package's ``task_postrun`` receiver read it and reported it
+    once, with the run's fence and ``held`` up to the send (not the read)."""
+    fences: list[int] = []
+    task = define(app, "plain", lambda self, x: fences.append(self.request.lock_fence))
+    key = task_lock_key(task, (1,))
+
+    def gap_after_the_send() -> None:  # a gap between the send and the read, not a synchronisation
+        assert not recorder.exists(key)  # sent before store_result, on one connection: processed
+        threading.Event().wait(0.3)
+
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        watch.on_success = gap_after_the_send
+        assert task.delay(1).get(timeout=RESULT_TIMEOUT) == 1
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "success", "released", "postrun"]
+    succeeded_at, pending_at_success, _ = watch.of("success")[0]
+    assert pending_at_success
+    assert watch.of("postrun") == [False]
+    [released] = watch.of("released")
+    assert (released["key"], released["fence"]) == (key, fences[0])
+    assert (
+        0 < released["held"] <= succeeded_at - watch.of("prerun")[0]
+    )  # taken after prerun, sent before success
+    recorder.close()
+
+
+def test_a_lock_lost_before_the_release_is_reported_lost_from_the_deferred_read(
+    app: Celery, prefix: str
+) -> None:
+    """The body's own key is deleted (the lock lost, the watchdog not told yet): the release's
+    reply, read at ``task_postrun``, reports it "lost" (a WARNING with its fields), and no
+    ``lock_released``; the task still succeeds (``lock_on_lost="log"``)."""
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    task = define(app, "lost", lambda self, x: recorder.delete(self.request.lock_key))
+    with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        assert task.delay(2).get(timeout=RESULT_TIMEOUT) == 2
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "success", "warning", "postrun"]
+    [record] = watch.of("warning")
+    assert (record.outcome, record.lock_key) == ("lost", task_lock_key(task, (2,)))
+    assert "no longer held" in record.getMessage()
+    recorder.close()
+
+
+def test_an_exchange_before_task_postrun_reads_the_pending_reply_first_and_gets_its_own(
+    app: Celery, prefix: str
+) -> None:
+    """In ``task_success`` (before ``task_postrun``), the same thread takes locks through the same
+    client (so the same connection): one held by another owner, one free. The release's reply
+    (1) is read and reported first; each acquire gets its own answer (refused; granted with the
+    fence Redis stored), where a mix-up would have read the release's 1 as "granted, fence 1"."""
+    client, _ = client_for(app)
+    other = redis.Redis.from_url(app.conf.redislock_url)
+    theirs = RedisLock(other, f"{prefix}:theirs", ttl=10)
+    assert theirs.acquire(blocking=False)
+    task = define(app, "exchange")
+    seen: list[object] = []
+
+    def exchange() -> None:
+        busy, free = (
+            RedisLock(client, f"{prefix}:theirs", ttl=10),
+            RedisLock(client, f"{prefix}:free", ttl=10),
+        )
+        seen.append(busy.acquire(blocking=False))
+        seen.append(len(watch.of("released")))  # reported before the acquire was sent
+        assert free.acquire(blocking=False)
+        seen.append(free.fence == int(stored(other, f"{prefix}:free").split(b":")[1]))
+        free.release()
+
+    with Sampler(other, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        watch.on_success = exchange
+        assert task.delay(3).get(timeout=RESULT_TIMEOUT) == 3
+        _wait_for_postrun(watch)
+    assert seen == [False, 1, True]
+    assert watch.kinds() == ["prerun", "success", "released", "postrun"]
+    assert stored(other, f"{prefix}:theirs").startswith((theirs.token or "-").encode())
+    theirs.release()
+    other.close()
+
+
+def test_an_interrupted_deferred_read_drops_the_connection_and_the_next_run_gets_its_own_answers(
+    app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A soft time limit lands in the read of the release's reply (at ``task_postrun``): the
+    connection is dropped (no late reply for its next user), the outcome logged as unknown
+    ("error"; the key expires within its lease), and the thread's next run takes and releases
+    its own lock, with the right answers."""
+    task = define(app, "interrupted")
+    interrupted: list[int] = []
+    read_response = redis.connection.AbstractConnection.read_response
+
+    def interrupting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if armed and not interrupted:
+            interrupted.append(1)
+            raise SoftTimeLimitExceeded()
+        return read_response(self, *args, **kwargs)
+
+    armed = False
+
+    def arm() -> None:
+        nonlocal armed
+        armed = True  # the next read on this thread is the release's, at task_postrun
+
+    dropped: list[bool] = []
+
+    def dropped_at_postrun(sender: Any = None, **_: Any) -> None:
+        if sender.name == task.name and interrupted and not dropped:
+            loan = pooled._LOANS.by_pool[watch.client.connection_pool]
+            dropped.append(loan.connection._sock is None)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", interrupting)
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    task_postrun.connect(dropped_at_postrun, weak=False)
+    try:
+        with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+            watch.on_success = arm
+            assert task.delay(4).get(timeout=RESULT_TIMEOUT) == 4
+            _wait_for_postrun(watch)
+            watch.on_success = None
+            assert task.delay(5).get(timeout=RESULT_TIMEOUT) == 5
+            _wait_for_postrun(watch, runs=2)
+    finally:
+        task_postrun.disconnect(dropped_at_postrun)
+    assert interrupted == [1] and dropped == [True]
+    [record] = watch.of("warning")
+    assert record.outcome == "error" and "interrupted" in record.getMessage()
+    assert watch.kinds() == [
+        "prerun",
+        "success",
+        "warning",
+        "postrun",
+        "prerun",
+        "success",
+        "released",
+        "postrun",
+    ]
+    [released] = watch.of("released")
+    assert released["key"] == task_lock_key(task, (5,))
+    recorder.delete(task_lock_key(task, (4,)))  # the interrupted release's outcome is unknown here
+    recorder.close()
+
+
+@pytest.mark.parametrize("how", ["on_lost_raise", "direct_call"])
+def test_raise_on_lost_and_direct_calls_release_before_returning(app: Celery, prefix: str, how: str) -> None:
+    """With ``lock_on_lost="raise"`` (a loss found at release fails the run) and in a direct call
+    (no trace follows), the release's outcome is known when ``__call__`` returns: reported before
+    ``task_success``, and nothing left to read."""
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    if how == "direct_call":
+        task = define(app, "direct")
+        with watching(app, task) as watch:
+            assert task(6) == 6
+            assert watch.kinds() == ["released"]
+            assert not pending_reply(watch.client)
+        assert not recorder.exists(task_lock_key(task, (6,)))
+    else:
+        task = define(app, "raise", lock_on_lost="raise")
+        with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+            assert task.delay(7).get(timeout=RESULT_TIMEOUT) == 7
+            _wait_for_postrun(watch)
+        assert watch.kinds() == ["prerun", "released", "success", "postrun"]
+        assert watch.of("success")[0][1] is False  # no reply pending at task_success
+    recorder.close()
+
+
+def test_a_loss_at_release_with_raise_fails_the_run(app: Celery, prefix: str) -> None:
+    """``lock_on_lost="raise"``: a lock lost before its release turns the run into a ``LockLost``
+    failure, which needs the release's reply before ``__call__`` returns."""
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    task = define(
+        app, "raise_lost", lambda self, x: recorder.delete(self.request.lock_key), lock_on_lost="raise"
+    )
+    with Sampler(recorder, prefix), threads_worker(app, concurrency=1), pytest.raises(LockLost):
+        task.delay(8).get(timeout=RESULT_TIMEOUT)
+    recorder.close()
+
+
+def test_once_a_result_is_in_its_lock_can_be_taken_at_once(app: Celery, prefix: str) -> None:
+    """The release is sent before the result is stored: once ``result.get()`` returns, a lock on
+    the run's key is taken at once, every time."""
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    task = define(app, "visible")
+    with Sampler(recorder, prefix), threads_worker(app, concurrency=1):
+        for x in range(30):
+            assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
+            after = RedisLock(recorder, task_lock_key(task, (x,)), ttl=10)
+            assert after.acquire(blocking=False), f"run {x}: its lock was still held after its result"
+            after.release()
+    recorder.close()
+
+
+def _wait_for_postrun(watch: Watch, runs: int = 1) -> None:
+    """``task_postrun`` of ``runs`` runs was sent (the result is stored before it)."""
+    wait_for(lambda: watch.kinds().count("postrun") >= runs, what=lambda: f"task_postrun: {watch.kinds()}")
