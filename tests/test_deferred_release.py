@@ -26,7 +26,9 @@ from celery.signals import task_postrun, task_prerun, task_success
 from celery_redislock import LockedTask, LockLost, RedisLock, signals, task_lock_key
 from celery_redislock import _redis as pooled
 from celery_redislock.connection import client_for
+from celery_redislock.testing import RedisServer
 from tests.invariants import Sampler, stored
+from tests.taskapp import make_app
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
@@ -124,24 +126,31 @@ def define(app: Celery, name: str, body: Callable[..., Any] | None = None, **opt
     )(record)
 
 
-def test_the_reply_is_read_at_task_postrun_after_the_result_is_stored(app: Celery, prefix: str) -> None:
+def test_the_reply_is_read_at_task_postrun_after_the_result_is_stored(
+    fresh_server: RedisServer, prefix: str
+) -> None:
     """The run waits for no release reply: at ``task_success`` (the result stored) the release was
-    sent (the key is gone) and its reply is still unread (no ``lock_released`` yet, a reply
-    pending on the connection); the package's ``task_postrun`` receiver read it and reported it
-    once, with the run's fence and ``held`` up to the send (not the read)."""
+    sent and processed (the key is gone) and its reply is still unread (no ``lock_released``
+    yet, a reply pending on the connection); the package's ``task_postrun`` receiver read it
+    and reported it once, with the run's fence and ``held`` up to the send (not the read, after
+    a gap here). On a server with no script loaded yet (a new or restarted one): the acquire's
+    NOSCRIPT loads the release's script too, which then runs when it arrives."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
     fences: list[int] = []
     task = define(app, "plain", lambda self, x: fences.append(self.request.lock_fence))
     key = task_lock_key(task, (1,))
+    recorder = fresh_server.client()
+    held_at_success: list[int] = []
 
-    def gap_after_the_send() -> None:  # a gap between the send and the read, not a synchronisation
-        assert not recorder.exists(key)  # sent before store_result, on one connection: processed
-        threading.Event().wait(0.3)
+    def look_then_pause() -> None:
+        held_at_success.append(recorder.exists(key))
+        gap()
 
-    recorder = redis.Redis.from_url(app.conf.redislock_url)
     with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
-        watch.on_success = gap_after_the_send
+        watch.on_success = look_then_pause
         assert task.delay(1).get(timeout=RESULT_TIMEOUT) == 1
         _wait_for_postrun(watch)
+    assert held_at_success == [0]  # sent before store_result, on one connection: processed by then
     assert watch.kinds() == ["prerun", "success", "released", "postrun"]
     succeeded_at, pending_at_success, _ = watch.of("success")[0]
     assert pending_at_success
@@ -307,16 +316,25 @@ def test_a_loss_at_release_with_raise_fails_the_run(app: Celery, prefix: str) ->
 
 def test_once_a_result_is_in_its_lock_can_be_taken_at_once(app: Celery, prefix: str) -> None:
     """The release is sent before the result is stored: once ``result.get()`` returns, a lock on
-    the run's key is taken at once, every time."""
+    the run's key is taken at once, every time, however long the worker takes to get to
+    ``task_postrun`` (here a ``task_success`` receiver leaves a gap)."""
     recorder = redis.Redis.from_url(app.conf.redislock_url)
     task = define(app, "visible")
-    with Sampler(recorder, prefix), threads_worker(app, concurrency=1):
-        for x in range(30):
+    with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        watch.on_success = gap
+        for x in range(5):
             assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
             after = RedisLock(recorder, task_lock_key(task, (x,)), ttl=10)
             assert after.acquire(blocking=False), f"run {x}: its lock was still held after its result"
             after.release()
+            _wait_for_postrun(watch, runs=x + 1)
     recorder.close()
+
+
+def gap(*_: object) -> None:
+    """A pause of the worker's thread between the release's send and ``task_postrun`` (a gap to
+    cross, not a synchronisation)."""
+    threading.Event().wait(0.3)
 
 
 def _wait_for_postrun(watch: Watch, runs: int = 1) -> None:
