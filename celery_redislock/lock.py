@@ -127,7 +127,8 @@ class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
         exchange). A send that fails raises, the hold kept, as ``release()``.
         """
         servers = self.servers
-        if not (isinstance(servers, OneServer) and servers.waits_for_reply() and self.hold_count == 1):
+        # exactly one server's: a semaphore's permits (a subclass) release with a script of their own
+        if not (type(servers) is OneServer and servers.waits_for_reply() and self.hold_count == 1):
             return False
         token = self.stop_renewing()
         encode = self.client.get_encoder().encode
