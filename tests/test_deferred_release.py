@@ -32,6 +32,11 @@ from tests.taskapp import make_app
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
+#: The task options of runs that release before ``__call__`` returns.
+SYNCHRONOUS_OPTIONS: dict[str, dict[str, Any]] = {
+    "on_lost_raise": {"lock_on_lost": "raise"},
+    "semaphore": {"lock_limit": 2},
+}
 
 
 def pending_reply(client: redis.Redis) -> bool:
@@ -279,27 +284,42 @@ def test_an_interrupted_deferred_read_drops_the_connection_and_the_next_run_gets
     recorder.close()
 
 
-@pytest.mark.parametrize("how", ["on_lost_raise", "direct_call"])
-def test_raise_on_lost_and_direct_calls_release_before_returning(app: Celery, prefix: str, how: str) -> None:
-    """With ``lock_on_lost="raise"`` (a loss found at release fails the run) and in a direct call
-    (no trace follows), the release's outcome is known when ``__call__`` returns: reported before
-    ``task_success``, and nothing left to read."""
-    recorder = redis.Redis.from_url(app.conf.redislock_url)
-    if how == "direct_call":
-        task = define(app, "direct")
-        with watching(app, task) as watch:
-            assert task(6) == 6
-            assert watch.kinds() == ["released"]
-            assert not pending_reply(watch.client)
-        assert not recorder.exists(task_lock_key(task, (6,)))
-    else:
-        task = define(app, "raise", lock_on_lost="raise")
-        with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
-            assert task.delay(7).get(timeout=RESULT_TIMEOUT) == 7
-            _wait_for_postrun(watch)
-        assert watch.kinds() == ["prerun", "released", "success", "postrun"]
-        assert watch.of("success")[0][1] is False  # no reply pending at task_success
+def test_a_direct_call_releases_before_returning(app: Celery) -> None:
+    """A direct call (``task(...)``: no trace, no ``task_postrun`` follows) knows its release's
+    outcome when it returns, and leaves nothing to read."""
+    task = define(app, "direct")
+    with watching(app, task) as watch:
+        assert task(6) == 6
+        assert watch.kinds() == ["released"]
+        assert not pending_reply(watch.client)
+        assert not watch.client.exists(task_lock_key(task, (6,)))
+
+
+@pytest.mark.parametrize("how", ["on_lost_raise", "semaphore", "pool_lends_per_exchange"])
+def test_where_the_outcome_is_needed_or_cannot_wait_a_run_releases_before_returning(
+    redis_server: RedisServer, prefix: str, how: str
+) -> None:
+    """``lock_on_lost="raise"`` (a loss found at release fails the run), a semaphore (its permits
+    release with a script of their own), and a client whose pool lends a connection per
+    exchange (``max_connections`` of the user's: the connection goes back to the pool) release
+    before ``__call__`` returns: reported before ``task_success``, nothing left to read."""
+    conf: dict[str, Any] = {}
+    if how == "pool_lends_per_exchange":
+        conf["redislock_url"] = None
+        conf["redislock_client"] = redis.Redis.from_url(redis_server.url, max_connections=8)
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", **conf)
+    options = SYNCHRONOUS_OPTIONS.get(how, {})
+    task = define(app, how, **options)
+    recorder = redis_server.client()
+    with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        assert task.delay(7).get(timeout=RESULT_TIMEOUT) == 7
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "released", "success", "postrun"]
+    assert watch.of("success")[0][1] is False  # no reply pending at task_success
     recorder.close()
+    app.close()
+    if how == "pool_lends_per_exchange":
+        conf["redislock_client"].close()
 
 
 def test_a_loss_at_release_with_raise_fails_the_run(app: Celery, prefix: str) -> None:
