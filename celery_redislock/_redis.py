@@ -178,7 +178,8 @@ class PooledConnection:
     lends one per exchange, as redis-py does), so that
     an exchange costs no checkout: one per thread and pool, given back when the
     thread ends. As the pool does, each exchange starts on a connected one with
-    nothing to read (else it is connected afresh). It is dropped unless the
+    nothing to read (else it is connected afresh); a reply ``send_later`` left
+    pending on it is read, and handed over, first. It is dropped unless the
     exchange ended cleanly (a reply, or a complete error reply): an exception
     between a send and its read (a timeout, a ``KeyboardInterrupt``, a Celery
     time limit) would otherwise leave a late reply for its next exchange to read

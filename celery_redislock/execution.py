@@ -4,8 +4,10 @@ Where each outcome is handled:
 
 * the body ends (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED): ``LockedTask.__call__``
   lets go (``Execution.let_go``) in a ``finally``, before Celery stores the
-  result; the ``task_postrun`` receiver releases a lock an asynchronous
-  exception (a soft time limit) kept that ``finally`` from releasing;
+  result (a worker's run sends its release there and the ``task_postrun``
+  receiver reads the reply: ``run_lock.release_later``); that receiver also
+  releases a lock an asynchronous exception (a soft time limit) kept that
+  ``finally`` from releasing;
 * a step between taking the lock and running the body fails (a Redis error
   freeing the message's enqueue lock): the lock is released on the way out;
 * the lock is lost while the body runs: see ``run_lock.ExecutionLock``;

@@ -32,9 +32,15 @@ TTL = 1.5
 #: step -> (object, attribute) of the call that fails once
 STEPS: dict[str, tuple[Any, str]] = {
     "free_queued": (celery_redislock.execution, "release_token"),
-    "release": (celery_redislock.lock.RedisLock, "_free"),
+    # a worker's run sends its release, and reads the reply at task_postrun (run_lock.release_later)
+    "release": (celery_redislock.lock, "send_later"),
+    "release_reply": (celery_redislock.lock, "read_replies"),
+    # a run that waits for the reply (lock_on_lost="raise": a loss at release fails it)
+    "release_waited": (celery_redislock.lock.RedisLock, "_free"),
     "settle": (celery_redislock.execution, "SETTLE"),
 }
+#: task -> the keyword arguments of its call (``fenced``: not gated)
+KWARGS: dict[str, dict[str, Any]] = {"fenced": {"gate": False}}
 
 
 def fail_once(monkeypatch: pytest.MonkeyPatch, step: str) -> list[tuple[Any, ...]]:
@@ -63,6 +69,8 @@ def fail_once(monkeypatch: pytest.MonkeyPatch, step: str) -> list[tuple[Any, ...
         ("hold_skip", "release", "fail"),
         ("until_executed", "release", "fail"),
         ("until_and_while_executing", "release", "fail"),
+        ("hold_skip", "release_reply", "fail"),
+        ("fenced", "release_waited", "fail"),
         ("until_expired", "settle", "fail"),
     ],
 )
@@ -80,12 +88,13 @@ def test_a_redis_error_at_any_step_leaves_no_lock_held(
     app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL, redislock_on_error=on_error)
     task = app.tasks[f"taskapp.{task_name}"]
     x = fresh()
-    key = task_lock_key(task, (x,))
+    kwargs = KWARGS.get(task_name, {})
+    key = task_lock_key(task, (x,), kwargs)
     client = redis_server.client()
     failed = fail_once(monkeypatch, step)
     try:
         with threads_worker(app):
-            result = task.delay(x)
+            result = task.delay(x, **kwargs)
             if step == "free_queued" and on_error == "fail":
                 with pytest.raises(RedisLockError, match="injected"):
                     result.get(timeout=RESULT_TIMEOUT)
