@@ -249,8 +249,10 @@ def send_later(client: Any, command: bytes, read: Callable[[Any], Any], then: Ca
 
 def settle_later(client: Any) -> None:
     """Read and hand over the reply ``send_later`` left pending on this thread's loaned connection
-    of the pool of ``client``, if it is still unread (else nothing)."""
-    loan = _LOANS.by_pool.get(client.connection_pool)
+    of the pool of ``client``, if it is still unread (else nothing: also for a ``RedisCluster``,
+    which has no pool of its own and never sends later)."""
+    pool = getattr(client, "connection_pool", None)
+    loan = None if pool is None else _LOANS.by_pool.get(pool)
     if loan is not None and loan.pid == os.getpid() and not loan.in_use:
         loan.settle()
 

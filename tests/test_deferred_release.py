@@ -19,14 +19,16 @@ from typing import Any
 
 import pytest
 import redis
+import redis.cluster
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun, task_prerun, task_success
 
+import celery_redislock.lock
 from celery_redislock import LockedTask, LockLost, RedisLock, signals, task_lock_key
 from celery_redislock import _redis as pooled
 from celery_redislock.connection import client_for
-from celery_redislock.testing import RedisServer
+from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests.invariants import Sampler, stored
 from tests.taskapp import make_app
 from tests.workers import threads_worker, wait_for
@@ -39,9 +41,11 @@ SYNCHRONOUS_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def pending_reply(client: redis.Redis) -> bool:
-    """Whether this thread's loaned connection of ``client``'s pool has a reply left to read."""
-    loan = pooled._LOANS.by_pool.get(client.connection_pool)
+def pending_reply(client: Any) -> bool:
+    """Whether this thread's loaned connection of ``client``'s pool (a ``RedisCluster``: none) has
+    a reply left to read."""
+    pool = getattr(client, "connection_pool", None)
+    loan = None if pool is None else pooled._LOANS.by_pool.get(pool)
     return loan is not None and loan.pending is not None
 
 
@@ -50,7 +54,7 @@ class Watch:
     body, ``task_success``, ``lock_released`` and ``task_postrun`` (a receiver connected after the
     package's), and the package's WARNINGs. ``on_success`` runs in ``task_success``."""
 
-    def __init__(self, name: str, client: redis.Redis) -> None:
+    def __init__(self, name: str, client: Any) -> None:
         self.name, self.client = name, client
         self.events: list[tuple[str, Any]] = []
         self.on_success: Callable[[], None] | None = None
@@ -93,10 +97,11 @@ class WarningsOf(logging.Handler):
 
 
 @contextmanager
-def watching(app: Celery, task: Any) -> Iterator[Watch]:
-    """A ``Watch`` of ``task`` (the package's ``task_postrun`` receiver was connected when it was bound)."""
+def watching(app: Celery, task: Any, kind: type[Any] = redis.Redis) -> Iterator[Watch]:
+    """A ``Watch`` of ``task`` (the package's ``task_postrun`` receiver was connected when it was
+    bound), whose app's lock client is a ``kind``."""
     client, _ = client_for(app)
-    assert isinstance(client, redis.Redis)
+    assert isinstance(client, kind)
     watch = Watch(task.name, client)
     handler = WarningsOf(watch)
     package = logging.getLogger("celery_redislock")
@@ -360,3 +365,31 @@ def gap(*_: object) -> None:
 def _wait_for_postrun(watch: Watch, runs: int = 1) -> None:
     """``task_postrun`` of ``runs`` runs was sent (the result is stored before it)."""
     wait_for(lambda: watch.kinds().count("postrun") >= runs, what=lambda: f"task_postrun: {watch.kinds()}")
+
+
+def test_a_cluster_run_waits_for_its_release_and_task_postrun_finishes_an_interrupted_one(
+    cluster: RedisClusterServers, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``RedisCluster`` client (no pool of its own) waits for its release's reply; a release
+    interrupted there (a soft time limit) is finished by ``task_postrun``, which finds no reply
+    to read on a Cluster client and releases the lock."""
+    app = Celery("cluster-defer", set_as_current=False)
+    app.conf.update(redislock_url=cluster.url, redislock_prefix=prefix, task_always_eager=True)
+    task = define(app, "cluster")
+    free = celery_redislock.lock.RedisLock._free
+    interrupted: list[int] = []
+
+    def interrupting(self: Any, token: str) -> bool:
+        if not interrupted:
+            interrupted.append(1)
+            raise SoftTimeLimitExceeded()
+        return free(self, token)
+
+    with watching(app, task, redis.cluster.RedisCluster) as watch:
+        assert task.delay(9).get() == 9
+        monkeypatch.setattr(celery_redislock.lock.RedisLock, "_free", interrupting)
+        result = task.delay(10)
+    assert isinstance(result.result, SoftTimeLimitExceeded)
+    assert interrupted == [1]
+    assert watch.kinds() == ["prerun", "released", "success", "postrun", "prerun", "released", "postrun"]
+    assert not watch.client.exists(task_lock_key(task, (10,)))
