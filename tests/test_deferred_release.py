@@ -11,6 +11,7 @@ outcome is reported: ``task_success`` comes after the result is stored and befor
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -393,3 +394,34 @@ def test_a_cluster_run_waits_for_its_release_and_task_postrun_finishes_an_interr
     assert interrupted == [1]
     assert watch.kinds() == ["prerun", "released", "success", "postrun", "prerun", "released", "postrun"]
     assert not watch.client.exists(task_lock_key(task, (10,)))
+
+
+def test_a_forked_child_never_reads_its_parents_pending_reply(redis_server: RedisServer, prefix: str) -> None:
+    """A release's reply is pending on the parent's connection when it forks: the child reads
+    nothing of it (``settle_later`` and a lock of its own through the same client get their own
+    answers), and the parent then reads it, its own."""
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=10)
+    other = redis_server.client()
+    theirs = RedisLock(other, f"{prefix}:theirs", ttl=10)
+    assert theirs.acquire(blocking=False)
+    mine = RedisLock(client, f"{prefix}:mine", ttl=10)
+    assert mine.acquire(blocking=False)
+    outcomes: list[object] = []
+    assert mine.release_later(outcomes.append)
+    pid = os.fork()
+    if pid == 0:  # the child: exits with 0 only if it read nothing of its parent's
+        code = 1
+        try:
+            pooled.settle_later(client)
+            busy = RedisLock(client, f"{prefix}:theirs", ttl=10).acquire(blocking=False)
+            code = 0 if outcomes == [] and busy is False else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    pooled.settle_later(client)
+    assert outcomes == [True]
+    assert not other.exists(f"{prefix}:mine")
+    theirs.release()
+    client.close()
+    other.close()
