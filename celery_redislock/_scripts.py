@@ -369,7 +369,7 @@ def _send_refused_again(
     again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if again:
         # The server lost its scripts (restarted, flushed): RELEASE is loaded too, since a run
-        # sends it without waiting for its reply (``RedisLock.release_later``), and it must run
+        # sends it without waiting for its reply (``run_lock.release_later``), and it must run
         # when it arrives, not when its NOSCRIPT is read.
         sources = (script.source,) if script is RELEASE else (script.source, RELEASE.source)
         for source in sources:

@@ -250,7 +250,7 @@ class Execution:
         started (a direct call has no trace), whose loss at release raises nothing
         (``lock_on_lost="log"``: else ``__call__`` must know it before returning). ``False``:
         nothing sent (not such a run, or the lock cannot leave its reply, see
-        ``RedisLock.release_later``)."""
+        ``run_lock.release_later``)."""
         if self.request is None or self.task_id is None or lock.raise_on_lost or not lock.held():
             return False
         ending = telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans)

@@ -18,15 +18,15 @@ from __future__ import annotations
 import abc
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, overload
 
 import redis
 import redis.cluster
 
 from ._durations import Duration, seconds, to_ms
-from ._redis import PooledConnection, call_with_timeout, node_client, send_later
-from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client, read_replies
+from ._redis import PooledConnection, call_with_timeout, node_client
+from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
 from .primitive import LeaseLock
@@ -114,37 +114,6 @@ class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
             client, self.name, self.ttl, replicas, self.replica_timeout, self.wake_prefix
         )
 
-    def release_later(self, then: Callable[[bool | BaseException], None]) -> bool:
-        """``release()`` of the last hold, its reply read later: ``then`` gets whether this object
-        still held the lock (``False``: lost, changing nothing in Redis), or the error reading
-        the reply raised (an error reply, or what interrupted the read), once read (see
-        ``_redis.send_later``: at ``settle_later(client)`` or this thread's next exchange on the
-        connection). The hold is forgotten once the release is sent.
-
-        ``False``, nothing sent, the hold kept (call ``release()``): the lock is held more than
-        once or not over one server (a semaphore's permits), has ``replicas``, or its client or
-        pool does not let a reply wait (not a plain ``redis.Redis``, or its pool lends per
-        exchange). A send that fails raises, the hold kept, as ``release()``.
-        """
-        servers = self.servers
-        # exactly one server's: a semaphore's permits (a subclass) release with a script of their own
-        if not (type(servers) is OneServer and servers.waits_for_reply() and self.hold_count == 1):
-            return False
-        token = self.stop_renewing()
-        encode = self.client.get_encoder().encode
-        command = RELEASE.pack([bulk(encode(self.name))], [bulk(token.encode())])
-
-        def read(connection: Any) -> Any:
-            return read_replies(connection, RELEASE, [command])[0]
-
-        def freed(reply: Any) -> None:
-            then(reply if isinstance(reply, BaseException) else bool(int(reply)))
-
-        if not send_later(self.client, command, read, freed):
-            return False
-        self.forget()
-        return True
-
 
 RedisLock.register(Redlock)
 
@@ -192,7 +161,7 @@ class OneServer:
             )
 
     def waits_for_reply(self) -> bool:
-        """Whether a release can leave its reply to be read later (``RedisLock.release_later``)."""
+        """Whether a release can leave its reply to be read later (``run_lock.release_later``)."""
         return not self.replicas and plain_client(self.client)
 
     def free(self, token: str) -> bool:

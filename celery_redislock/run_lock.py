@@ -13,7 +13,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -21,13 +21,14 @@ import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
-from ._redis import settle_later
+from ._redis import send_later, settle_later
+from ._scripts import RELEASE, bulk, read_replies
 from ._task_scripts import ADOPT
 from .attempt import busy_reply
 from .config import AppSettings
 from .connection import Client
 from .exceptions import LockLost, LockNotOwned
-from .lock import RedisLock
+from .lock import OneServer, RedisLock
 from .semaphore import PermitBook, Permits
 from .watchdog import Lease
 
@@ -186,11 +187,11 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
 
 
 def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telemetry.Release) -> bool:
-    """``release``, its reply read later (``RedisLock.release_later``): at ``finish_release`` (the
+    """``release``, its reply read later (``_release_sent``): at ``finish_release`` (the
     ``task_postrun`` receiver) or this thread's next exchange on the connection, whichever comes
     first; the outcome is then reported as ``release`` reports it, and ends ``ending`` (entered
     here). ``False``: nothing done (the lock cannot leave a reply to read later, see
-    ``release_later``), call ``release``.
+    ``_release_sent``), call ``release``.
 
     An exception that interrupts the read (a soft time limit) drops the connection and is
     reported as ``"error"``: the outcome is unknown, and the key expires within its lease.
@@ -204,7 +205,7 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
 
     ending.__enter__()
     try:
-        return lock.release_later(then)
+        return _release_sent(lock, then)
     except redis.RedisError as exc:  # the send failed: "error", as ``release``; the key expires
         lock.forget()  # as after ``release``'s error, nothing tries again
         then(exc)
@@ -212,6 +213,37 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
     except BaseException as exc:  # interrupted: the hold is kept, for ``finish_release``
         ending.__exit__(type(exc), exc, exc.__traceback__)
         raise
+
+
+def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None]) -> bool:
+    """Release ``lock``'s last hold without waiting for the reply: ``then`` gets whether ``lock``
+    still held it (``False``: lost, nothing changed in Redis), or the exception reading the
+    reply raised (an error reply, or what interrupted the read), once read
+    (``_redis.send_later``). The hold is forgotten once the release is sent.
+
+    ``False``, nothing sent, the hold kept (call ``release``): the lock is held more than once
+    or not over exactly one server (a semaphore's permits release with a script of their own),
+    has ``replicas``, or its client or pool does not let a reply wait (not a plain
+    ``redis.Redis``, or its pool lends per exchange). A send that fails raises, the hold kept,
+    as ``RedisLock.release`` does.
+    """
+    servers = lock.servers
+    if not (type(servers) is OneServer and servers.waits_for_reply() and lock.hold_count == 1):
+        return False
+    token = lock.stop_renewing()
+    encode = lock.client.get_encoder().encode
+    command = RELEASE.pack([bulk(encode(lock.name))], [bulk(token.encode())])
+
+    def read(connection: Any) -> Any:
+        return read_replies(connection, RELEASE, [command])[0]
+
+    def freed(reply: Any) -> None:
+        then(reply if isinstance(reply, BaseException) else bool(int(reply)))
+
+    if not send_later(lock.client, command, read, freed):
+        return False
+    lock.forget()
+    return True
 
 
 def finish_release(task: Any, lock: RedisLock, task_id: str | None) -> None:

@@ -18,6 +18,7 @@ import redis
 
 import celery_redislock.execution
 import celery_redislock.lock
+import celery_redislock.run_lock
 from celery_redislock import LockNotAcquired, RedisLock, RedisLockError, task_lock_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
@@ -33,8 +34,8 @@ TTL = 1.5
 STEPS: dict[str, tuple[Any, str]] = {
     "free_queued": (celery_redislock.execution, "release_token"),
     # a worker's run sends its release, and reads the reply at task_postrun (run_lock.release_later)
-    "release": (celery_redislock.lock, "send_later"),
-    "release_reply": (celery_redislock.lock, "read_replies"),
+    "release": (celery_redislock.run_lock, "send_later"),
+    "release_reply": (celery_redislock.run_lock, "read_replies"),
     # a run that waits for the reply (lock_on_lost="raise": a loss at release fails it)
     "release_waited": (celery_redislock.lock.RedisLock, "_free"),
     "settle": (celery_redislock.execution, "SETTLE"),
