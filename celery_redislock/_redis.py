@@ -232,6 +232,7 @@ def send_later(client: Any, command: bytes, read: Callable[[Any], Any], then: Ca
     if loan is None:
         return False
     connection = loan.connection
+    loan.pending = _Pending(read, then)  # before the send: an exception once it is sent leaves it to read
     try:
         connection.connect()
         if _stale(connection):
@@ -239,11 +240,11 @@ def send_later(client: Any, command: bytes, read: Callable[[Any], Any], then: Ca
             connection.connect()
         connection.send_packed_command([command])
     except BaseException:
+        loan.pending = None
         connection.disconnect()
         raise
     finally:
         loan.in_use = False
-    loan.pending = _Pending(read, then)
     return True
 
 

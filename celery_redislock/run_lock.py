@@ -197,21 +197,21 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
     reported as ``"error"``: the outcome is unknown, and the key expires within its lease.
     """
     report = _Report(task, lock, task_id, announce=True)
+    stack = ExitStack()  # ends ``ending`` once: when the outcome is reported, or the send interrupted
+    stack.enter_context(ending)
 
     def then(freed: bool | BaseException) -> None:
-        with ExitStack() as stack:
-            stack.push(ending)  # entered when the release was sent
+        with stack:
             ending.outcome = report.outcome(freed)
 
-    ending.__enter__()
     try:
         return _release_sent(lock, then)
     except redis.RedisError as exc:  # the send failed: "error", as ``release``; the key expires
         lock.forget()  # as after ``release``'s error, nothing tries again
         then(exc)
         return True
-    except BaseException as exc:  # interrupted: the hold is kept, for ``finish_release``
-        ending.__exit__(type(exc), exc, exc.__traceback__)
+    except BaseException as exc:  # interrupted: a hold still kept is ``finish_release``'s
+        stack.__exit__(type(exc), exc, exc.__traceback__)
         raise
 
 
@@ -238,6 +238,7 @@ def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None])
         return read_replies(connection, RELEASE, [command])[0]
 
     def freed(reply: Any) -> None:
+        lock.forget()  # also if an exception came between the send and the ``forget`` below
         then(reply if isinstance(reply, BaseException) else bool(int(reply)))
 
     if not send_later(lock.client, command, read, freed):

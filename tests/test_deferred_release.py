@@ -425,3 +425,27 @@ def test_a_forked_child_never_reads_its_parents_pending_reply(redis_server: Redi
     theirs.release()
     client.close()
     other.close()
+
+
+def test_an_interrupt_right_after_the_send_leaves_the_reply_to_task_postrun_reported_once(
+    app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A soft time limit lands just after the release was sent, before the run forgot its hold:
+    the run fails with it, and ``task_postrun`` reads the reply and reports it once
+    (``lock_released``), without releasing again (which would find the lock gone: "lost")."""
+    task = define(app, "sent_then_interrupted")
+    def interrupted_after_sending(*args: Any) -> bool:
+        assert pooled.send_later(*args)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(run_lock, "send_later", interrupted_after_sending)
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        result = task.delay(11)
+        with pytest.raises(SoftTimeLimitExceeded):
+            result.get(timeout=RESULT_TIMEOUT)
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "released", "postrun"]
+    assert watch.of("released")[0]["key"] == task_lock_key(task, (11,))
+    assert not recorder.exists(task_lock_key(task, (11,)))
+    recorder.close()
