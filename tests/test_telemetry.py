@@ -136,10 +136,31 @@ def spans_named(otel: Otel, name: str) -> list[ReadableSpan]:
     return [span for span in otel.spans.get_finished_spans() if span.name == name]
 
 
+def run_span(otel: Otel, task: Any, task_id: str) -> ReadableSpan:
+    """The span Celery's instrumentation made for the run of ``task`` whose id is ``task_id``."""
+    [run] = [
+        span
+        for span in spans_named(otel, f"run/{task.name}")
+        if (span.attributes or {}).get("messaging.message.id") == task_id
+    ]
+    return run
+
+
+def lock_events(span: ReadableSpan) -> list[tuple[str, dict[str, Any]]]:
+    """The lock's events on ``span``, in their order: name, attributes."""
+    return [
+        (event.name, dict(event.attributes or {}))
+        for event in span.events
+        if event.name.startswith("redislock.")
+    ]
+
+
 @pytest.mark.usefixtures("instrumented_celery")
-def test_a_run_is_counted_timed_and_traced_under_its_task_span(
+def test_a_run_is_counted_timed_and_noted_on_its_task_span(
     otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str
 ) -> None:
+    """``redislock_spans="auto"`` (the default): the acquisition and the release are events of
+    the task's span, in order, with their outcome, fence and seconds; no span of their own."""
     app = make_app(fresh_server.url, prefix, f"q-{prefix}")
     task = app.tasks["taskapp.hold_skip"]
     attributes = {"task": task.name, "mode": "while_executing"}
@@ -147,21 +168,82 @@ def test_a_run_is_counted_timed_and_traced_under_its_task_span(
     waits = otel.count("redislock.lock.wait", **attributes, outcome="acquired")
     helds = otel.count("redislock.lock.held", **attributes)
     with threads_worker(app):
-        assert task.delay("x").get(timeout=30) == "x"
+        result = task.delay("x")
+        assert result.get(timeout=30) == "x"
     assert otel.count("redislock.lock.acquisitions", **attributes, outcome="acquired") == before + 1
     assert otel.count("redislock.lock.wait", **attributes, outcome="acquired") == waits + 1
     assert otel.count("redislock.lock.held", **attributes) == helds + 1
-    [run] = [span for span in otel.spans.get_finished_spans() if span.name == f"run/{task.name}"]
-    [acquire], [release] = spans_named(otel, "redislock.acquire"), spans_named(otel, "redislock.release")
+    run = run_span(otel, task, result.id)
     [acquired], [released] = sent.of("lock_acquired"), sent.of("lock_released")
+    [(acquire, noted), (release, ended)] = lock_events(run)
+    assert (acquire, release) == ("redislock.acquire", "redislock.release")
+    assert noted.keys() == {"task", "outcome", "fence", "waited"}
+    assert ended.keys() == {"task", "outcome", "fence", "held"}
+    assert (noted["task"], noted["outcome"], noted["fence"]) == (task.name, "acquired", acquired["fence"])
+    assert (ended["task"], ended["outcome"], ended["fence"]) == (task.name, "released", acquired["fence"])
+    assert 0 <= noted["waited"] < 5 and 0 <= ended["held"] < 30
+    times = [run.start_time, *(event.timestamp for event in run.events), run.end_time]
+    assert None not in times and times == sorted(times)  # type: ignore[type-var]
+    assert not spans_named(otel, "redislock.acquire") + spans_named(otel, "redislock.release")
+    assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
+    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
+    app.close()
+
+
+@pytest.mark.usefixtures("instrumented_celery")
+def test_always_makes_the_lock_spans_children_of_the_task_span(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """``redislock_spans="always"``: the acquisition and the release are spans, children of the
+    task's, in order, with task, mode, outcome and fence; no event on the task's span."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
+    task = app.tasks["taskapp.hold_skip"]
+    with threads_worker(app):
+        result = task.delay("x")
+        assert result.get(timeout=30) == "x"
+    run = run_span(otel, task, result.id)
+    [acquire], [release] = spans_named(otel, "redislock.acquire"), spans_named(otel, "redislock.release")
+    fence = acquire.attributes["fence"] if acquire.attributes is not None else None
+    assert isinstance(fence, int)
     for span, outcome in ((acquire, "acquired"), (release, "released")):
         assert span.parent is not None and span.parent.span_id == run.context.span_id
-        assert dict(span.attributes or {}) == {**attributes, "outcome": outcome, "fence": acquired["fence"]}
+        attributes = {"task": task.name, "mode": "while_executing", "outcome": outcome, "fence": fence}
+        assert dict(span.attributes or {}) == attributes
     times = [run.start_time, acquire.start_time, acquire.end_time, release.start_time, release.end_time]
     times.append(run.end_time)
     assert None not in times and times == sorted(times)  # type: ignore[type-var]
-    assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
-    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
+    assert not lock_events(run)
+    app.close()
+
+
+@pytest.mark.usefixtures("instrumented_celery")
+@pytest.mark.parametrize("busy", ["skip", "raise"])
+def test_a_busy_outcome_is_noted_on_the_task_span(
+    otel: Otel, fresh_server: RedisServer, prefix: str, busy: str
+) -> None:
+    """A run that finds the lock held notes its busy outcome on its span (no fence, no release)."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task = app.tasks[f"taskapp.hold_{busy}"]
+    with threads_worker(app):
+        first = task.delay("y", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the first run to start")
+        second = task.delay("y", gate=True)
+        if busy == "skip":
+            assert second.get(timeout=30) is None
+        else:
+            with pytest.raises(Exception, match="is busy held by") as raised:
+                second.get(timeout=30)
+            assert type(raised.value).__name__ == "LockNotAcquired"
+        recorder(app).open_gate("y")
+        assert first.get(timeout=30) == "y"
+    [(name, noted)] = lock_events(run_span(otel, task, second.id))
+    assert name == "redislock.acquire" and noted.keys() == {"task", "outcome", "waited"}
+    assert (noted["task"], noted["outcome"]) == (task.name, f"busy-{busy}") and noted["waited"] >= 0
+    assert [name for name, _ in lock_events(run_span(otel, task, first.id))] == [
+        "redislock.acquire",
+        "redislock.release",
+    ]
+    assert not spans_named(otel, "redislock.acquire")
     app.close()
 
 
@@ -207,8 +289,8 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
     spans: str,
     instrumented: bool,
 ) -> None:
-    """``redislock_spans="auto"`` (the default) makes no span where the run has none to be a
-    child of; ``"never"`` makes none even under the task's span. The metrics are recorded."""
+    """``redislock_spans="auto"`` (the default) makes no span and no event where the run has no
+    span; ``"never"`` makes none even under the task's span. The metrics are recorded."""
     if instrumented:
         request.getfixturevalue("instrumented_celery")
     conf: dict[str, Any] = {} if spans == "auto" else {"redislock_spans": spans}  # "auto": the default
@@ -222,15 +304,38 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
     names = [span.name for span in otel.spans.get_finished_spans()]
     assert (f"run/{task.name}" in names) == instrumented
     assert not {"redislock.acquire", "redislock.release"} & set(names), names
+    assert not [event for span in otel.spans.get_finished_spans() for event in lock_events(span)]
+    app.close()
+
+
+def test_an_acquisition_that_fails_is_noted_on_the_current_span(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """Redis is down when a run takes its lock: the block raises a ``ConnectionError``, no outcome;
+    under ``"auto"`` the run's span gets the acquire event naming the error, then the exception."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task = app.tasks["taskapp.hold_skip"]
+    fresh_server.stop()
+    with trace.get_tracer("test").start_as_current_span("run"):
+        failed = task.apply(("x",))
+    assert isinstance(failed.result, RedisLockError), failed.result
+    [run] = spans_named(otel, "run")
+    [(name, noted)] = lock_events(run)
+    assert name == "redislock.acquire" and noted.keys() == {"task", "error", "waited"}
+    assert str(noted["error"]).endswith("ConnectionError") and noted["waited"] >= 0
+    [exception] = [event for event in run.events if event.name == "exception"]
+    assert exception.attributes is not None and exception.attributes["exception.type"] == noted["error"]
+    assert run.events.index(exception) == 1 + [event.name for event in run.events].index(name)
+    assert not spans_named(otel, "redislock.acquire")
     app.close()
 
 
 def test_an_acquisition_that_fails_marks_its_span_failed_under_the_run(
     otel: Otel, fresh_server: RedisServer, prefix: str
 ) -> None:
-    """Redis is down when a run takes its lock: the block raises a ``ConnectionError``, no outcome;
-    the acquire span, a child of the run's, records the exception and the ERROR status."""
-    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    """The same with ``redislock_spans="always"``: the acquire span, a child of the run's, records
+    the exception and the ERROR status."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
     task = app.tasks["taskapp.hold_skip"]
     fresh_server.stop()
     with trace.get_tracer("test").start_as_current_span("run") as run:
