@@ -22,18 +22,23 @@ without a last collection (a prefork pool child, which the SDK does not shut
 down) loses what it recorded since its last one, buffered or not, as the SDK
 would. A forked child hands over only the values it recorded itself.
 
-A run's acquisition and release are traced as ``redislock_spans`` says:
-``"auto"`` adds the events ``redislock.acquire`` and ``redislock.release`` to
-the current span if it records (the task's, when Celery is instrumented), and
-nothing where no span records; ``"always"`` makes them spans, children of the
-current span or roots; ``"never"`` traces nothing (``bench/otel_bench.py``
+A run's acquisition and release are traced as ``redislock_spans`` says, in
+the span current when the step began (a run's release may be over later,
+once that span is no longer current, or has ended): ``"auto"`` adds the
+event ``redislock.acquire`` to that span if it records (the task's, when
+Celery is instrumented), and ``redislock.release`` too unless the release
+simply freed the lock (``released``: the span's end says as much), and
+nothing where no span records; ``"always"`` makes them spans, children of
+that span or roots; ``"never"`` traces nothing (``bench/otel_bench.py``
 measures each). Events, not spans, by default: two spans cost the SDK some
 65 µs a run in a tight loop (145 µs of a worker's CPU end to end, a sixth of
-a trivial task), two events about 25 µs for the same information. Events, not
-the span's attributes (about 15 µs): a span may hold more than one run (a
-``LockedTask`` called directly in another task's body, several ``apply()`` in
-a span of the caller's), whose attributes would overwrite each other; events
-keep each step, in order, with its time.
+a trivial task), an event about 12 µs. One event a plain run keeps the cost
+within 3% of a trivial task; a release that lost the lock, or kept it (parked,
+settled, taken over), or failed is what a trace's reader needs to see, and is
+noted. Events, not the span's attributes (about 15 µs): a span may hold more
+than one run (a ``LockedTask`` called directly in another task's body, several
+``apply()`` in a span of the caller's), whose attributes would overwrite each
+other; events keep each step, in order, with its time.
 
 Metrics (attributes never hold a key, a digest or an argument):
 
@@ -44,11 +49,12 @@ Metrics (attributes never hold a key, a digest or an argument):
 * ``redislock.lock.renewals``: result, ``renewed`` or ``failed``, one per lease;
 * ``redislock.lock.crash_releases``: task; a dead pool child's lock the main process released.
 
-The events ``redislock.acquire`` and ``redislock.release`` are timed when their step is
-over; their attributes: task, outcome (or ``error``, the type of the exception that failed
-the step, which is recorded on the span too), fence, and ``waited`` (acquire: from the first
-attempt) or ``held`` (release: from the acquisition) seconds. The spans of the same names
-(task, mode, outcome, fence) run from the step's start to its end; one failed is marked so.
+The events ``redislock.acquire`` and ``redislock.release`` (none for ``released``) are timed
+when their step is over; their attributes: task, outcome (or ``error``, the type of the
+exception that failed the step, which is recorded on the span too), fence, and ``waited``
+(acquire: from the first attempt) or ``held`` (release: from the acquisition) seconds. The
+spans of the same names (task, mode, outcome, fence) run from the step's start to its end;
+one failed is marked so.
 """
 
 from __future__ import annotations
@@ -329,23 +335,30 @@ class _Step(abc.ABC):
     step's outcome (``_outcome_of``; ``None``: the exception the block raised failed the step),
     the hold's fence and the step's ``SECONDS`` (``_seconds``).
 
-    ``"auto"``: the event ``NAME`` on the span current when the step is over, if it records
-    (the task's, when Celery is instrumented): some 12 µs, where a span costs the SDK some 30.
-    ``"always"``: the span ``NAME``, a child of the current span or a root, made once the step
-    is over with its start time and all its attributes at once. The block runs in no span of
-    ours; it does not change the context (the current span is the same at its start and end).
+    The trace goes to the span current when the step is entered (``parent``), wherever it is
+    exited: a release may be over later, once the task's span is no longer current, or ended.
+    ``"auto"``: the event ``NAME`` on that span if it still records (the task's, when Celery is
+    instrumented): some 12 µs, where a span costs the SDK some 30; not for an outcome in
+    ``PLAIN`` (a release that simply freed the lock: the task's span ending says as much), so
+    that a plain run notes one event. ``"always"``: the span ``NAME``, a child of that span
+    or a root, made once the step is over with its start time and all its attributes at once.
+    The block runs in no span of ours; it does not change the context.
     """
 
     NAME = ""
     #: The event's attribute holding ``_seconds``.
     SECONDS = ""
-    __slots__ = ("fence", "lock", "mode", "spans", "started", "task")
+    #: The outcomes ``"auto"`` notes no event for.
+    PLAIN: frozenset[str] = frozenset()
+    __slots__ = ("fence", "lock", "mode", "parent", "spans", "started", "task")
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
         self.task, self.mode, self.lock, self.spans = task, mode, lock, spans
 
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
+        if trace is not None and self.spans != "never":
+            self.parent = trace.get_current_span()
         return self
 
     def __exit__(
@@ -356,9 +369,8 @@ class _Step(abc.ABC):
         outcome, seconds, spans = self._outcome_of(kind), self._seconds(), self.spans
         failed = exc if outcome is None else None
         if spans == "auto":
-            current = trace.get_current_span()
-            if current.is_recording():
-                self._note(current, outcome, seconds, failed)
+            if outcome not in self.PLAIN and self.parent.is_recording():
+                self._note(self.parent, outcome, seconds, failed)
         elif spans == "always":
             self._trace(outcome, failed)
         if outcome is not None:
@@ -386,7 +398,8 @@ class _Step(abc.ABC):
             span.record_exception(failed)
 
     def _trace(self, outcome: str | None, failed: BaseException | None) -> None:
-        """Make the step's span, from ``started`` to now; the exception ``failed`` fails it."""
+        """Make the step's span, a child of ``parent``, from ``started`` to now; the exception
+        ``failed`` fails it."""
         attributes: dict[str, Any] = {"task": self.task, "mode": self.mode}
         if outcome is not None:
             attributes["outcome"] = outcome
@@ -395,7 +408,12 @@ class _Step(abc.ABC):
             attributes["fence"] = fence
         ended = time.time_ns()
         started = ended - int((time.monotonic() - self.started) * 1e9)
-        span = _tracer.start_span(self.NAME, attributes=attributes, start_time=started)
+        span = _tracer.start_span(
+            self.NAME,
+            context=trace.set_span_in_context(self.parent),
+            attributes=attributes,
+            start_time=started,
+        )
         if failed is not None:
             span.record_exception(failed)
             span.set_status(trace.Status(trace.StatusCode.ERROR, repr(failed)))
@@ -457,10 +475,11 @@ class Release(_Step):
     seconds, from the acquisition) or span, and ``redislock.lock.held``. The block sets
     ``outcome``: ``released``, ``parked`` (for a retry), ``settled`` (kept for ``lock_period``),
     ``taken-over`` (a park that found the retry holding it), ``lost``, ``error``; ``None``
-    (not held) records no metric."""
+    (not held) records no metric. ``"auto"`` notes no event for ``released``."""
 
     NAME = "redislock.release"
     SECONDS = "held"
+    PLAIN = frozenset({"released"})
     __slots__ = ("outcome",)
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:

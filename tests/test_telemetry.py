@@ -9,6 +9,7 @@ for the rest of the session (later tests run instrumented), and each test reads 
 from __future__ import annotations
 
 import ast
+import contextlib
 import gc
 import json
 import logging
@@ -36,6 +37,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from celery_redislock import (
     LockConfigurationError,
+    LockNotOwned,
     RedisLock,
     RedisLockError,
     busy,
@@ -159,8 +161,9 @@ def lock_events(span: ReadableSpan) -> list[tuple[str, dict[str, Any]]]:
 def test_a_run_is_counted_timed_and_noted_on_its_task_span(
     otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str
 ) -> None:
-    """``redislock_spans="auto"`` (the default): the acquisition and the release are events of
-    the task's span, in order, with their outcome, fence and seconds; no span of their own."""
+    """``redislock_spans="auto"`` (the default): the acquisition is an event of the task's span,
+    with its outcome, fence and seconds; a release that simply freed the lock is none (the
+    ``held`` metric times it); no span of their own."""
     app = make_app(fresh_server.url, prefix, f"q-{prefix}")
     task = app.tasks["taskapp.hold_skip"]
     attributes = {"task": task.name, "mode": "while_executing"}
@@ -175,13 +178,10 @@ def test_a_run_is_counted_timed_and_noted_on_its_task_span(
     assert otel.count("redislock.lock.held", **attributes) == helds + 1
     run = run_span(otel, task, result.id)
     [acquired], [released] = sent.of("lock_acquired"), sent.of("lock_released")
-    [(acquire, noted), (release, ended)] = lock_events(run)
-    assert (acquire, release) == ("redislock.acquire", "redislock.release")
-    assert noted.keys() == {"task", "outcome", "fence", "waited"}
-    assert ended.keys() == {"task", "outcome", "fence", "held"}
+    [(acquire, noted)] = lock_events(run)
+    assert acquire == "redislock.acquire" and noted.keys() == {"task", "outcome", "fence", "waited"}
     assert (noted["task"], noted["outcome"], noted["fence"]) == (task.name, "acquired", acquired["fence"])
-    assert (ended["task"], ended["outcome"], ended["fence"]) == (task.name, "released", acquired["fence"])
-    assert 0 <= noted["waited"] < 5 and 0 <= ended["held"] < 30
+    assert 0 <= noted["waited"] < 5
     times = [run.start_time, *(event.timestamp for event in run.events), run.end_time]
     assert None not in times and times == sorted(times)  # type: ignore[type-var]
     assert not spans_named(otel, "redislock.acquire") + spans_named(otel, "redislock.release")
@@ -239,10 +239,7 @@ def test_a_busy_outcome_is_noted_on_the_task_span(
     [(name, noted)] = lock_events(run_span(otel, task, second.id))
     assert name == "redislock.acquire" and noted.keys() == {"task", "outcome", "waited"}
     assert (noted["task"], noted["outcome"]) == (task.name, f"busy-{busy}") and noted["waited"] >= 0
-    assert [name for name, _ in lock_events(run_span(otel, task, first.id))] == [
-        "redislock.acquire",
-        "redislock.release",
-    ]
+    assert [name for name, _ in lock_events(run_span(otel, task, first.id))] == ["redislock.acquire"]
     assert not spans_named(otel, "redislock.acquire")
     app.close()
 
@@ -407,6 +404,67 @@ def test_a_task_lock_lost_counts_once_under_its_task(
     assert release.attributes is not None and release.attributes["outcome"] == "lost"
     client.close()
     app.close()
+
+
+@pytest.mark.usefixtures("instrumented_celery")
+def test_a_release_that_finds_its_lock_lost_is_noted_on_the_task_span(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """``"auto"``: a release that did not simply free the lock (its key deleted while the body
+    ran: ``lost``) is noted after the acquisition, with its outcome, fence and held seconds."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task, client = app.tasks["taskapp.hold_skip"], fresh_server.client()
+    with threads_worker(app):
+        result = task.delay("w", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the run to start")
+        client.delete(task_lock_key(task, ("w",), {"gate": True}))
+        recorder(app).open_gate("w")
+        assert result.get(timeout=30) == "w"
+    [(acquire, noted), (release, ended)] = lock_events(run_span(otel, task, result.id))
+    assert (acquire, release) == ("redislock.acquire", "redislock.release")
+    assert ended.keys() == {"task", "outcome", "fence", "held"}
+    assert (ended["task"], ended["outcome"], ended["fence"]) == (task.name, "lost", noted["fence"])
+    assert 0 <= ended["held"] < 30
+    client.close()
+    app.close()
+
+
+@pytest.mark.parametrize("spans", ["auto", "always"])
+@pytest.mark.parametrize("ended", [False, True], ids=["A-open-B-current", "A-ended-no-span"])
+def test_a_step_exited_later_traces_in_the_span_it_was_entered_in(
+    otel: Otel, fresh_server: RedisServer, prefix: str, spans: str, ended: bool
+) -> None:
+    """A run's release may be over once its task's span is no longer current, or has ended: its
+    event goes on the span current when the step was entered while that span records, nothing
+    once it ended (``"auto"``); its span is that span's child either way (``"always"``)."""
+    client, tracer, steps = fresh_server.client(), trace.get_tracer("test"), contextlib.ExitStack()
+    lock = RedisLock(client, f"{prefix}:lock", ttl=30)
+    assert lock.acquire(blocking=False)
+    with tracer.start_as_current_span("A", end_on_exit=False) as a:
+        ending = steps.enter_context(telemetry.Release("t", "while_executing", lock, spans))
+    if ended:
+        a.end()
+    with contextlib.nullcontext() if ended else tracer.start_as_current_span("B"):
+        client.delete(lock.name)
+        with pytest.raises(LockNotOwned):
+            lock.release()
+        ending.outcome = "lost"
+        steps.close()
+    if not ended:
+        a.end()
+    [run] = spans_named(otel, "A")
+    finished = otel.spans.get_finished_spans()
+    assert not [event for span in finished if span.name != "A" for event in lock_events(span)]
+    if spans == "always":
+        [release] = spans_named(otel, "redislock.release")
+        assert release.parent is not None and release.parent.span_id == run.context.span_id
+        assert release.attributes is not None and release.attributes["outcome"] == "lost"
+        assert not lock_events(run)
+    else:
+        assert not spans_named(otel, "redislock.release")
+        noted = [(name, event["task"], event["outcome"]) for name, event in lock_events(run)]
+        assert noted == ([] if ended else [("redislock.release", "t", "lost")])
+    client.close()
 
 
 def test_every_log_line_carries_its_fields(
