@@ -12,8 +12,9 @@ batch processor into an exporter that drops the spans) under the default
 are recorded. Then where users have spans: ``celery-never``, the SDK's providers and Celery
 instrumented (opentelemetry-instrumentation-celery: each task has its span, recorded and
 exported) with ``redislock_spans="never"``; ``celery``, the same with the default ``"auto"``:
-each run's acquisition and release are two events of its task's span; and ``celery-spans``,
-with ``"always"``: they are two spans, children of the task's.
+each run's acquisition is an event of its task's span (its release too, where it did not simply
+free the lock: never here), one event a run; and ``celery-spans``, with ``"always"``: its
+acquisition and release are two spans, children of the task's.
 
 The headline is, for each instrumented way, the median over the rounds of the per-round ratio
 to ``off`` of the worker pool's CPU per task and of the wall time (target < 1.03), and the same
@@ -46,7 +47,7 @@ RESULTS = HERE / "results" / "otel_bench.json"
 SWITCH = "TASK_BENCH_OTEL"
 #: Uninstrumented, then the SDK's metrics, then its metrics and tracer (spans "auto"), then
 #: its metrics and spans ("always"); then Celery instrumented too, with nothing of the lock on
-#: its spans ("never"), with the lock's events on them ("auto"), and with the lock's spans
+#: its spans ("never"), with the lock's acquire event on them ("auto"), and with the lock's spans
 #: under them ("always").
 WAYS = ("off", "metrics", "all", "spans", "celery-never", "celery", "celery-spans")
 #: ``redislock_spans`` each way (the default elsewhere).
@@ -90,9 +91,10 @@ def instrument(way: str) -> dict[str, Any]:
 
 
 def hook_cost_us(rounds: int = 100_000, spans: str = "auto", in_task_span: bool = False) -> float:
-    """Microseconds per run spent in the hooks a run calls (``Acquisition``, ``Release``), with
-    this process's providers (none is set here: the API's proxies, or no API at all), in a
-    task's span if ``in_task_span`` (as under an instrumented Celery)."""
+    """Microseconds per plain run (acquired, released) spent in the hooks it calls
+    (``Acquisition``, ``Release``), with this process's providers (none is set here: the API's
+    proxies, or no API at all), in a task's span if ``in_task_span`` (as under an instrumented
+    Celery)."""
     from contextlib import nullcontext
 
     from celery_redislock import telemetry

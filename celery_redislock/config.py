@@ -47,8 +47,8 @@ BUSY = ("skip", "retry", "wait", "raise", "reject")
 DUPLICATE = ("return", "raise", "replace")
 ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
-#: ``redislock_spans``: a run's lock steps as events of the recording span (if any), as spans
-#: (children of the current span, or roots), or not traced
+#: ``redislock_spans``: a run's lock steps as events of the recording span (if any; a release
+#: that simply freed the lock notes none), as spans (children of that span, or roots), or not traced
 SPANS = ("auto", "always", "never")
 #: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
 RESOLVED = frozenset({"lock_options", "lock_settings"})
