@@ -30,12 +30,11 @@ Celery is instrumented), and ``redislock.release`` too unless the release
 simply freed the lock (``released``: the span's end says as much), and
 nothing where no span records; ``"always"`` makes them spans, children of
 that span or roots; ``"never"`` traces nothing (``bench/otel_bench.py``
-measures each). Events, not spans, by default: two spans cost the SDK some
-65 µs a run in a tight loop (145 µs of a worker's CPU end to end, a sixth of
-a trivial task), an event about 12 µs. One event a plain run keeps the cost
-within 3% of a trivial task; a release that lost the lock, or kept it (parked,
-settled, taken over), or failed is what a trace's reader needs to see, and is
-noted. Events, not the span's attributes (about 15 µs): a span may hold more
+measures each). Events, not spans, by default: two spans cost a sixth of a
+trivial task's CPU end to end, an event a fraction of that (docs/operations.md).
+One event a plain run keeps the cost low; a release that lost the lock, or kept
+it (parked, settled, taken over), or failed is what a trace's reader needs to
+see, and is noted. Events, not the span's attributes: a span may hold more
 than one run (a ``LockedTask`` called directly in another task's body, several
 ``apply()`` in a span of the caller's), whose attributes would overwrite each
 other; events keep each step, in order, with its time.
@@ -50,11 +49,12 @@ Metrics (attributes never hold a key, a digest or an argument):
 * ``redislock.lock.crash_releases``: task; a dead pool child's lock the main process released.
 
 The events ``redislock.acquire`` and ``redislock.release`` (none for ``released``) are timed
-when their step is over; their attributes: task, outcome (or ``error``, the type of the
-exception that failed the step, which is recorded on the span too), fence, and ``waited``
-(acquire: from the first attempt) or ``held`` (release: from the acquisition) seconds. The
-spans of the same names (task, mode, outcome, fence) run from the step's start to its end;
-one failed is marked so.
+when their step is over; their attributes: task, outcome (or ``error.type``, the type of the
+exception that failed the step, which is not recorded here: Celery's instrumentation records
+it on the task's span where it fails the task), fence, and ``waited`` (acquire: from the first
+attempt) or ``held`` (release: from the acquisition) seconds. The spans of the same names
+(task, mode, outcome, fence) run from the step's start to its end; one failed records its
+exception and is marked so.
 """
 
 from __future__ import annotations
@@ -338,11 +338,14 @@ class _Step(abc.ABC):
     The trace goes to the span current when the step is entered (``parent``), wherever it is
     exited: a release may be over later, once the task's span is no longer current, or ended.
     ``"auto"``: the event ``NAME`` on that span if it still records (the task's, when Celery is
-    instrumented): some 12 µs, where a span costs the SDK some 30; not for an outcome in
+    instrumented), cheaper than a span; not for an outcome in
     ``PLAIN`` (a release that simply freed the lock: the task's span ending says as much), so
     that a plain run notes one event. ``"always"``: the span ``NAME``, a child of that span
     or a root, made once the step is over with its start time and all its attributes at once.
-    The block runs in no span of ours; it does not change the context.
+    The block runs in no span of ours; it does not change the context. A step that came to no
+    outcome and raised nothing (a release of a lock not held) records and traces nothing. The
+    metrics' seconds are taken before the trace is made (under ``"auto"`` and ``"always"``,
+    what the tracing costs is not in them).
     """
 
     NAME = ""
@@ -366,11 +369,14 @@ class _Step(abc.ABC):
     ) -> None:
         if trace is None:
             return
-        outcome, seconds, spans = self._outcome_of(kind), self._seconds(), self.spans
+        outcome = self._outcome_of(kind)
         failed = exc if outcome is None else None
+        if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
+            return
+        seconds, spans = self._seconds(), self.spans
         if spans == "auto":
             if outcome not in self.PLAIN and self.parent.is_recording():
-                self._note(self.parent, outcome, seconds, failed)
+                self._note(outcome, seconds, failed)
         elif spans == "always":
             self._trace(outcome, failed)
         if outcome is not None:
@@ -381,21 +387,20 @@ class _Step(abc.ABC):
         fence: int | None = self.lock.fence
         return self.fence if fence is None else fence
 
-    def _note(self, span: Any, outcome: str | None, seconds: float, failed: BaseException | None) -> None:
-        """Add the step's event to ``span``, timed now: the task's name (the span may be another
-        run's, or the caller's), the step's outcome, or the type of the exception ``failed``
-        (recorded on ``span`` too), its fence and its ``SECONDS``."""
+    def _note(self, outcome: str | None, seconds: float, failed: BaseException | None) -> None:
+        """Add the step's event to ``parent``, timed now: the task's name (the span may be another
+        run's, or the caller's), the step's outcome, or ``error.type``, the type of the exception
+        ``failed`` (not recorded here: where it fails the task, Celery's instrumentation records
+        it on the task's span), its fence and its ``SECONDS``."""
         attributes: dict[str, Any] = {"task": self.task, self.SECONDS: seconds}
         if outcome is not None:
             attributes["outcome"] = outcome
         elif failed is not None:
-            attributes["error"] = _type_name(failed)
+            attributes["error.type"] = _type_name(failed)
         fence = self._fence()
         if fence is not None:
             attributes["fence"] = fence
-        span.add_event(self.NAME, attributes)
-        if failed is not None:
-            span.record_exception(failed)
+        self.parent.add_event(self.NAME, attributes)
 
     def _trace(self, outcome: str | None, failed: BaseException | None) -> None:
         """Make the step's span, a child of ``parent``, from ``started`` to now; the exception
