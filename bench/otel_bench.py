@@ -11,19 +11,22 @@ batch processor into an exporter that drops the spans) under the default
 ``spans``, the same with ``redislock_spans="always"``: every lock's metrics and its two spans
 are recorded. Then where users have spans: ``celery-never``, the SDK's providers and Celery
 instrumented (opentelemetry-instrumentation-celery: each task has its span, recorded and
-exported) with ``redislock_spans="never"``, and ``celery``, the same with the default
-``"auto"``: each run's two lock spans are children of its task's span.
+exported) with ``redislock_spans="never"``; ``celery``, the same with the default ``"auto"``:
+each run's acquisition is an event of its task's span (its release too, where it did not simply
+free the lock: never here), one event a run; and ``celery-spans``, with ``"always"``: its
+acquisition and release are two spans, children of the task's.
 
 The headline is, for each instrumented way, the median over the rounds of the per-round ratio
 to ``off`` of the worker pool's CPU per task and of the wall time (target < 1.03), and the same
-of ``celery`` to ``celery-never`` (what the lock spans add where tasks are traced). Before the
+of ``celery`` and ``celery-spans`` to ``celery-never`` (what the lock's events, or its spans, add
+where tasks are traced). Before the
 runs, the hooks' own cost per run in this process without the API, with no provider, and with
 the SDK each way (a tight loop: a lower bound; the ``celery`` ways in a span of their own), then
 what the SDK's metrics add to a run among its other work (``metrics_in_runs_us``) and from it an
 estimate of the ``metrics`` ratio with less noise on a shared machine; the load average before
 and after. Results go to ``bench/results/otel_bench.json``.
 
-Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 5 min at the
+Run: ``.venv/bin/python bench/otel_bench.py`` (``--tasks``, ``--repeats``; about 6 min at the
 defaults). Needs the SDK: ``pip install -e '.[test]'``.
 """
 
@@ -43,13 +46,20 @@ RESULTS = HERE / "results" / "otel_bench.json"
 #: The environment variable that turns the SDK on in task_bench's worker (``metrics`` or ``all``).
 SWITCH = "TASK_BENCH_OTEL"
 #: Uninstrumented, then the SDK's metrics, then its metrics and tracer (spans "auto"), then
-#: its metrics and spans ("always"); then Celery instrumented too, with no lock spans, and
-#: with them ("auto").
-WAYS = ("off", "metrics", "all", "spans", "celery-never", "celery")
+#: its metrics and spans ("always"); then Celery instrumented too, with nothing of the lock on
+#: its spans ("never"), with the lock's acquire event on them ("auto"), and with the lock's spans
+#: under them ("always").
+WAYS = ("off", "metrics", "all", "spans", "celery-never", "celery", "celery-spans")
 #: ``redislock_spans`` each way (the default elsewhere).
-SPANS = {"spans": "always", "celery-never": "never"}
+SPANS = {"spans": "always", "celery-never": "never", "celery-spans": "always"}
 #: Each instrumented way against the way it adds to.
-BASES = {"metrics": "off", "all": "off", "spans": "off", "celery": "celery-never"}
+BASES = {
+    "metrics": "off",
+    "all": "off",
+    "spans": "off",
+    "celery": "celery-never",
+    "celery-spans": "celery-never",
+}
 
 
 def instrument(way: str) -> dict[str, Any]:
@@ -81,9 +91,10 @@ def instrument(way: str) -> dict[str, Any]:
 
 
 def hook_cost_us(rounds: int = 100_000, spans: str = "auto", in_task_span: bool = False) -> float:
-    """Microseconds per run spent in the hooks a run calls (``Acquisition``, ``Release``), with
-    this process's providers (none is set here: the API's proxies, or no API at all), in a
-    task's span if ``in_task_span`` (as under an instrumented Celery)."""
+    """Microseconds per plain run (acquired, released) spent in the hooks it calls
+    (``Acquisition``, ``Release``), with this process's providers (none is set here: the API's
+    proxies, or no API at all), in a task's span if ``in_task_span`` (as under an instrumented
+    Celery)."""
     from contextlib import nullcontext
 
     from celery_redislock import telemetry

@@ -47,7 +47,8 @@ BUSY = ("skip", "retry", "wait", "raise", "reject")
 DUPLICATE = ("return", "raise", "replace")
 ON_LOST = ("log", "raise", "terminate")
 ON_ERROR = ("fail", "run")
-#: ``redislock_spans``: lock spans under a recording span only, also as roots, or none
+#: ``redislock_spans``: a run's lock steps as events of the recording span (if any; a release
+#: that simply freed the lock notes none), as spans (children of that span, or roots), or not traced
 SPANS = ("auto", "always", "never")
 #: ``LockedTask``'s attributes holding what the ``lock_*`` options resolve to: not options.
 RESOLVED = frozenset({"lock_options", "lock_settings"})
@@ -143,7 +144,7 @@ class AppSettings:
     client: Any = field(default=None, repr=False)
     #: the result state a skipped run records (``None``: ``SUCCESS`` with ``None``, as a return)
     skip_state: str | None = None
-    #: when a run's lock spans are made (``SPANS``, ``celery_redislock.telemetry``)
+    #: how a run's lock steps are traced (``SPANS``, ``celery_redislock.telemetry``)
     spans: str = "auto"
 
     @property

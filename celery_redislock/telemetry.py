@@ -1,4 +1,4 @@
-"""OpenTelemetry metrics and spans of the locks, and the fields of every log line.
+"""OpenTelemetry metrics and traces of the locks, and the fields of every log line.
 
 Optional: ``pip install celery-redislock[otel]`` installs opentelemetry-api
 only. Without it every hook here returns at once. With it, the instruments
@@ -22,10 +22,22 @@ without a last collection (a prefork pool child, which the SDK does not shut
 down) loses what it recorded since its last one, buffered or not, as the SDK
 would. A forked child hands over only the values it recorded itself.
 
-The spans follow ``redislock_spans``: ``"auto"`` makes them only under a
-recording span (the task's, when Celery is instrumented), ``"always"`` also as
-roots, ``"never"`` not at all (``bench/otel_bench.py`` measures each). A span
-is made once its step is over, with its start time and all its attributes.
+A run's acquisition and release are traced as ``redislock_spans`` says, in
+the span current when the step began (a run's release may be over later,
+once that span is no longer current, or has ended): ``"auto"`` adds the
+event ``redislock.acquire`` to that span if it records (the task's, when
+Celery is instrumented), and ``redislock.release`` too unless the release
+simply freed the lock (``released``: the span's end says as much), and
+nothing where no span records; ``"always"`` makes them spans, children of
+that span or roots; ``"never"`` traces nothing (``bench/otel_bench.py``
+measures each). Events, not spans, by default: two spans cost a sixth of a
+trivial task's CPU end to end, an event a fraction of that (docs/operations.md).
+One event a plain run keeps the cost low; a release that lost the lock, or kept
+it (parked, settled, taken over), or failed is what a trace's reader needs to
+see, and is noted. Events, not the span's attributes: a span may hold more
+than one run (a ``LockedTask`` called directly in another task's body, several
+``apply()`` in a span of the caller's), whose attributes would overwrite each
+other; events keep each step, in order, with its time.
 
 Metrics (attributes never hold a key, a digest or an argument):
 
@@ -36,9 +48,13 @@ Metrics (attributes never hold a key, a digest or an argument):
 * ``redislock.lock.renewals``: result, ``renewed`` or ``failed``, one per lease;
 * ``redislock.lock.crash_releases``: task; a dead pool child's lock the main process released.
 
-Spans ``redislock.acquire`` and ``redislock.release`` (task, mode, outcome,
-fence) surround a run's acquisition and release; they are children of the
-current span, the task's when Celery is instrumented.
+The events ``redislock.acquire`` and ``redislock.release`` (none for ``released``) are timed
+when their step is over; their attributes: task, outcome (or ``error.type``, the type of the
+exception that failed the step, which is not recorded here: Celery's instrumentation records
+it on the task's span where it fails the task), fence, and ``waited`` (acquire: from the first
+attempt) or ``held`` (release: from the acquisition) seconds. The spans of the same names
+(task, mode, outcome, fence) run from the step's start to its end; one failed records its
+exception and is marked so.
 """
 
 from __future__ import annotations
@@ -315,23 +331,37 @@ _Step_ = TypeVar("_Step_", bound="_Step")
 
 class _Step(abc.ABC):
     """A step of a run's hold of ``lock`` (its task's name ``task``, its ``mode``): its
-    metrics (``_record``), and the span ``NAME`` as ``spans`` (``redislock_spans``) asks, with
-    the step's outcome (``_outcome_of``; ``None``: the exception the block raised fails the span)
-    and the hold's fence.
+    metrics (``_record``), and its trace as ``spans`` (``redislock_spans``) asks, with the
+    step's outcome (``_outcome_of``; ``None``: the exception the block raised failed the step),
+    the hold's fence and the step's ``SECONDS`` (``_seconds``).
 
-    The span is made once the step is over, as a child of the span current then (the same as
-    at its start: the block does not change the context), with its start time and all its
-    attributes at once; the block runs in no span of ours.
+    The trace goes to the span current when the step is entered (``parent``), wherever it is
+    exited: a release may be over later, once the task's span is no longer current, or ended.
+    ``"auto"``: the event ``NAME`` on that span if it still records (the task's, when Celery is
+    instrumented), cheaper than a span; not for an outcome in
+    ``PLAIN`` (a release that simply freed the lock: the task's span ending says as much), so
+    that a plain run notes one event. ``"always"``: the span ``NAME``, a child of that span
+    or a root, made once the step is over with its start time and all its attributes at once.
+    The block runs in no span of ours; it does not change the context. A step that came to no
+    outcome and raised nothing (a release of a lock not held) records and traces nothing. The
+    metrics' seconds are taken before the trace is made (under ``"auto"`` and ``"always"``,
+    what the tracing costs is not in them).
     """
 
     NAME = ""
-    __slots__ = ("fence", "lock", "mode", "spans", "started", "task")
+    #: The event's attribute holding ``_seconds``.
+    SECONDS = ""
+    #: The outcomes ``"auto"`` notes no event for.
+    PLAIN: frozenset[str] = frozenset()
+    __slots__ = ("fence", "lock", "mode", "parent", "spans", "started", "task")
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
         self.task, self.mode, self.lock, self.spans = task, mode, lock, spans
 
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
+        if trace is not None and self.spans != "never":
+            self.parent = trace.get_current_span()
         return self
 
     def __exit__(
@@ -339,26 +369,59 @@ class _Step(abc.ABC):
     ) -> None:
         if trace is None:
             return
-        outcome, spans = self._outcome_of(kind), self.spans
-        if spans == "always" or (spans == "auto" and trace.get_current_span().is_recording()):
-            self._trace(outcome, exc)
+        outcome = self._outcome_of(kind)
+        failed = exc if outcome is None else None
+        if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
+            return
+        seconds, spans = self._seconds(), self.spans
+        if spans == "auto":
+            if outcome not in self.PLAIN and self.parent.is_recording():
+                self._note(outcome, seconds, failed)
+        elif spans == "always":
+            self._trace(outcome, failed)
         if outcome is not None:
-            self._record(outcome)
+            self._record(outcome, seconds)
 
-    def _trace(self, outcome: str | None, exc: BaseException | None) -> None:
-        """Make the step's span, from ``started`` to now; ``exc`` (not an outcome) fails it."""
+    def _fence(self) -> int | None:
+        """The hold's fence: the lock's, or the one it had when the step began (a release clears it)."""
+        fence: int | None = self.lock.fence
+        return self.fence if fence is None else fence
+
+    def _note(self, outcome: str | None, seconds: float, failed: BaseException | None) -> None:
+        """Add the step's event to ``parent``, timed now: the task's name (the span may be another
+        run's, or the caller's), the step's outcome, or ``error.type``, the type of the exception
+        ``failed`` (not recorded here: where it fails the task, Celery's instrumentation records
+        it on the task's span), its fence and its ``SECONDS``."""
+        attributes: dict[str, Any] = {"task": self.task, self.SECONDS: seconds}
+        if outcome is not None:
+            attributes["outcome"] = outcome
+        elif failed is not None:
+            attributes["error.type"] = _type_name(failed)
+        fence = self._fence()
+        if fence is not None:
+            attributes["fence"] = fence
+        self.parent.add_event(self.NAME, attributes)
+
+    def _trace(self, outcome: str | None, failed: BaseException | None) -> None:
+        """Make the step's span, a child of ``parent``, from ``started`` to now; the exception
+        ``failed`` fails it."""
         attributes: dict[str, Any] = {"task": self.task, "mode": self.mode}
         if outcome is not None:
             attributes["outcome"] = outcome
-        fence = self.fence if self.lock.fence is None else self.lock.fence
+        fence = self._fence()
         if fence is not None:
             attributes["fence"] = fence
         ended = time.time_ns()
         started = ended - int((time.monotonic() - self.started) * 1e9)
-        span = _tracer.start_span(self.NAME, attributes=attributes, start_time=started)
-        if exc is not None and outcome is None:
-            span.record_exception(exc)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, repr(exc)))
+        span = _tracer.start_span(
+            self.NAME,
+            context=trace.set_span_in_context(self.parent),
+            attributes=attributes,
+            start_time=started,
+        )
+        if failed is not None:
+            span.record_exception(failed)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, repr(failed)))
         span.end(end_time=ended)
 
     @abc.abstractmethod
@@ -366,20 +429,32 @@ class _Step(abc.ABC):
         """What the step came to, the block having raised ``kind`` (``None``: returned)."""
 
     @abc.abstractmethod
-    def _record(self, outcome: str) -> None:
-        """Record the step's metrics."""
+    def _seconds(self) -> float:
+        """How long the step's measure (``SECONDS``) lasted, until now."""
+
+    @abc.abstractmethod
+    def _record(self, outcome: str, seconds: float) -> None:
+        """Record the step's metrics (``seconds``: ``_seconds``)."""
+
+
+def _type_name(exc: BaseException) -> str:
+    """The type of ``exc`` as the SDK's ``exception.type`` names it (module, then qualified name)."""
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 class Acquisition(_Step):
     """A run's acquisition of ``lock``, from its first attempt to its outcome: the
-    ``redislock.acquire`` span, ``redislock.lock.wait`` and ``redislock.lock.acquisitions``.
+    ``redislock.acquire`` event (its ``waited`` seconds) or span, ``redislock.lock.wait`` and
+    ``redislock.lock.acquisitions``.
 
     The block sets ``busy`` once the lock was found held and ``taken`` to what it
     decided; a busy policy's exception is an outcome too (``_RAISED``), any other
-    exception records none and marks the span failed.
+    exception records none and fails the step.
     """
 
     NAME = "redislock.acquire"
+    SECONDS = "waited"
     __slots__ = ("busy", "taken")
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
@@ -391,20 +466,25 @@ class Acquisition(_Step):
             return ("busy-wait" if self.busy else "acquired") if self.taken else "busy-skip"
         return next((name for raised, name in _RAISED.items() if issubclass(kind, raised)), None)
 
-    def _record(self, outcome: str) -> None:
-        waited = time.monotonic() - self.started
+    def _seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def _record(self, outcome: str, seconds: float) -> None:
         key, attributes = _on.attributes(self.task, self.mode, outcome)
-        _on.wait.record(waited, attributes)
+        _on.wait.record(seconds, attributes)
         _on.acquisitions.add(1, key)
 
 
 class Release(_Step):
-    """The end of a run's hold of ``lock``: the ``redislock.release`` span and
-    ``redislock.lock.held``. The block sets ``outcome``: ``released``, ``parked`` (for a retry),
-    ``settled`` (kept for ``lock_period``), ``taken-over`` (a park that found the retry holding
-    it), ``lost``, ``error``; ``None`` (not held) records no metric."""
+    """The end of a run's hold of ``lock``: the ``redislock.release`` event (its ``held``
+    seconds, from the acquisition) or span, and ``redislock.lock.held``. The block sets
+    ``outcome``: ``released``, ``parked`` (for a retry), ``settled`` (kept for ``lock_period``),
+    ``taken-over`` (a park that found the retry holding it), ``lost``, ``error``; ``None``
+    (not held) records no metric. ``"auto"`` notes no event for ``released``."""
 
     NAME = "redislock.release"
+    SECONDS = "held"
+    PLAIN = frozenset({"released"})
     __slots__ = ("outcome",)
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
@@ -414,5 +494,9 @@ class Release(_Step):
     def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
         return self.outcome
 
-    def _record(self, outcome: str) -> None:
-        _on.held.record(time.monotonic() - self.lock.taken_at, _on.attributes(self.task, self.mode)[1])
+    def _seconds(self) -> float:
+        taken_at: float = self.lock.taken_at
+        return time.monotonic() - taken_at
+
+    def _record(self, outcome: str, seconds: float) -> None:
+        _on.held.record(seconds, _on.attributes(self.task, self.mode)[1])

@@ -9,6 +9,7 @@ for the rest of the session (later tests run instrumented), and each test reads 
 from __future__ import annotations
 
 import ast
+import contextlib
 import gc
 import json
 import logging
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +38,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from celery_redislock import (
     LockConfigurationError,
+    LockNotOwned,
     RedisLock,
     RedisLockError,
     busy,
@@ -77,6 +80,11 @@ class Otel:
         if point is None:
             return 0
         return float(getattr(point, "count", None) or point.value)
+
+    def total(self, name: str, **attributes: str) -> float:
+        """The sum of the values of histogram ``name`` at ``attributes``."""
+        point = self.points(name).get(tuple(sorted(attributes.items())))
+        return 0.0 if point is None else float(point.sum)
 
 
 _OTEL: list[Otel] = []
@@ -136,32 +144,144 @@ def spans_named(otel: Otel, name: str) -> list[ReadableSpan]:
     return [span for span in otel.spans.get_finished_spans() if span.name == name]
 
 
+def run_spans(otel: Otel, task: Any, task_id: str) -> list[ReadableSpan]:
+    """The spans Celery's instrumentation made for the runs of ``task`` whose id is ``task_id``
+    (a busy retry runs again with the same id), in the order they started."""
+    runs = [
+        span
+        for span in spans_named(otel, f"run/{task.name}")
+        if (span.attributes or {}).get("messaging.message.id") == task_id
+    ]
+    return sorted(runs, key=lambda span: span.start_time or 0)
+
+
+def run_span(otel: Otel, task: Any, task_id: str) -> ReadableSpan:
+    """The span of the one run of ``task`` whose id is ``task_id``."""
+    [run] = run_spans(otel, task, task_id)
+    return run
+
+
+def exceptions_on(span: ReadableSpan) -> int:
+    """How many ``exception`` events ``span`` has."""
+    return sum(event.name == "exception" for event in span.events)
+
+
+def let_pass(seconds: float) -> None:
+    """Poll until ``seconds`` have passed: a measured gap that a step's seconds must cover."""
+    until = time.monotonic() + seconds
+    wait_for(lambda: time.monotonic() >= until, what=f"{seconds}s to pass")
+
+
+def lock_events(span: ReadableSpan) -> list[tuple[str, dict[str, Any]]]:
+    """The lock's events on ``span``, in their order: name, attributes."""
+    return [
+        (event.name, dict(event.attributes or {}))
+        for event in span.events
+        if event.name.startswith("redislock.")
+    ]
+
+
 @pytest.mark.usefixtures("instrumented_celery")
-def test_a_run_is_counted_timed_and_traced_under_its_task_span(
+def test_a_run_is_counted_timed_and_noted_on_its_task_span(
     otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str
 ) -> None:
+    """``redislock_spans="auto"`` (the default): the acquisition is an event of the task's span,
+    with its outcome, fence and seconds; a release that simply freed the lock is none (the
+    ``held`` metric times it); no span of their own."""
     app = make_app(fresh_server.url, prefix, f"q-{prefix}")
     task = app.tasks["taskapp.hold_skip"]
     attributes = {"task": task.name, "mode": "while_executing"}
     before = otel.count("redislock.lock.acquisitions", **attributes, outcome="acquired")
     waits = otel.count("redislock.lock.wait", **attributes, outcome="acquired")
+    waited = otel.total("redislock.lock.wait", **attributes, outcome="acquired")
     helds = otel.count("redislock.lock.held", **attributes)
     with threads_worker(app):
-        assert task.delay("x").get(timeout=30) == "x"
+        result = task.delay("x")
+        assert result.get(timeout=30) == "x"
     assert otel.count("redislock.lock.acquisitions", **attributes, outcome="acquired") == before + 1
     assert otel.count("redislock.lock.wait", **attributes, outcome="acquired") == waits + 1
     assert otel.count("redislock.lock.held", **attributes) == helds + 1
-    [run] = [span for span in otel.spans.get_finished_spans() if span.name == f"run/{task.name}"]
-    [acquire], [release] = spans_named(otel, "redislock.acquire"), spans_named(otel, "redislock.release")
+    run = run_span(otel, task, result.id)
     [acquired], [released] = sent.of("lock_acquired"), sent.of("lock_released")
+    [(acquire, noted)] = lock_events(run)
+    assert acquire == "redislock.acquire" and noted.keys() == {"task", "outcome", "fence", "waited"}
+    assert (noted["task"], noted["outcome"], noted["fence"]) == (task.name, "acquired", acquired["fence"])
+    assert noted["waited"] == pytest.approx(
+        otel.total("redislock.lock.wait", **attributes, outcome="acquired") - waited, abs=1e-9
+    )
+    assert 0 < noted["waited"] < 5
+    times = [run.start_time, *(event.timestamp for event in run.events), run.end_time]
+    assert None not in times and times == sorted(times)  # type: ignore[type-var]
+    assert not spans_named(otel, "redislock.acquire") + spans_named(otel, "redislock.release")
+    assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
+    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
+    app.close()
+
+
+@pytest.mark.usefixtures("instrumented_celery")
+def test_always_makes_the_lock_spans_children_of_the_task_span(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """``redislock_spans="always"``: the acquisition and the release are spans, children of the
+    task's, in order, with task, mode, outcome and fence; no event on the task's span."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
+    task = app.tasks["taskapp.hold_skip"]
+    with threads_worker(app):
+        result = task.delay("x")
+        assert result.get(timeout=30) == "x"
+    run = run_span(otel, task, result.id)
+    [acquire], [release] = spans_named(otel, "redislock.acquire"), spans_named(otel, "redislock.release")
+    fence = acquire.attributes["fence"] if acquire.attributes is not None else None
+    assert isinstance(fence, int)
     for span, outcome in ((acquire, "acquired"), (release, "released")):
         assert span.parent is not None and span.parent.span_id == run.context.span_id
-        assert dict(span.attributes or {}) == {**attributes, "outcome": outcome, "fence": acquired["fence"]}
+        attributes = {"task": task.name, "mode": "while_executing", "outcome": outcome, "fence": fence}
+        assert dict(span.attributes or {}) == attributes
     times = [run.start_time, acquire.start_time, acquire.end_time, release.start_time, release.end_time]
     times.append(run.end_time)
     assert None not in times and times == sorted(times)  # type: ignore[type-var]
-    assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
-    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
+    assert not lock_events(run)
+    app.close()
+
+
+@pytest.mark.usefixtures("instrumented_celery")
+@pytest.mark.parametrize("busy", ["skip", "raise", "retry", "wait"])
+def test_a_busy_outcome_is_noted_on_the_task_span(
+    otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str, busy: str
+) -> None:
+    """A run that finds the lock held notes its busy outcome on its span (no fence, no release).
+    An outcome's exception is none of ours: the span's one ``exception`` is Celery's, where it
+    fails the task (``raise``). A run that waits while the test holds the lock 0.2 s notes at
+    least that as ``waited``, then its plain release nothing; a retried run notes its retry."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task = app.tasks[f"taskapp.hold_{busy}"]
+    with threads_worker(app):
+        first = task.delay("y", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the first run to start")
+        second = task.delay("y", gate=True)
+        wait_for(lambda: sent.of("lock_busy"), what="the second run to find the lock held")
+        if busy == "wait":
+            let_pass(0.2)
+        recorder(app).open_gate("y", times=2)  # the second run's too, once it has the lock
+        assert first.get(timeout=30) == "y"
+        if busy == "raise":
+            with pytest.raises(Exception, match="is busy held by") as raised:
+                second.get(timeout=30)
+            assert type(raised.value).__name__ == "LockNotAcquired"
+        else:
+            assert second.get(timeout=30) == (None if busy == "skip" else "y")
+    busy_run, *retried = run_spans(otel, task, second.id)
+    assert len(retried) == (busy == "retry")  # the retry found the lock free (the gate opened)
+    [(name, noted)] = lock_events(busy_run)
+    outcome = "busy-wait" if busy == "wait" else f"busy-{busy}"
+    assert name == "redislock.acquire" and (noted["task"], noted["outcome"]) == (task.name, outcome)
+    assert noted.keys() == {"task", "outcome", "waited", *(["fence"] if busy == "wait" else [])}
+    assert noted["waited"] >= (0.2 if busy == "wait" else 0)
+    assert [exceptions_on(busy_run), *map(exceptions_on, retried)] == [busy == "raise", *[0] * len(retried)]
+    for run in (run_span(otel, task, first.id), *retried):
+        plain = [(name, event["outcome"]) for name, event in lock_events(run)]
+        assert plain == [("redislock.acquire", "acquired")]
+    assert not spans_named(otel, "redislock.acquire")
     app.close()
 
 
@@ -207,8 +327,8 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
     spans: str,
     instrumented: bool,
 ) -> None:
-    """``redislock_spans="auto"`` (the default) makes no span where the run has none to be a
-    child of; ``"never"`` makes none even under the task's span. The metrics are recorded."""
+    """``redislock_spans="auto"`` (the default) makes no span and no event where the run has no
+    span; ``"never"`` makes none even under the task's span. The metrics are recorded."""
     if instrumented:
         request.getfixturevalue("instrumented_celery")
     conf: dict[str, Any] = {} if spans == "auto" else {"redislock_spans": spans}  # "auto": the default
@@ -222,15 +342,37 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
     names = [span.name for span in otel.spans.get_finished_spans()]
     assert (f"run/{task.name}" in names) == instrumented
     assert not {"redislock.acquire", "redislock.release"} & set(names), names
+    assert not [event for span in otel.spans.get_finished_spans() for event in lock_events(span)]
+    app.close()
+
+
+def test_an_acquisition_that_fails_is_noted_on_the_current_span(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """Redis is down when a run takes its lock: the block raises a ``ConnectionError``, no outcome;
+    under ``"auto"`` the run's span gets the acquire event naming the exception's type, and no
+    ``exception`` event of ours (Celery's instrumentation records the one that fails a task)."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task = app.tasks["taskapp.hold_skip"]
+    fresh_server.stop()
+    with trace.get_tracer("test").start_as_current_span("run"):
+        failed = task.apply(("x",))
+    assert isinstance(failed.result, RedisLockError), failed.result
+    [run] = spans_named(otel, "run")
+    [(name, noted)] = lock_events(run)
+    assert name == "redislock.acquire" and noted.keys() == {"task", "error.type", "waited"}
+    assert noted["error.type"] == "redis.exceptions.ConnectionError" and noted["waited"] > 0
+    assert exceptions_on(run) == 0
+    assert not spans_named(otel, "redislock.acquire")
     app.close()
 
 
 def test_an_acquisition_that_fails_marks_its_span_failed_under_the_run(
     otel: Otel, fresh_server: RedisServer, prefix: str
 ) -> None:
-    """Redis is down when a run takes its lock: the block raises a ``ConnectionError``, no outcome;
-    the acquire span, a child of the run's, records the exception and the ERROR status."""
-    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    """The same with ``redislock_spans="always"``: the acquire span, a child of the run's, records
+    the exception and the ERROR status."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
     task = app.tasks["taskapp.hold_skip"]
     fresh_server.stop()
     with trace.get_tracer("test").start_as_current_span("run") as run:
@@ -302,6 +444,147 @@ def test_a_task_lock_lost_counts_once_under_its_task(
     assert release.attributes is not None and release.attributes["outcome"] == "lost"
     client.close()
     app.close()
+
+
+@pytest.mark.usefixtures("instrumented_celery")
+def test_a_release_that_finds_its_lock_lost_is_noted_on_the_task_span(
+    otel: Otel, fresh_server: RedisServer, prefix: str
+) -> None:
+    """``"auto"``: a release that did not simply free the lock (its key deleted while the body
+    ran: ``lost``) is noted after the acquisition, with its outcome, fence and held seconds (at
+    least the 0.2 s the test kept the body running)."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    task, client = app.tasks["taskapp.hold_skip"], fresh_server.client()
+    with threads_worker(app):
+        result = task.delay("w", gate=True)
+        wait_for(lambda: recorder(app).events(), what="the run to start")
+        client.delete(task_lock_key(task, ("w",), {"gate": True}))
+        let_pass(0.2)
+        recorder(app).open_gate("w")
+        assert result.get(timeout=30) == "w"
+    [(acquire, noted), (release, ended)] = lock_events(run_span(otel, task, result.id))
+    assert (acquire, release) == ("redislock.acquire", "redislock.release")
+    assert ended.keys() == {"task", "outcome", "fence", "held"}
+    assert (ended["task"], ended["outcome"], ended["fence"]) == (task.name, "lost", noted["fence"])
+    assert 0.2 <= ended["held"] < 30
+    client.close()
+    app.close()
+
+
+@pytest.mark.parametrize("spans", ["auto", "always"])
+@pytest.mark.parametrize("ended", [False, True], ids=["A-open-B-current", "A-ended-no-span"])
+def test_a_step_exited_later_traces_in_the_span_it_was_entered_in(
+    otel: Otel,
+    fresh_server: RedisServer,
+    prefix: str,
+    spans: str,
+    ended: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run's release may be over once its task's span is no longer current, or has ended: its
+    event goes on the span current when the step was entered while that span records, nothing
+    once it ended, not even tried (``"auto"``: the SDK warns of an ended span); its span is that
+    span's child either way (``"always"``)."""
+    client, tracer, steps = fresh_server.client(), trace.get_tracer("test"), contextlib.ExitStack()
+    lock = RedisLock(client, f"{prefix}:lock", ttl=30)
+    assert lock.acquire(blocking=False)
+    with tracer.start_as_current_span("A", end_on_exit=False) as a:
+        ending = steps.enter_context(telemetry.Release("t", "while_executing", lock, spans))
+    if ended:
+        a.end()
+    with contextlib.nullcontext() if ended else tracer.start_as_current_span("B"):
+        client.delete(lock.name)
+        with pytest.raises(LockNotOwned):
+            lock.release()
+        ending.outcome = "lost"
+        steps.close()
+    if not ended:
+        a.end()
+    [run] = spans_named(otel, "A")
+    finished = otel.spans.get_finished_spans()
+    assert not [event for span in finished if span.name != "A" for event in lock_events(span)]
+    if spans == "always":
+        [release] = spans_named(otel, "redislock.release")
+        assert release.parent is not None and release.parent.span_id == run.context.span_id
+        assert release.attributes is not None and release.attributes["outcome"] == "lost"
+        assert not lock_events(run)
+    else:
+        assert not spans_named(otel, "redislock.release")
+        noted = [(name, event["task"], event["outcome"]) for name, event in lock_events(run)]
+        assert noted == ([] if ended else [("redislock.release", "t", "lost")])
+    assert not [record for record in caplog.records if "ended span" in record.getMessage()]
+    client.close()
+
+
+@pytest.fixture
+def held(fresh_server: RedisServer, prefix: str) -> Iterator[RedisLock]:
+    """A lock taken, with its fence, on ``fresh_server``; released after the test."""
+    lock = RedisLock(fresh_server.client(), f"{prefix}:lock", ttl=30)
+    assert lock.acquire(blocking=False) and lock.fence is not None
+    yield lock
+    lock.release()
+    lock.client.close()
+
+
+@pytest.mark.parametrize("outcome", ["parked", "settled", "taken-over", "lost", "error", "released"])
+def test_auto_notes_a_release_unless_it_simply_freed_the_lock(
+    otel: Otel, held: RedisLock, outcome: str
+) -> None:
+    """``"auto"``: a release's event, with its outcome, fence and held seconds (the value its
+    ``held`` metric records), unless it is ``released``; its metric either way."""
+    attributes = {"task": "t-release", "mode": "while_executing"}
+    helds = otel.count("redislock.lock.held", **attributes)
+    held_before = otel.total("redislock.lock.held", **attributes)
+    tracer = trace.get_tracer("test")
+    with (
+        tracer.start_as_current_span("A"),
+        telemetry.Release("t-release", "while_executing", held, "auto") as step,
+    ):
+        step.outcome = outcome
+    [run] = spans_named(otel, "A")
+    assert otel.count("redislock.lock.held", **attributes) == helds + 1
+    if outcome == "released":
+        assert not lock_events(run)
+    else:
+        [(name, noted)] = lock_events(run)
+        assert name == "redislock.release" and noted.keys() == {"task", "outcome", "fence", "held"}
+        assert (noted["task"], noted["outcome"], noted["fence"]) == ("t-release", outcome, held.fence)
+        total = otel.total("redislock.lock.held", **attributes)
+        assert noted["held"] == pytest.approx(total - held_before, abs=1e-9) and noted["held"] > 0
+
+
+@pytest.mark.parametrize("spans", ["auto", "always"])
+def test_a_release_that_comes_to_nothing_traces_and_records_nothing(
+    otel: Otel, held: RedisLock, spans: str
+) -> None:
+    """A release whose block leaves no outcome (the lock not held) and raises nothing: no event,
+    no span, no metric."""
+    attributes = {"task": "t-nothing", "mode": "while_executing"}
+    helds = otel.count("redislock.lock.held", **attributes)
+    with (
+        trace.get_tracer("test").start_as_current_span("A"),
+        telemetry.Release("t-nothing", "while_executing", held, spans),
+    ):
+        pass
+    [run] = spans_named(otel, "A")
+    assert not lock_events(run) and not spans_named(otel, "redislock.release")
+    assert otel.count("redislock.lock.held", **attributes) == helds
+
+
+def test_a_release_that_fails_is_noted_with_its_error_type(otel: Otel, held: RedisLock) -> None:
+    """``"auto"``: a release whose block raises notes its event with ``error.type``, no outcome,
+    and no ``exception`` event of ours; no metric (no outcome)."""
+    attributes = {"task": "t-failed", "mode": "while_executing"}
+    helds = otel.count("redislock.lock.held", **attributes)
+    releasing = telemetry.Release("t-failed", "while_executing", held, "auto")
+    with trace.get_tracer("test").start_as_current_span("A"), pytest.raises(RedisLockError), releasing:
+        raise RedisLockError("the release failed")
+    [run] = spans_named(otel, "A")
+    [(name, noted)] = lock_events(run)
+    assert name == "redislock.release" and noted.keys() == {"task", "error.type", "fence", "held"}
+    assert (noted["task"], noted["error.type"]) == ("t-failed", "celery_redislock.exceptions.RedisLockError")
+    assert noted["fence"] == held.fence and noted["held"] > 0
+    assert exceptions_on(run) == 0 and otel.count("redislock.lock.held", **attributes) == helds
 
 
 def test_every_log_line_carries_its_fields(
