@@ -371,11 +371,14 @@ def _send_refused_again(
         # The server lost its scripts (restarted, flushed): RELEASE is loaded too, since a run
         # sends it without waiting for its reply (``run_lock.release_later``), and it must run
         # when it arrives, not when its NOSCRIPT is read.
+        # Every reply sent for is read before a refused load raises (ACL, BUSY): none is left
+        # on a connection its exchange ends cleanly on, for the next exchange to read as its own.
         sources = (script.source,) if script is RELEASE else (script.source, RELEASE.source)
         for source in sources:
             connection.send_command("SCRIPT", "LOAD", source)
-        for _ in sources:
-            connection.read_response()
+        for refused in [_reply(connection) for _ in sources]:
+            if isinstance(refused, redis.exceptions.ResponseError):
+                raise refused
         connection.send_packed_command([commands[index] for index in again])
         for index in again:
             replies[index] = _reply(connection)

@@ -28,6 +28,7 @@ from celery.signals import task_postrun, task_prerun, task_success
 import celery_redislock.lock
 from celery_redislock import LockedTask, LockLost, RedisLock, run_lock, signals, task_lock_key
 from celery_redislock import _redis as pooled
+from celery_redislock._scripts import ACQUIRE, RENEW
 from celery_redislock.connection import client_for
 from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests.invariants import Sampler, stored
@@ -434,6 +435,7 @@ def test_an_interrupt_right_after_the_send_leaves_the_reply_to_task_postrun_repo
     the run fails with it, and ``task_postrun`` reads the reply and reports it once
     (``lock_released``), without releasing again (which would find the lock gone: "lost")."""
     task = define(app, "sent_then_interrupted")
+
     def interrupted_after_sending(*args: Any) -> bool:
         assert pooled.send_later(*args)
         raise SoftTimeLimitExceeded()
@@ -449,3 +451,23 @@ def test_an_interrupt_right_after_the_send_leaves_the_reply_to_task_postrun_repo
     assert watch.of("released")[0]["key"] == task_lock_key(task, (11,))
     assert not recorder.exists(task_lock_key(task, (11,)))
     recorder.close()
+
+
+def test_a_refused_script_load_leaves_no_reply_for_the_next_exchange(prefix: str) -> None:
+    """NOSCRIPT loads the script and RELEASE in one write; a user that may not load scripts (ACL
+    ``-script|load``, the scripts preloaded) gets every load's reply read before the refusal
+    raises: the connection's next exchange reads its own reply (a held lock stays busy)."""
+    with RedisServer() as server:
+        admin = server.client()
+        admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all", "-script|load")  # type: ignore[no-untyped-call]
+        admin.script_load(ACQUIRE.source)
+        admin.set(f"{prefix}:held", "x" * 32 + ":5:someone", px=600_000)
+        kwargs = admin.connection_pool.connection_kwargs
+        client = redis.Redis(host=kwargs["host"], port=kwargs["port"], username="app", password="pw")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            RENEW(client, [f"{prefix}:nothing"], [1000, "t" * 32])  # NOSCRIPT: both loads refused
+        theirs = RedisLock(client, f"{prefix}:held", ttl=10, watchdog=False)
+        assert not theirs.acquire(blocking=False)
+        assert admin.get(f"{prefix}:held") == b"x" * 32 + b":5:someone"
+        client.close()
+        admin.close()
