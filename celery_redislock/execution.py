@@ -119,7 +119,7 @@ class Execution:
             # From here on, what an asynchronous exception leaves held is task_postrun's to release.
             if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
                 self.running = app_state(task.app).running
-                self.running[threading.get_ident()] = (self.task_id, self.lock)
+                self.running[threading.get_ident(), self.task_id] = self.lock
 
     def begin(self) -> bool:
         """Everything before the body: whether it runs (``False``: skipped, or a duplicate).
@@ -242,7 +242,7 @@ class Execution:
             else:
                 ending.outcome = release(self.task, lock, self.task_id)
         if self.task_id is not None:  # only once let go: an interrupted release is task_postrun's
-            self.running.pop(threading.get_ident(), None)
+            self.running.pop((threading.get_ident(), self.task_id), None)
 
     def _released_later(self, lock: ExecutionLock) -> bool:
         """Send the release without waiting for its reply, where a worker's trace follows whose

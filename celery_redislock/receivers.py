@@ -88,9 +88,11 @@ def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any)
     """``task_postrun``: read and report the reply of the run's release if still unread
     (``run_lock.release_later``); release what an asynchronous exception kept ``__call__``
     from releasing."""
-    running = None if sender is None else app_state(sender.app).running.pop(threading.get_ident(), None)
-    if running is not None and running[0] == task_id:
-        finish_release(sender, running[1], task_id)
+    if sender is None or task_id is None:
+        return
+    lock = app_state(sender.app).running.pop((threading.get_ident(), task_id), None)
+    if lock is not None:
+        finish_release(sender, lock, task_id)
 
 
 def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:

@@ -471,3 +471,31 @@ def test_a_refused_script_load_leaves_no_reply_for_the_next_exchange(prefix: str
         assert admin.get(f"{prefix}:held") == b"x" * 32 + b":5:someone"
         client.close()
         admin.close()
+
+
+@pytest.mark.parametrize("where", ["body-plain", "body-locked", "success-plain"])
+def test_a_run_started_inside_a_run_leaves_it_its_own_task_postrun(app: Celery, where: str) -> None:
+    """A run applied eagerly in the thread of another (in its body, or in ``task_success`` once
+    its release is sent), a plain task or a locked one, ends with its own ``task_postrun``: the
+    outer run's reply is still read and reported at the outer run's ``task_postrun``."""
+
+    def plain(x: int) -> int:
+        return x
+
+    inner = (
+        define(app, "inner-locked")
+        if where == "body-locked"
+        else app.task(shared=False, name="defer.inner")(plain)
+    )
+
+    def nested(*_: Any) -> None:
+        assert inner.apply((7,)).get() == 7
+
+    task = define(app, f"outer-{where}", nested if where.startswith("body") else None)
+    with watching(app, task) as watch, threads_worker(app, concurrency=1):
+        if where == "success-plain":
+            watch.on_success = nested
+        assert task.delay(4).get(timeout=RESULT_TIMEOUT) == 4
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "success", "released", "postrun"]
+    assert watch.of("postrun") == [False]  # nothing left to read once it is over
