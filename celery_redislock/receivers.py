@@ -64,9 +64,7 @@ def install(app: Any) -> None:
             extra=log_fields(outcome="disabled"),
         )
         return
-    celery_signals.task_postrun.connect(
-        _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
-    )
+    _connect_first(celery_signals.task_postrun, _release_after_run, "celery_redislock.release_after_run")
     # Once per app (this function is idempotent), holding the app weakly.
     celery_signals.worker_process_init.connect(
         functools.partial(_mark_pool_child, weakref.ref(app)), weak=False
@@ -82,6 +80,17 @@ def install(app: Any) -> None:
     )
     connect_beat()
     state.installed = True
+
+
+def _connect_first(signal: Any, receiver: Any, dispatch_uid: str) -> None:
+    """Connect ``receiver`` to ``signal`` (once: ``dispatch_uid``), first among its receivers
+    whenever the others were connected: a run's release is read and reported (``lock_released``,
+    its event on the task's span) before any other ``task_postrun`` receiver runs, among them
+    OpenTelemetry's, which ends the task's span."""
+    signal.connect(receiver, weak=False, dispatch_uid=dispatch_uid)
+    with signal.lock:  # Celery's (Django's) receiver list, in the order it sends to them
+        signal.receivers.sort(key=lambda entry: entry[0][0] != dispatch_uid)
+        signal.sender_receivers_cache.clear()
 
 
 def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any) -> None:

@@ -196,9 +196,9 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
     An exception that interrupts the read (a soft time limit) drops the connection and is
     reported as ``"error"``: the outcome is unknown, and the key expires within its lease.
     """
-    report = _Report(task, lock, task_id, announce=True)
     stack = ExitStack()  # ends ``ending`` once: when the outcome is reported, or the send interrupted
     stack.enter_context(ending)
+    report = _Report(task, lock, task_id, announce=True)  # once ``ending`` began: its held ≤ the signal's
 
     def then(freed: bool | BaseException) -> None:
         with stack:
