@@ -52,24 +52,35 @@ class _Loan:
                 pool.release(self.connection)
 
     def settle(self) -> None:
-        """Read the reply still pending on the connection (if any) and hand it over (``send_later``)."""
-        pending, self.pending = self.pending, None
+        """Read the reply still pending on the connection (if any, ``send_later``) and hand it over.
+
+        The connection stays in use until ``then`` (user code: ``lock_released`` receivers) is
+        over, so that an exchange started meanwhile (by ``then``, or a signal handler during the
+        read) lends a connection of its own, and a ``send_later`` returns ``False``: nothing new
+        is left pending here for the exchange this settle precedes to read as its own. An error
+        reply is the reply (the connection is clean); any other exception reading it drops the
+        connection (a late reply must reach no one) and is handed over, then propagates unless
+        a Redis error.
+        """
+        pending = self.pending
         if pending is None:
             return
-        self.in_use = True
+        reply: Any = None
         try:
+            self.in_use, self.pending = True, None
             reply = pending.read(self.connection)
-        except redis.exceptions.ResponseError as exc:  # a complete error reply: the connection is clean
+        except redis.exceptions.ResponseError as exc:
             reply = exc
-        except BaseException as exc:  # interrupted or broken mid-read: a late reply must reach no one
+        except BaseException as exc:
             self.connection.disconnect()
-            self.in_use = False
-            pending.then(exc)
+            reply = exc
             if not isinstance(exc, redis.exceptions.RedisError):
                 raise
-            return
-        self.in_use = False
-        pending.then(reply)
+        finally:
+            try:
+                pending.then(reply)
+            finally:
+                self.in_use = False
 
 
 class _Pending:
@@ -199,10 +210,7 @@ class PooledConnection:
             return self.connection
         self.connection = connection = loan.connection
         try:
-            connection.connect()
-            if _stale(connection):
-                connection.disconnect()
-                connection.connect()
+            _connect_clean(connection)
         except BaseException:
             loan.in_use = False
             raise
@@ -224,26 +232,35 @@ def send_later(client: Any, command: bytes, read: Callable[[Any], Any], then: Ca
 
     The reply is read (``read(connection)``) and handed to ``then`` (the reply, an error reply
     as its exception) at the first of ``settle_later(client)`` and the next exchange this thread
-    starts on that connection, which reads it first. Reading it interrupted or broken drops the
-    connection and hands ``then`` the exception, which then propagates unless a Redis error. A
-    forked child never reads its parent's pending reply, and a thread that ends with one drops
-    the connection. A failed send raises, the connection dropped.
+    starts on that connection, which reads it first (``_Loan.settle``). A forked child never
+    reads its parent's pending reply, and a thread that ends with one drops the connection.
+    ``False`` also where connecting failed (a Redis error; the caller sends it the way that
+    waits, with the client's retry policy); an interrupt then raises, nothing sent. Once the
+    send began, an exception (the send failed, or an interrupt right after it) leaves the
+    outcome unknown: the connection is dropped and ``then`` gets the exception, which then
+    propagates unless a Redis error.
     """
     loan = _loan(client.connection_pool)
     if loan is None:
         return False
-    connection = loan.connection
-    loan.pending = _Pending(read, then)  # before the send: an exception once it is sent leaves it to read
     try:
-        connection.connect()
-        if _stale(connection):
+        connection = loan.connection
+        try:
+            _connect_clean(connection)
+        except BaseException as exc:
             connection.disconnect()
-            connection.connect()
-        connection.send_packed_command([command])
-    except BaseException:
-        loan.pending = None
-        connection.disconnect()
-        raise
+            if isinstance(exc, redis.exceptions.RedisError):
+                return False
+            raise
+        loan.pending = pending = _Pending(read, then)  # from here on, the command may have been sent
+        try:
+            connection.send_packed_command([command])
+        except BaseException as exc:
+            loan.pending = None
+            connection.disconnect()
+            pending.then(exc)
+            if not isinstance(exc, redis.exceptions.RedisError):
+                raise
     finally:
         loan.in_use = False
     return True
@@ -257,6 +274,14 @@ def settle_later(client: Any) -> None:
     loan = None if pool is None else _LOANS.by_pool.get(pool)
     if loan is not None and loan.pid == os.getpid() and not loan.in_use:
         loan.settle()
+
+
+def _connect_clean(connection: Any) -> None:
+    """Connect ``connection`` if it is not, afresh if it has something to read (``_stale``)."""
+    connection.connect()
+    if _stale(connection):
+        connection.disconnect()
+        connection.connect()
 
 
 def _stale(connection: Any) -> bool:

@@ -193,8 +193,10 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
     here). ``False``: nothing done (the lock cannot leave a reply to read later, see
     ``_release_sent``), call ``release``.
 
-    An exception that interrupts the read (a soft time limit) drops the connection and is
-    reported as ``"error"``: the outcome is unknown, and the key expires within its lease.
+    A send that failed, or an exception that interrupts the read or comes right after the send
+    (a soft time limit), drops the connection and is reported as ``"error"``, once: the outcome is
+    unknown, and the key expires within its lease (never ``"lost"``: the hold is forgotten once
+    the send began). One that comes before the send raises, the hold kept for ``finish_release``.
     """
     stack = ExitStack()  # ends ``ending`` once: when the outcome is reported, or the send interrupted
     stack.enter_context(ending)
@@ -205,27 +207,27 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
             ending.outcome = report.outcome(freed)
 
     try:
-        return _release_sent(lock, then)
-    except redis.RedisError as exc:  # the send failed: "error", as ``release``; the key expires
-        lock.forget()  # as after ``release``'s error, nothing tries again
-        then(exc)
-        return True
+        sent = _release_sent(lock, then)
     except BaseException as exc:  # interrupted: a hold still kept is ``finish_release``'s
-        stack.__exit__(type(exc), exc, exc.__traceback__)
+        stack.__exit__(type(exc), exc, exc.__traceback__)  # a no-op if ``then`` ended it
         raise
+    if not sent:
+        stack.close()  # no outcome: ``ending`` records nothing, the caller releases
+    return sent
 
 
 def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None]) -> bool:
     """Release ``lock``'s last hold without waiting for the reply: ``then`` gets whether ``lock``
-    still held it (``False``: lost, nothing changed in Redis), or the exception reading the
-    reply raised (an error reply, or what interrupted the read), once read
-    (``_redis.send_later``). The hold is forgotten once the release is sent.
+    still held it (``False``: lost, nothing changed in Redis), or the exception that left the
+    outcome unknown (an error reply, a failed send, what interrupted the read or came right
+    after the send), once read (``_redis.send_later``). The hold is forgotten once the release
+    is sent.
 
     ``False``, nothing sent, the hold kept (call ``release``): the lock is held more than once
     or not over exactly one server (a semaphore's permits release with a script of their own),
     has ``replicas``, or its client or pool does not let a reply wait (not a plain
-    ``redis.Redis``, or its pool lends per exchange). A send that fails raises, the hold kept,
-    as ``RedisLock.release`` does.
+    ``redis.Redis``, or its pool lends per exchange), or its connection could not be made
+    (a Redis error: ``release`` tries again with the client's retry policy).
     """
     servers = lock.servers
     if not (type(servers) is OneServer and servers.waits_for_reply() and lock.hold_count == 1):
