@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -499,3 +500,81 @@ def test_a_run_started_inside_a_run_leaves_it_its_own_task_postrun(app: Celery, 
         _wait_for_postrun(watch)
     assert watch.kinds() == ["prerun", "success", "released", "postrun"]
     assert watch.of("postrun") == [False]  # nothing left to read once it is over
+
+
+def test_an_interrupt_right_after_the_send_inside_send_later_is_reported_once_as_unknown(
+    app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A soft time limit lands as the release's bytes are written (``send_later``, before it
+    returns): the release may have run, so the outcome is unknown, reported once ("error"),
+    never "lost" (``task_postrun`` does not release again); the release ran, the key is gone."""
+    task = define(app, "interrupted_in_send")
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def sent_then_interrupted(self: Any, command: Any, check_health: bool = True) -> None:
+        send(self, command, check_health)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        if sys._getframe(1).f_code.co_name == "send_later":
+            raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", sent_then_interrupted)
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    with watching(app, task) as watch, threads_worker(app, concurrency=1):
+        result = task.delay(12)
+        with pytest.raises(SoftTimeLimitExceeded):
+            result.get(timeout=RESULT_TIMEOUT)
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "warning", "postrun"]
+    [record] = watch.of("warning")
+    assert record.outcome == "error" and "interrupted" in record.getMessage()
+    wait_for(lambda: not recorder.exists(task_lock_key(task, (12,))), what="the release sent to have run")
+    recorder.close()
+
+
+def test_a_connection_killed_while_the_body_runs_is_made_afresh_for_the_release(app: Celery) -> None:
+    """The server closes the thread's connection while the body runs (``CLIENT KILL``): the
+    release is sent on a new one (the closed one is found before the send), and frees the key."""
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+
+    def kill_the_others(self: Any, x: int) -> None:
+        recorder.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")  # type: ignore[no-untyped-call]
+
+    task = define(app, "killed", kill_the_others)
+    with watching(app, task) as watch, threads_worker(app, concurrency=1):
+        assert task.delay(1).get(timeout=RESULT_TIMEOUT) == 1
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "success", "released", "postrun"]
+    assert not recorder.exists(task_lock_key(task, (1,)))
+    recorder.close()
+
+
+def test_an_exchange_during_the_deferred_read_or_in_its_receivers_gets_its_own_reply(
+    redis_server: RedisServer,
+) -> None:
+    """While a reply left pending is read (an exchange a signal handler starts meanwhile) and
+    handed over (``then``: ``lock_released`` receivers, user code, which may release a lock of its
+    own), the connection stays in use: such an exchange lends a connection of its own and gets
+    its own reply, a nested ``send_later`` sends nothing, and the exchange the read came first
+    in gets its own reply too."""
+    client = redis_server.client()
+    seen: list[object] = []
+
+    def echo(word: bytes) -> bytes:
+        with pooled.PooledConnection(client) as connection:
+            connection.send_command("ECHO", word)
+            reply: bytes = connection.read_response()
+            return reply
+
+    def read(connection: Any) -> Any:
+        seen.append(echo(b"handler"))  # as a signal handler's exchange during the read would
+        return connection.read_response()
+
+    def then(reply: Any) -> None:
+        seen.append(reply)
+        seen.append(pooled.send_later(client, b"*1\r\n$4\r\nPING\r\n", read, seen.append))
+        seen.append(echo(b"receiver"))
+
+    assert pooled.send_later(client, b"*1\r\n$4\r\nPING\r\n", read, then)
+    assert echo(b"own") == b"own"
+    assert seen == [b"handler", b"PONG", False, b"receiver"]
+    assert not pending_reply(client)
+    client.close()
