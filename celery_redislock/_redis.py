@@ -153,7 +153,9 @@ def _loan(pool: Any) -> _Loan | None:
     (another kind, one with a client-side cache, or one bounded by a ``max_connections``
     of its own, which idle threads' loans would exhaust), when half of it is lent to other threads
     already (``_Lending``), or the loan is in use (an exchange started by a signal handler inside
-    another)."""
+    another, or while a pending reply is read or handed over). A reply ``send_later`` left pending
+    on it is read first and handed over (``_Loan.settle``): that runs its ``then`` callbacks, user
+    code (``lock_released`` receivers), here."""
     if type(pool) not in _LOANABLE or getattr(pool, "cache", None) is not None:
         return None
     if pool.max_connections != _DEFAULT_MAX_CONNECTIONS:  # bounded by the user: each exchange checks out

@@ -229,14 +229,14 @@ class Execution:
             return
         retry = getattr(lock.request, "lock_retry", None)
         rules = self.options.rules
-        parks = rules.parks_for_retry and retry is not None and retry[0] == lock.name
+        park = retry if rules.parks_for_retry and retry is not None and retry[0] == lock.name else None
         settles = rules.settles and self.options.period is not None
         spans = self.settings.spans
-        if not (parks or settles) and self._released_later(lock):
+        if park is None and not settles and self._released_later(lock):
             return  # the entry in ``running`` stays: task_postrun reads the release's reply
         with telemetry.Release(self.task.name, self.options.mode, lock, spans) as ending:
-            if parks and retry is not None and lock.held():
-                ending.outcome = self._park(lock, retry[1], retry[2])
+            if park is not None and lock.held():
+                ending.outcome = self._park(lock, park[1], park[2])
             elif settles and lock.held() and self._settle(lock):
                 ending.outcome = "settled"
             else:

@@ -21,8 +21,7 @@ import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
-from ._redis import send_later, settle_later
-from ._scripts import RELEASE, bulk, read_replies
+from ._redis import settle_later
 from ._task_scripts import ADOPT
 from .attempt import busy_reply
 from .config import AppSettings
@@ -233,17 +232,12 @@ def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None])
     if not (type(servers) is OneServer and servers.waits_for_reply() and lock.hold_count == 1):
         return False
     token = lock.stop_renewing()
-    encode = lock.client.get_encoder().encode
-    command = RELEASE.pack([bulk(encode(lock.name))], [bulk(token.encode())])
-
-    def read(connection: Any) -> Any:
-        return read_replies(connection, RELEASE, [command])[0]
 
     def freed(reply: Any) -> None:
         lock.forget()  # also if an exception came between the send and the ``forget`` below
         then(reply if isinstance(reply, BaseException) else bool(int(reply)))
 
-    if not send_later(lock.client, command, read, freed):
+    if not servers.free_later(token, freed):
         return False
     lock.forget()
     return True

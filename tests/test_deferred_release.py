@@ -441,7 +441,7 @@ def test_an_interrupt_right_after_the_send_leaves_the_reply_to_task_postrun_repo
         assert pooled.send_later(*args)
         raise SoftTimeLimitExceeded()
 
-    monkeypatch.setattr(run_lock, "send_later", interrupted_after_sending)
+    monkeypatch.setattr(celery_redislock.lock, "send_later", interrupted_after_sending)
     recorder = redis.Redis.from_url(app.conf.redislock_url)
     with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
         result = task.delay(11)

@@ -36,7 +36,7 @@ STEPS: dict[str, tuple[Any, str]] = {
     "free_queued": (celery_redislock.execution, "release_token"),
     # a worker's run sends its release, and reads the reply at task_postrun (run_lock.release_later)
     "release": (redis.connection.AbstractConnection, "send_packed_command"),
-    "release_reply": (celery_redislock.run_lock, "read_replies"),
+    "release_reply": (celery_redislock.lock, "read_replies"),
     # a run that waits for the reply (lock_on_lost="raise": a loss at release fails it)
     "release_waited": (celery_redislock.lock.RedisLock, "_free"),
     "settle": (celery_redislock.execution, "SETTLE"),
