@@ -4,8 +4,8 @@ Where each outcome is handled:
 
 * the body ends (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED): ``LockedTask.__call__``
   lets go (``Execution.let_go``) in a ``finally``, before Celery stores the
-  result (a worker's run sends its release there and the ``task_postrun``
-  receiver reads the reply: ``run_lock.release_later``); that receiver also
+  result (a worker's run sends its release there and ``receivers.after_run``
+  reads the reply: ``run_lock.release_later``); the ``task_postrun`` receiver also
   releases a lock an asynchronous exception (a soft time limit) kept that
   ``finally`` from releasing;
 * a step between taking the lock and running the body fails (a Redis error
@@ -246,8 +246,8 @@ class Execution:
 
     def _released_later(self, lock: ExecutionLock) -> bool:
         """Send the release without waiting for its reply, where a worker's trace follows whose
-        ``task_postrun`` reads it (``run_lock.release_later``): a run the worker or ``apply()``
-        started (a direct call has no trace), whose loss at release raises nothing
+        ``after_return`` or ``task_postrun`` reads it (``run_lock.release_later``): a run the
+        worker or ``apply()`` started (a direct call has no trace), whose loss at release raises nothing
         (``lock_on_lost="log"``: else ``__call__`` must know it before returning). ``False``:
         nothing sent (not such a run, or the lock cannot leave its reply, see
         ``run_lock.release_later``)."""

@@ -1,9 +1,10 @@
 """``install(app)``: the Celery signal receivers that finish what a run or a message leaves.
 
-* ``task_postrun``: read the reply of a run's release, sent without waiting
-  for it (``run_lock.release_later``), and report it; release what an
-  asynchronous exception (a soft time limit) kept a run's ``finally`` from
-  releasing;
+* ``task_postrun`` (``after_run``, which ``LockedTask.after_return`` calls
+  first where Celery calls it): read the reply of a run's release, sent
+  without waiting for it (``run_lock.release_later``), and report it; release
+  what an asynchronous exception (a soft time limit) kept a run's ``finally``
+  from releasing;
 * ``worker_process_init``: note that this process is a prefork pool child
   (``lock_on_lost="terminate"`` stops only those);
 * ``task_revoked``, ``task_unknown``, ``task_rejected`` (the worker's main
@@ -64,7 +65,9 @@ def install(app: Any) -> None:
             extra=log_fields(outcome="disabled"),
         )
         return
-    _connect_first(celery_signals.task_postrun, _release_after_run, "celery_redislock.release_after_run")
+    celery_signals.task_postrun.connect(
+        _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
+    )
     # Once per app (this function is idempotent), holding the app weakly.
     celery_signals.worker_process_init.connect(
         functools.partial(_mark_pool_child, weakref.ref(app)), weak=False
@@ -82,26 +85,22 @@ def install(app: Any) -> None:
     state.installed = True
 
 
-def _connect_first(signal: Any, receiver: Any, dispatch_uid: str) -> None:
-    """Connect ``receiver`` to ``signal`` (once: ``dispatch_uid``), first among its receivers
-    whenever the others were connected: a run's release is read and reported (``lock_released``,
-    its event on the task's span) before any other ``task_postrun`` receiver runs, among them
-    OpenTelemetry's, which ends the task's span."""
-    signal.connect(receiver, weak=False, dispatch_uid=dispatch_uid)
-    with signal.lock:  # Celery's (Django's) receiver list, in the order it sends to them
-        signal.receivers.sort(key=lambda entry: entry[0][0] != dispatch_uid)
-        signal.sender_receivers_cache.clear()
-
-
 def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """``task_postrun``: read and report the reply of the run's release if still unread
-    (``run_lock.release_later``); release what an asynchronous exception kept ``__call__``
-    from releasing."""
-    if sender is None or task_id is None:
-        return
-    lock = app_state(sender.app).running.pop((threading.get_ident(), task_id), None)
+    """``task_postrun``: ``after_run``, for a run whose ``after_return`` Celery did not call (a
+    body that raised ``Ignore`` or ``Reject``) or did not finish it (an asynchronous exception)."""
+    if sender is not None and task_id is not None:
+        after_run(sender, task_id)
+
+
+def after_run(task: Any, task_id: str) -> None:
+    """Once ``task``'s run ``task_id`` is over (its result stored): read and report the reply of
+    its release if still unread (``run_lock.release_later``); release what an asynchronous
+    exception kept ``__call__`` from releasing. Called by ``LockedTask.after_return``, before
+    any ``task_postrun`` receiver (OpenTelemetry's ends the task's span there), and again by
+    this package's ``task_postrun`` receiver, which then finds nothing left to do."""
+    lock = app_state(task.app).running.pop((threading.get_ident(), task_id), None)
     if lock is not None:
-        finish_release(sender, lock, task_id)
+        finish_release(task, lock, task_id)
 
 
 def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:

@@ -186,8 +186,8 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
 
 
 def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telemetry.Release) -> bool:
-    """``release``, its reply read later (``_release_sent``): at ``finish_release`` (the
-    ``task_postrun`` receiver) or this thread's next exchange on the connection, whichever comes
+    """``release``, its reply read later (``_release_sent``): at ``finish_release`` (after
+    the run: ``receivers.after_run``) or this thread's next exchange on the connection, whichever comes
     first; the outcome is then reported as ``release`` reports it, and ends ``ending`` (entered
     here). ``False``: nothing done (the lock cannot leave a reply to read later, see
     ``_release_sent``), call ``release``.
@@ -244,7 +244,7 @@ def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None])
 
 
 def finish_release(task: Any, lock: RedisLock, task_id: str | None) -> None:
-    """After a run (``task_postrun``): read and report the reply of its release left to read
+    """After a run (``receivers.after_run``): read and report the reply of its release left to read
     (``release_later``), if still unread; release what an asynchronous exception kept it from
     releasing."""
     settle_later(lock.client)

@@ -487,7 +487,7 @@ def test_a_release_that_finds_its_lock_lost_is_noted_on_the_task_span(
 
 @pytest.mark.parametrize("spans", ["auto", "always"])
 @pytest.mark.parametrize("first", ["instrumentation", "package"])
-def test_a_release_read_at_task_postrun_is_traced_on_its_task_span_whatever_the_receivers_order(
+def test_a_deferred_release_is_traced_on_its_task_span_whatever_the_receivers_order(
     otel: Otel, fresh_server: RedisServer, prefix: str, spans: str, first: str
 ) -> None:
     """A worker's run sends its release before the result is stored, the step entered in the
