@@ -11,11 +11,13 @@ import select
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import redis
 import redis.cluster
 import redis.sentinel
+from redis._parsers.socket import SocketBuffer
 
 
 def node_client(client: redis.Redis | redis.cluster.RedisCluster, key: str) -> redis.Redis:
@@ -30,20 +32,65 @@ class _Loan:
     """A connection one thread keeps out of ``pool`` between its exchanges (``PooledConnection``),
     given back when the thread ends or the loan is replaced; dropped with a pool that is gone."""
 
-    __slots__ = ("__weakref__", "connection", "in_use", "pid", "pool")
+    __slots__ = ("__weakref__", "connection", "in_use", "pending", "pid", "pool")
 
     def __init__(self, pool: Any) -> None:
         self.connection: Any = None  # until made: its place among the pool's loans is claimed first
         self.pool = weakref.ref(pool)
         self.pid = os.getpid()
         self.in_use = False
+        #: the reply ``send_later`` left to read on ``connection`` before anything else is
+        self.pending: _Pending | None = None
 
     def __del__(self) -> None:
         pool = self.pool()
         # not a forked child's (its pool reset itself), nor one whose connection was never made
         if pool is not None and self.connection is not None and self.pid == os.getpid():
             with contextlib.suppress(Exception):  # at interpreter exit, or the pool closed
+                if self.pending is not None:  # its late reply must reach no other user of the pool
+                    self.connection.disconnect()
                 pool.release(self.connection)
+
+    def settle(self) -> None:
+        """Read the reply still pending on the connection (if any, ``send_later``) and hand it over.
+
+        The connection stays in use until ``then`` (user code: ``lock_released`` receivers) is
+        over, so that an exchange started meanwhile (by ``then``, or a signal handler during the
+        read) lends a connection of its own, and a ``send_later`` returns ``False``: nothing new
+        is left pending here for the exchange this settle precedes to read as its own. An error
+        reply is the reply (the connection is clean); any other exception reading it drops the
+        connection (a late reply must reach no one) and is handed over, then propagates unless
+        a Redis error.
+        """
+        pending = self.pending
+        if pending is None:
+            return
+        reply: Any = None
+        try:
+            self.in_use, self.pending = True, None
+            reply = pending.read(self.connection)
+        except redis.exceptions.ResponseError as exc:
+            reply = exc
+        except BaseException as exc:
+            self.connection.disconnect()
+            reply = exc
+            if not isinstance(exc, redis.exceptions.RedisError):
+                raise
+        finally:
+            try:
+                pending.then(reply)
+            finally:
+                self.in_use = False
+
+
+class _Pending:
+    """A reply sent for on a loaned connection and not read yet: ``read(connection)`` reads it,
+    ``then(reply)`` gets it (or the exception reading it raised)."""
+
+    __slots__ = ("read", "then")
+
+    def __init__(self, read: Callable[[Any], Any], then: Callable[[Any], None]) -> None:
+        self.read, self.then = read, then
 
 
 class _Loans(threading.local):
@@ -106,7 +153,9 @@ def _loan(pool: Any) -> _Loan | None:
     (another kind, one with a client-side cache, or one bounded by a ``max_connections``
     of its own, which idle threads' loans would exhaust), when half of it is lent to other threads
     already (``_Lending``), or the loan is in use (an exchange started by a signal handler inside
-    another)."""
+    another, or while a pending reply is read or handed over). A reply ``send_later`` left pending
+    on it is read first and handed over (``_Loan.settle``): that runs its ``then`` callbacks, user
+    code (``lock_released`` receivers), here."""
     if type(pool) not in _LOANABLE or getattr(pool, "cache", None) is not None:
         return None
     if pool.max_connections != _DEFAULT_MAX_CONNECTIONS:  # bounded by the user: each exchange checks out
@@ -114,7 +163,7 @@ def _loan(pool: Any) -> _Loan | None:
     loans = _LOANS.by_pool
     loan = loans.get(pool)
     if loan is not None and loan.pid != os.getpid():  # inherited over a fork: the pool reset itself
-        del loans[pool]
+        del loans[pool]  # with any reply pending on it: the parent's to read, never this process's
         loan = None
     if loan is None:
         loan = _LENDING.claim(pool)
@@ -128,6 +177,8 @@ def _loan(pool: Any) -> _Loan | None:
         loans[pool] = loan
     elif loan.in_use:
         return None
+    else:
+        loan.settle()  # a reply left to read comes first: no exchange reads it as its own
     loan.in_use = True
     return loan
 
@@ -141,7 +192,8 @@ class PooledConnection:
     lends one per exchange, as redis-py does), so that
     an exchange costs no checkout: one per thread and pool, given back when the
     thread ends. As the pool does, each exchange starts on a connected one with
-    nothing to read (else it is connected afresh). It is dropped unless the
+    nothing to read (else it is connected afresh); a reply ``send_later`` left
+    pending on it is read, and handed over, first. It is dropped unless the
     exchange ended cleanly (a reply, or a complete error reply): an exception
     between a send and its read (a timeout, a ``KeyboardInterrupt``, a Celery
     time limit) would otherwise leave a late reply for its next exchange to read
@@ -160,10 +212,7 @@ class PooledConnection:
             return self.connection
         self.connection = connection = loan.connection
         try:
-            connection.connect()
-            if _stale(connection):
-                connection.disconnect()
-                connection.connect()
+            _connect_clean(connection)
         except BaseException:
             loan.in_use = False
             raise
@@ -178,19 +227,81 @@ class PooledConnection:
             self.loan.in_use = False
 
 
+def send_later(client: Any, command: bytes, read: Callable[[Any], Any], then: Callable[[Any], None]) -> bool:
+    """Send ``command`` (packed RESP) on this thread's loaned connection of the pool of ``client``
+    (a plain ``redis.Redis``) and return without its reply; ``False``, nothing sent, where the pool
+    lends per exchange (``PooledConnection``: the connection would go back to the pool).
+
+    The reply is read (``read(connection)``) and handed to ``then`` (the reply, an error reply
+    as its exception) at the first of ``settle_later(client)`` and the next exchange this thread
+    starts on that connection, which reads it first (``_Loan.settle``). A forked child never
+    reads its parent's pending reply, and a thread that ends with one drops the connection.
+    ``False`` also where connecting failed (a Redis error; the caller sends it the way that
+    waits, with the client's retry policy); an interrupt then raises, nothing sent. Once the
+    send began, an exception (the send failed, or an interrupt right after it) leaves the
+    outcome unknown: the connection is dropped and ``then`` gets the exception, which then
+    propagates unless a Redis error.
+    """
+    loan = _loan(client.connection_pool)
+    if loan is None:
+        return False
+    try:
+        connection = loan.connection
+        try:
+            _connect_clean(connection)
+        except BaseException as exc:
+            connection.disconnect()
+            if isinstance(exc, redis.exceptions.RedisError):
+                return False
+            raise
+        loan.pending = pending = _Pending(read, then)  # from here on, the command may have been sent
+        try:
+            connection.send_packed_command([command])
+        except BaseException as exc:
+            loan.pending = None
+            connection.disconnect()
+            pending.then(exc)
+            if not isinstance(exc, redis.exceptions.RedisError):
+                raise
+    finally:
+        loan.in_use = False
+    return True
+
+
+def settle_later(client: Any) -> None:
+    """Read and hand over the reply ``send_later`` left pending on this thread's loaned connection
+    of the pool of ``client``, if it is still unread (else nothing: also for a ``RedisCluster``,
+    which has no pool of its own and never sends later)."""
+    pool = getattr(client, "connection_pool", None)
+    loan = None if pool is None else _LOANS.by_pool.get(pool)
+    if loan is not None and loan.pid == os.getpid() and not loan.in_use:
+        loan.settle()
+
+
+def _connect_clean(connection: Any) -> None:
+    """Connect ``connection`` if it is not, afresh if it has something to read (``_stale``)."""
+    connection.connect()
+    if _stale(connection):
+        connection.disconnect()
+        connection.connect()
+
+
 def _stale(connection: Any) -> bool:
     """Whether ``connection`` (connected, between exchanges) has something to read before a send:
     the server closed it (a restart, an idle timeout), or sent what no request asked for.
 
-    A loaned connection only ever ends an exchange with its reply read whole, so its parser
-    holds nothing unread and the socket alone tells: one ``poll`` of redis-py's private
-    ``_sock`` (a plain TCP or Unix socket; ``tests/test_redis_internals.py`` checks it is
-    there) instead of ``can_read``'s three syscalls (saves ~2 µs CPU per exchange, measured).
-    Any other socket (TLS keeps decrypted bytes of its own) and a platform without ``poll``
+    Where redis-py's own parser reads (its private ``_parser._buffer`` a ``SocketBuffer``), bytes
+    it read ahead and holds unread tell, else one ``poll`` of its private ``_sock`` (a plain TCP
+    or Unix socket; ``tests/test_redis_internals.py`` checks both are there) instead of
+    ``can_read``'s three syscalls (saves ~2 µs CPU per exchange, measured). Any other socket
+    (TLS keeps decrypted bytes of its own), parser (hiredis) and a platform without ``poll``
     ask ``can_read``.
     """
     sock = getattr(connection, "_sock", None)
-    if type(sock) is socket.socket and _POLL is not None:
+    buffer = getattr(getattr(connection, "_parser", None), "_buffer", None)
+    if type(sock) is socket.socket and type(buffer) is SocketBuffer and _POLL is not None:
+        if buffer.unread_bytes():
+            return True
         poller = _POLL()
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0))  # readable, hung up or in error: stale alike

@@ -353,10 +353,10 @@ def read_replies(connection: Any, script: Script, commands: Sequence[bytes]) -> 
     """The replies to ``commands`` (calls of ``script``, from ``pack()``) sent on ``connection``, in
     order; a call's own error reply (e.g. MOVED) is its reply, the others stand.
 
-    After NOSCRIPT (a restarted or new server), the script is loaded and the
-    calls it refused are sent again in one write: the one NOSCRIPT recovery of
-    every exchange on a connection (a single call, the watchdog's batches, a
-    Redlock's servers).
+    After NOSCRIPT (a restarted or new server), the script (and ``RELEASE``) is
+    loaded and the calls it refused are sent again in one write: the one NOSCRIPT
+    recovery of every exchange on a connection (a single call, the watchdog's
+    batches, a Redlock's servers).
     """
     return _send_refused_again(connection, script, commands, [_reply(connection) for _ in commands])
 
@@ -368,8 +368,17 @@ def _send_refused_again(
     same calls sent again, in one write, once ``script`` is loaded."""
     again = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if again:
-        connection.send_command("SCRIPT", "LOAD", script.source)
-        connection.read_response()
+        # The server lost its scripts (restarted, flushed): RELEASE is loaded too, since a run
+        # sends it without waiting for its reply (``run_lock.release_later``), and it must run
+        # when it arrives, not when its NOSCRIPT is read.
+        # Every reply sent for is read before a refused load raises (ACL, BUSY): none is left
+        # on a connection its exchange ends cleanly on, for the next exchange to read as its own.
+        sources = (script.source,) if script is RELEASE else (script.source, RELEASE.source)
+        for source in sources:
+            connection.send_command("SCRIPT", "LOAD", source)
+        for refused in [_reply(connection) for _ in sources]:
+            if isinstance(refused, redis.exceptions.ResponseError):
+                raise refused
         connection.send_packed_command([commands[index] for index in again])
         for index in again:
             replies[index] = _reply(connection)

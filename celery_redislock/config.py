@@ -298,6 +298,8 @@ def _client(problem: _Problem, app: Any) -> Any:
     if not callable(client):
         check_client(problem.where, client, "redislock_client", callable_allowed=True)
     return client
+
+
 #: Celery's own states, which a skip state must not be.
 _CELERY_STATES = states.ALL_STATES | {states.IGNORED, states.REJECTED}
 

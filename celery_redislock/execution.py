@@ -4,8 +4,10 @@ Where each outcome is handled:
 
 * the body ends (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED): ``LockedTask.__call__``
   lets go (``Execution.let_go``) in a ``finally``, before Celery stores the
-  result; the ``task_postrun`` receiver releases a lock an asynchronous
-  exception (a soft time limit) kept that ``finally`` from releasing;
+  result (a worker's run sends its release there and ``receivers.after_run``
+  reads the reply: ``run_lock.release_later``); the ``task_postrun`` receiver also
+  releases a lock an asynchronous exception (a soft time limit) kept that
+  ``finally`` from releasing;
 * a step between taking the lock and running the body fails (a Redis error
   freeing the message's enqueue lock): the lock is released on the way out;
 * the lock is lost while the body runs: see ``run_lock.ExecutionLock``;
@@ -37,7 +39,7 @@ from .enqueue import superseded
 from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
-from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release
+from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release, release_later
 from .state import app_state
 
 __all__ = ["Execution"]
@@ -117,7 +119,7 @@ class Execution:
             # From here on, what an asynchronous exception leaves held is task_postrun's to release.
             if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
                 self.running = app_state(task.app).running
-                self.running[threading.get_ident()] = (self.task_id, self.lock)
+                self.running[threading.get_ident(), self.task_id] = self.lock
 
     def begin(self) -> bool:
         """Everything before the body: whether it runs (``False``: skipped, or a duplicate).
@@ -227,15 +229,32 @@ class Execution:
             return
         retry = getattr(lock.request, "lock_retry", None)
         rules = self.options.rules
-        with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
-            if rules.parks_for_retry and retry is not None and retry[0] == lock.name and lock.held():
-                ending.outcome = self._park(lock, retry[1], retry[2])
-            elif rules.settles and self.options.period is not None and lock.held() and self._settle(lock):
+        park = retry if rules.parks_for_retry and retry is not None and retry[0] == lock.name else None
+        settles = rules.settles and self.options.period is not None
+        spans = self.settings.spans
+        if park is None and not settles and self._released_later(lock):
+            return  # the entry in ``running`` stays: task_postrun reads the release's reply
+        with telemetry.Release(self.task.name, self.options.mode, lock, spans) as ending:
+            if park is not None and lock.held():
+                ending.outcome = self._park(lock, park[1], park[2])
+            elif settles and lock.held() and self._settle(lock):
                 ending.outcome = "settled"
             else:
                 ending.outcome = release(self.task, lock, self.task_id)
         if self.task_id is not None:  # only once let go: an interrupted release is task_postrun's
-            self.running.pop(threading.get_ident(), None)
+            self.running.pop((threading.get_ident(), self.task_id), None)
+
+    def _released_later(self, lock: ExecutionLock) -> bool:
+        """Send the release without waiting for its reply, where a worker's trace follows whose
+        ``after_return`` or ``task_postrun`` reads it (``run_lock.release_later``): a run the
+        worker or ``apply()`` started (a direct call has no trace), whose loss at release raises nothing
+        (``lock_on_lost="log"``: else ``__call__`` must know it before returning). ``False``:
+        nothing sent (not such a run, or the lock cannot leave its reply, see
+        ``run_lock.release_later``)."""
+        if self.request is None or self.task_id is None or lock.raise_on_lost or not lock.held():
+            return False
+        ending = telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans)
+        return release_later(self.task, lock, self.task_id, ending)
 
     def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):

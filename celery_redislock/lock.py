@@ -18,15 +18,15 @@ from __future__ import annotations
 import abc
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import redis
 import redis.cluster
 
 from ._durations import Duration, seconds, to_ms
-from ._redis import PooledConnection, call_with_timeout, node_client
-from ._scripts import ACQUIRE, RELEASE, RENEW, bulk
+from ._redis import PooledConnection, call_with_timeout, node_client, send_later
+from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client, read_replies
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
 from .primitive import LeaseLock
@@ -160,6 +160,10 @@ class OneServer:
                 extra=log_fields(self.name, outcome="error"),
             )
 
+    def waits_for_reply(self) -> bool:
+        """Whether a release can leave its reply to be read later (``run_lock.release_later``)."""
+        return not self.replicas and plain_client(self.client)
+
     def free(self, token: str) -> bool:
         """Release ``token``'s hold, owner-checked; whether ``token`` held the lock.
 
@@ -170,6 +174,18 @@ class OneServer:
         resent: list[bool] = []
         released = int(RELEASE(self.client, self._keys, [token], lambda: resent.append(True)))
         return bool(released or resent)
+
+    def free_later(self, token: str, then: Callable[[Any], None]) -> bool:
+        """``free`` without waiting for the reply (``_redis.send_later``, whose contract holds):
+        ``then`` gets the reply (1: ``token`` held the lock) or the exception that left the outcome
+        unknown; ``False``: nothing sent. Only where ``waits_for_reply()``."""
+        encode = self.client.get_encoder().encode
+        command = RELEASE.pack([bulk(encode(self.name))], [bulk(token.encode())])
+
+        def read(connection: Any) -> Any:
+            return read_replies(connection, RELEASE, [command])[0]
+
+        return send_later(self.client, command, read, then)
 
     def extend(self, token: str, ttl: float) -> bool:
         return not RENEW(self.client, self._keys, [to_ms(ttl), token])

@@ -1,7 +1,10 @@
 """``install(app)``: the Celery signal receivers that finish what a run or a message leaves.
 
-* ``task_postrun``: release what an asynchronous exception (a soft time
-  limit) kept a run's ``finally`` from releasing;
+* ``task_postrun`` (``after_run``, which ``LockedTask.after_return`` calls
+  first where Celery calls it): read the reply of a run's release, sent
+  without waiting for it (``run_lock.release_later``), and report it; release
+  what an asynchronous exception (a soft time limit) kept a run's ``finally``
+  from releasing;
 * ``worker_process_init``: note that this process is a prefork pool child
   (``lock_on_lost="terminate"`` stops only those);
 * ``task_revoked``, ``task_unknown``, ``task_rejected`` (the worker's main
@@ -28,7 +31,7 @@ from .config import app_settings, bound_options
 from .connection import client_for
 from .inventory import release_token
 from .protocol import message_ticket, request_ticket
-from .run_lock import release
+from .run_lock import finish_release
 from .state import app_state
 from .telemetry import log_fields
 
@@ -83,10 +86,21 @@ def install(app: Any) -> None:
 
 
 def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """``task_postrun``: release what an asynchronous exception kept ``__call__`` from releasing."""
-    running = None if sender is None else app_state(sender.app).running.pop(threading.get_ident(), None)
-    if running is not None and running[0] == task_id:
-        release(sender, running[1], task_id)
+    """``task_postrun``: ``after_run``, for a run whose ``after_return`` Celery did not call (a
+    body that raised ``Ignore`` or ``Reject``) or did not finish it (an asynchronous exception)."""
+    if sender is not None and task_id is not None:
+        after_run(sender, task_id)
+
+
+def after_run(task: Any, task_id: str) -> None:
+    """Once ``task``'s run ``task_id`` is over (its result stored): read and report the reply of
+    its release if still unread (``run_lock.release_later``); release what an asynchronous
+    exception kept ``__call__`` from releasing. Called by ``LockedTask.after_return``, before
+    any ``task_postrun`` receiver (OpenTelemetry's ends the task's span there), and again by
+    this package's ``task_postrun`` receiver, which then finds nothing left to do."""
+    lock = app_state(task.app).running.pop((threading.get_ident(), task_id), None)
+    if lock is not None:
+        finish_release(task, lock, task_id)
 
 
 def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:

@@ -13,24 +13,34 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
+from ._redis import settle_later
 from ._task_scripts import ADOPT
 from .attempt import busy_reply
 from .config import AppSettings
 from .connection import Client
 from .exceptions import LockLost, LockNotOwned
-from .lock import RedisLock
+from .lock import OneServer, RedisLock
 from .semaphore import PermitBook, Permits
 from .watchdog import Lease
 
-__all__ = ["EMPTY_BLOCK", "ExecutionLock", "acquired", "adopt", "raise_if_lost", "release"]
+__all__ = [
+    "EMPTY_BLOCK",
+    "ExecutionLock",
+    "acquired",
+    "adopt",
+    "finish_release",
+    "raise_if_lost",
+    "release",
+    "release_later",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -165,32 +175,122 @@ def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool =
     """
     if not lock.held():
         return None
-    fence = lock.fence
+    report = _Report(task, lock, task_id, announce)
     try:
         lock.release()
     except LockNotOwned:
-        if not lock.lost.is_set():  # not reported by the watchdog: lost since its last renewal
-            lock.lost.set()
-            telemetry.lost(task.name, "not owned at release")
-        logger.warning(
-            "task %s[%s]: lock %s was no longer held when the task ended",
-            task.name,
-            task_id,
-            lock.name,
-            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "lost"),
-        )
-        return "lost"
+        return report.outcome(False)
     except redis.RedisError as exc:
-        logger.warning(
-            "task %s[%s]: could not release lock %s (%s); it expires within its ttl",
-            task.name,
-            task_id,
-            lock.name,
-            exc,
-            extra=telemetry.log_fields(lock.name, task_id, lock.holder, fence, "error"),
-        )
-        return "error"
-    if announce:
-        held = time.monotonic() - lock.taken_at
-        signals.lock_released.send(sender=task, key=lock.name, task_id=task_id, held=held, fence=fence)
-    return "released"
+        return report.outcome(exc)
+    return report.outcome(True)
+
+
+def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telemetry.Release) -> bool:
+    """``release``, its reply read later (``_release_sent``): at ``finish_release`` (after
+    the run: ``receivers.after_run``) or this thread's next exchange on the connection, whichever comes
+    first; the outcome is then reported as ``release`` reports it, and ends ``ending`` (entered
+    here). ``False``: nothing done (the lock cannot leave a reply to read later, see
+    ``_release_sent``), call ``release``.
+
+    A send that failed, or an exception that interrupts the read or comes right after the send
+    (a soft time limit), drops the connection and is reported as ``"error"``, once: the outcome is
+    unknown, and the key expires within its lease (never ``"lost"``: the hold is forgotten once
+    the send began). One that comes before the send raises, the hold kept for ``finish_release``.
+    """
+    stack = ExitStack()  # ends ``ending`` once: when the outcome is reported, or the send interrupted
+    stack.enter_context(ending)
+    report = _Report(task, lock, task_id, announce=True)  # once ``ending`` began: its held ≤ the signal's
+
+    def then(freed: bool | BaseException) -> None:
+        with stack:
+            ending.outcome = report.outcome(freed)
+
+    try:
+        sent = _release_sent(lock, then)
+    except BaseException as exc:  # interrupted: a hold still kept is ``finish_release``'s
+        stack.__exit__(type(exc), exc, exc.__traceback__)  # a no-op if ``then`` ended it
+        raise
+    if not sent:
+        stack.close()  # no outcome: ``ending`` records nothing, the caller releases
+    return sent
+
+
+def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None]) -> bool:
+    """Release ``lock``'s last hold without waiting for the reply: ``then`` gets whether ``lock``
+    still held it (``False``: lost, nothing changed in Redis), or the exception that left the
+    outcome unknown (an error reply, a failed send, what interrupted the read or came right
+    after the send), once read (``_redis.send_later``). The hold is forgotten once the release
+    is sent.
+
+    ``False``, nothing sent, the hold kept (call ``release``): the lock is held more than once
+    or not over exactly one server (a semaphore's permits release with a script of their own),
+    has ``replicas``, or its client or pool does not let a reply wait (not a plain
+    ``redis.Redis``, or its pool lends per exchange), or its connection could not be made
+    (a Redis error: ``release`` tries again with the client's retry policy).
+    """
+    servers = lock.servers
+    if not (type(servers) is OneServer and servers.waits_for_reply() and lock.hold_count == 1):
+        return False
+    token = lock.stop_renewing()
+
+    def freed(reply: Any) -> None:
+        lock.forget()  # also if an exception came between the send and the ``forget`` below
+        then(reply if isinstance(reply, BaseException) else bool(int(reply)))
+
+    if not servers.free_later(token, freed):
+        return False
+    lock.forget()
+    return True
+
+
+def finish_release(task: Any, lock: RedisLock, task_id: str | None) -> None:
+    """After a run (``receivers.after_run``): read and report the reply of its release left to read
+    (``release_later``), if still unread; release what an asynchronous exception kept it from
+    releasing."""
+    settle_later(lock.client)
+    release(task, lock, task_id)
+
+
+class _Report:
+    """The report of the release of ``lock`` (its hold as when the release was sent) by ``task``'s
+    run ``task_id``: logs, the ``lost`` mark and metric, the ``lock_released`` signal."""
+
+    __slots__ = ("announce", "fence", "held", "holder", "lock", "task", "task_id")
+
+    def __init__(self, task: Any, lock: RedisLock, task_id: str | None, announce: bool) -> None:
+        self.task, self.lock, self.task_id, self.announce = task, lock, task_id, announce
+        self.fence, self.holder = lock.fence, lock.holder
+        #: from the hold's acquisition to the release's send (not its reply)
+        self.held = time.monotonic() - lock.taken_at
+
+    def outcome(self, freed: bool | BaseException) -> str:
+        """Report what the release came to: ``freed`` says whether the lock was still held, or is
+        the exception that left the outcome unknown; returns ``"released"``, ``"lost"``, ``"error"``."""
+        task, lock, task_id = self.task, self.lock, self.task_id
+        if isinstance(freed, BaseException):
+            logger.warning(
+                "task %s[%s]: could not release lock %s (%s); it expires within its ttl",
+                task.name,
+                task_id,
+                lock.name,
+                freed if isinstance(freed, redis.RedisError) else f"interrupted: {freed!r}",
+                extra=telemetry.log_fields(lock.name, task_id, self.holder, self.fence, "error"),
+            )
+            return "error"
+        if not freed:
+            if not lock.lost.is_set():  # not reported by the watchdog: lost since its last renewal
+                lock.lost.set()
+                telemetry.lost(task.name, "not owned at release")
+            logger.warning(
+                "task %s[%s]: lock %s was no longer held when the task ended",
+                task.name,
+                task_id,
+                lock.name,
+                extra=telemetry.log_fields(lock.name, task_id, self.holder, self.fence, "lost"),
+            )
+            return "lost"
+        if self.announce:
+            signals.lock_released.send(
+                sender=task, key=lock.name, task_id=task_id, held=self.held, fence=self.fence
+            )
+        return "released"

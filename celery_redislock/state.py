@@ -47,10 +47,12 @@ class AppState:
     installed: bool = False
     #: the pid of this process if it is a prefork pool child (``worker_process_init``)
     pool_child: int | None = None
-    #: thread id -> (task id, its execution lock) while a worker's body runs in that thread,
-    #: for the ``task_postrun`` receiver, which runs in the same thread (two attempts of one
-    #: task, a retry starting while its previous attempt finishes, run in different threads)
-    running: dict[int, tuple[str, RedisLock]] = field(default_factory=dict)
+    #: (thread id, task id) -> the run's execution lock, from the body's start to its
+    #: ``task_postrun`` receiver, which runs in the same thread (two attempts of one task, a
+    #: retry starting while its previous attempt finishes, run in different threads); keyed by
+    #: task id too, as a run may start another in its thread (an eager ``apply()``) before either's
+    #: ``task_postrun``
+    running: dict[tuple[int, str], RedisLock] = field(default_factory=dict)
     #: tasks whose WARNING that ``lock_on_lost="terminate"`` acts as ``"raise"`` here was logged
     terminate_warned: set[str] = field(default_factory=set)
 

@@ -29,7 +29,7 @@ from .exceptions import LockConfigurationError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
 from .protocol import HEADER, message_delay
-from .receivers import install
+from .receivers import after_run, install
 from .run_lock import ExecutionLock, raise_if_lost
 
 __all__ = ["LockedTask", "task_lock_key"]
@@ -209,6 +209,15 @@ class LockedTask(OnCommit):
         super().push_request(*args, **{**kwargs, **fields})
         if lock is not None:
             lock.request = self.request_stack.top
+
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        """After the result is stored, before ``task_postrun``: the run's release is read and
+        reported (``receivers.after_run``). Call ``super()`` when you override it; else the
+        package's ``task_postrun`` receiver does it, after the receivers connected before it."""
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+        after_run(self, task_id)
 
     def check_lock(self) -> None:
         """Raise ``LockLost`` if the lock of the run under way was lost; else return ``None``.

@@ -495,8 +495,10 @@ class Release(_Step):
         return self.outcome
 
     def _seconds(self) -> float:
+        # Entered right before the release (or park, or settle) is sent: the hold ends there,
+        # not when its reply is read (maybe at task_postrun, see ``run_lock.release_later``).
         taken_at: float = self.lock.taken_at
-        return time.monotonic() - taken_at
+        return self.started - taken_at
 
     def _record(self, outcome: str, seconds: float) -> None:
         _on.held.record(seconds, _on.attributes(self.task, self.mode)[1])

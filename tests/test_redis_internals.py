@@ -24,6 +24,7 @@ import pytest
 import redis
 import redis.asyncio
 import redis.cluster
+from redis._parsers.socket import SocketBuffer
 
 from celery_redislock import RedisLock
 from celery_redislock._redis import PooledConnection
@@ -148,6 +149,7 @@ def test_a_connection_the_server_closed_is_found_by_polling_its_socket(
     assert lock.acquire(blocking=False)
     with PooledConnection(client) as connection:
         assert type(connection._sock) is socket.socket
+        assert type(connection._parser._buffer) is SocketBuffer  # bytes read ahead: unread_bytes()
         connection.send_command("CLIENT", "ID")
         own_id = connection.read_response()
     assert client.client_kill_filter(_id=own_id) == 1  # sent on another connection of the pool

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery.signals import task_postrun, task_success
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
@@ -47,6 +48,7 @@ from celery_redislock import (
     telemetry,
 )
 from celery_redislock.config import app_settings
+from celery_redislock.receivers import install
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
 from tests.taskapp import make_app, recorder
@@ -195,9 +197,19 @@ def test_a_run_is_counted_timed_and_noted_on_its_task_span(
     waits = otel.count("redislock.lock.wait", **attributes, outcome="acquired")
     waited = otel.total("redislock.lock.wait", **attributes, outcome="acquired")
     helds = otel.count("redislock.lock.held", **attributes)
-    with threads_worker(app):
-        result = task.delay("x")
-        assert result.get(timeout=30) == "x"
+    held = otel.total("redislock.lock.held", **attributes)
+
+    def gap(sender: Any = None, **_: Any) -> None:  # between the release's send and its read
+        if sender is task:
+            let_pass(0.2)
+
+    task_success.connect(gap, weak=False)
+    try:
+        with threads_worker(app):
+            result = task.delay("x")
+            assert result.get(timeout=30) == "x"
+    finally:
+        task_success.disconnect(gap)
     assert otel.count("redislock.lock.acquisitions", **attributes, outcome="acquired") == before + 1
     assert otel.count("redislock.lock.wait", **attributes, outcome="acquired") == waits + 1
     assert otel.count("redislock.lock.held", **attributes) == helds + 1
@@ -214,7 +226,9 @@ def test_a_run_is_counted_timed_and_noted_on_its_task_span(
     assert None not in times and times == sorted(times)  # type: ignore[type-var]
     assert not spans_named(otel, "redislock.acquire") + spans_named(otel, "redislock.release")
     assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
-    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 30
+    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 0.2
+    # to the release's send, which began before the signal's count: not to its reply's read
+    assert 0 <= otel.total("redislock.lock.held", **attributes) - held <= released["held"]
     app.close()
 
 
@@ -467,6 +481,47 @@ def test_a_release_that_finds_its_lock_lost_is_noted_on_the_task_span(
     assert ended.keys() == {"task", "outcome", "fence", "held"}
     assert (ended["task"], ended["outcome"], ended["fence"]) == (task.name, "lost", noted["fence"])
     assert 0.2 <= ended["held"] < 30
+    client.close()
+    app.close()
+
+
+@pytest.mark.parametrize("spans", ["auto", "always"])
+@pytest.mark.parametrize("first", ["instrumentation", "package"])
+def test_a_deferred_release_is_traced_on_its_task_span_whatever_the_receivers_order(
+    otel: Otel, fresh_server: RedisServer, prefix: str, spans: str, first: str
+) -> None:
+    """A worker's run sends its release before the result is stored, the step entered in the
+    task's span, and reads the reply at ``task_postrun``, whose package receiver runs first,
+    connected before OpenTelemetry's (which ends the task's span) or after it: ``"auto"`` notes
+    a lost release on the task's span, ``"always"`` makes its span a child of the task's,
+    ended before it."""
+    if first == "instrumentation":
+        task_postrun.disconnect(dispatch_uid="celery_redislock.release_after_run")
+        CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans=spans)
+    task, client = app.tasks["taskapp.hold_skip"], fresh_server.client()
+    install(app)
+    if first == "package":
+        CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]
+    try:
+        with threads_worker(app):
+            result = task.delay("w", gate=True)
+            wait_for(lambda: recorder(app).events(), what="the run to start")
+            client.delete(task_lock_key(task, ("w",), {"gate": True}))
+            recorder(app).open_gate("w")
+            assert result.get(timeout=30) == "w"
+    finally:
+        CeleryInstrumentor().uninstrument()  # type: ignore[no-untyped-call]
+    run = run_span(otel, task, result.id)
+    if spans == "auto":
+        assert [(name, noted["outcome"]) for name, noted in lock_events(run)][1:] == [
+            ("redislock.release", "lost")
+        ]
+    else:
+        [release] = spans_named(otel, "redislock.release")
+        assert release.parent is not None and release.parent.span_id == run.context.span_id
+        assert release.attributes is not None and release.attributes["outcome"] == "lost"
+        assert release.end_time is not None and run.end_time is not None and release.end_time <= run.end_time
     client.close()
     app.close()
 

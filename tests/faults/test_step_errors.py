@@ -10,6 +10,7 @@ and the watchdog renews nothing for it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import redis
 
 import celery_redislock.execution
 import celery_redislock.lock
+import celery_redislock.run_lock
 from celery_redislock import LockNotAcquired, RedisLock, RedisLockError, task_lock_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
@@ -32,9 +34,17 @@ TTL = 1.5
 #: step -> (object, attribute) of the call that fails once
 STEPS: dict[str, tuple[Any, str]] = {
     "free_queued": (celery_redislock.execution, "release_token"),
-    "release": (celery_redislock.lock.RedisLock, "_free"),
+    # a worker's run sends its release, and reads the reply at task_postrun (run_lock.release_later)
+    "release": (redis.connection.AbstractConnection, "send_packed_command"),
+    "release_reply": (celery_redislock.lock, "read_replies"),
+    # a run that waits for the reply (lock_on_lost="raise": a loss at release fails it)
+    "release_waited": (celery_redislock.lock.RedisLock, "_free"),
     "settle": (celery_redislock.execution, "SETTLE"),
 }
+#: step -> whether the call fails (any, if not here): ``send_later``'s (a release's, not waited for)
+FAILS: dict[str, Callable[[], bool]] = {"release": lambda: sys._getframe(2).f_code.co_name == "send_later"}
+#: task -> the keyword arguments of its call (``fenced``: not gated)
+KWARGS: dict[str, dict[str, Any]] = {"fenced": {"gate": False}}
 
 
 def fail_once(monkeypatch: pytest.MonkeyPatch, step: str) -> list[tuple[Any, ...]]:
@@ -44,7 +54,7 @@ def fail_once(monkeypatch: pytest.MonkeyPatch, step: str) -> list[tuple[Any, ...
     failed: list[tuple[Any, ...]] = []
 
     def failing(*args: Any, **kwargs: Any) -> Any:
-        if not failed:
+        if not failed and FAILS.get(step, lambda: True)():
             failed.append(args)
             raise redis.ConnectionError(f"injected: {step} failed")
         return original(*args, **kwargs)
@@ -63,6 +73,8 @@ def fail_once(monkeypatch: pytest.MonkeyPatch, step: str) -> list[tuple[Any, ...
         ("hold_skip", "release", "fail"),
         ("until_executed", "release", "fail"),
         ("until_and_while_executing", "release", "fail"),
+        ("hold_skip", "release_reply", "fail"),
+        ("fenced", "release_waited", "fail"),
         ("until_expired", "settle", "fail"),
     ],
 )
@@ -80,12 +92,13 @@ def test_a_redis_error_at_any_step_leaves_no_lock_held(
     app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL, redislock_on_error=on_error)
     task = app.tasks[f"taskapp.{task_name}"]
     x = fresh()
-    key = task_lock_key(task, (x,))
+    kwargs = KWARGS.get(task_name, {})
+    key = task_lock_key(task, (x,), kwargs)
     client = redis_server.client()
     failed = fail_once(monkeypatch, step)
     try:
         with threads_worker(app):
-            result = task.delay(x)
+            result = task.delay(x, **kwargs)
             if step == "free_queued" and on_error == "fail":
                 with pytest.raises(RedisLockError, match="injected"):
                     result.get(timeout=RESULT_TIMEOUT)
