@@ -88,7 +88,8 @@ def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_relea
     assert result.get(timeout=RESULT_TIMEOUT) == x
     wait_for(lambda: "its first delivery" in twin.output(), timeout=ttl, what="the twin to decide")
     assert "redelivered while its first delivery runs; ignored" in twin.output()
-    released = stage.events("released", x)
+    # lock_released comes after the result is stored (LockedTask.after_return): wait for it
+    released = stage.wait_events("released", x)
     assert [event[4] for event in released] == [str(first.pid)], released
     assert [event[3] for event in stage.events("start", x)] == [result.id]
 
