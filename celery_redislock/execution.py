@@ -233,7 +233,7 @@ class Execution:
         settles = rules.settles and self.options.period is not None
         spans = self.settings.spans
         if park is None and not settles and self._released_later(lock):
-            return  # the entry in ``running`` stays: task_postrun reads the release's reply
+            return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply
         with telemetry.Release(self.task.name, self.options.mode, lock, spans) as ending:
             if park is not None and lock.held():
                 ending.outcome = self._park(lock, park[1], park[2])
