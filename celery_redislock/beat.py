@@ -485,10 +485,17 @@ _GUARDS: weakref.WeakKeyDictionary[Any, BeatGuard] = weakref.WeakKeyDictionary()
 
 
 def guard(scheduler: Any) -> BeatGuard:
-    """Install slot claims (and the leader, if configured) on ``scheduler``; idempotent."""
+    """Install slot claims (and the leader, if configured) on ``scheduler``; idempotent.
+
+    Connects ``_stamp`` to ``before_task_publish`` then, in a beat process only: every other
+    process (workers, web servers) would run it for every message it sends, for nothing.
+    """
     existing = _GUARDS.get(scheduler)
     if existing is None:
         existing = _GUARDS[scheduler] = BeatGuard(scheduler)
+        celery_signals.before_task_publish.connect(
+            _stamp, weak=False, dispatch_uid="celery_redislock.beat_stamp"
+        )
     return existing
 
 
@@ -509,6 +516,6 @@ def _stamp(sender: Any = None, headers: Any = None, properties: Any = None, **_:
 
 
 def connect() -> None:
-    """Connect the beat receivers (called by ``install``); idempotent."""
+    """Connect the beat receiver (called by ``install``): ``beat_init`` guards the scheduler, and
+    ``guard`` connects what a guarded beat's sends need; idempotent."""
     celery_signals.beat_init.connect(_guard_service, weak=False, dispatch_uid="celery_redislock.beat_init")
-    celery_signals.before_task_publish.connect(_stamp, weak=False, dispatch_uid="celery_redislock.beat_stamp")

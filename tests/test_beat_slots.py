@@ -9,6 +9,8 @@ from the queue, and a real worker runs it where a test needs the worker's side.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -23,6 +25,7 @@ from celery_redislock import LockConfigurationError, LockedTask, signals
 from celery_redislock.beat import CLOCK_TOLERANCE, guard, slot_of
 from celery_redislock.protocol import BEAT_HEADER
 from celery_redislock.testing import RedisServer
+from examples._support import ROOT
 from tests.taskapp import Recorder, make_app
 from tests.workers import threads_worker, wait_for
 
@@ -436,3 +439,33 @@ def test_bad_opt_ins_and_settings_name_the_task_entry_option_and_value(app: Cele
     with pytest.raises(LockConfigurationError, match=r"beat entry 'odd': cannot tell the slots"):
         beat.scheduler.apply_async(beat.scheduler.schedule["odd"])
     assert sent(app) == []  # neither was sent
+
+
+def test_only_a_guarded_beat_stamps_the_messages_it_sends() -> None:
+    """``before_task_publish`` runs its receivers for every message a process sends: a process
+    that binds a ``LockedTask`` connects none of ours there (a worker, a web server); a beat's
+    guard connects the stamp. In a fresh interpreter: this one's beats guarded schedulers already."""
+    code = """
+from celery import Celery, signals
+from celery.beat import Scheduler
+from celery_redislock import LockedTask
+from celery_redislock.beat import guard
+from celery_redislock.state import app_state
+
+def ours():
+    return [key for key, _ in signals.before_task_publish.receivers if "celery_redislock" in str(key[0])]
+
+app = Celery("stamp", broker="memory://", set_as_current=False)
+app.conf.redislock_url = "redis://127.0.0.1:9/0"  # never connected to
+@app.task(base=LockedTask, shared=False)
+def locked():
+    pass
+locked._get_current_object()
+assert app_state(app).installed
+print(len(ours()))
+guard(Scheduler(app=app, lazy=True))
+print(len(ours()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1"]
