@@ -17,7 +17,13 @@ from typing import Any
 import redis
 import redis.cluster
 import redis.sentinel
-from redis._parsers.socket import SocketBuffer
+
+try:  # redis-py's private reply buffer (``_stale``): where a release moved it, ``can_read`` answers
+    from redis._parsers.socket import SocketBuffer as _SocketBuffer
+except ImportError:  # pragma: no cover - tests/test_redis_internals.py runs this branch in a subprocess
+    _SOCKET_BUFFER: type[Any] | None = None
+else:
+    _SOCKET_BUFFER = _SocketBuffer
 
 
 def node_client(client: redis.Redis | redis.cluster.RedisCluster, key: str) -> redis.Redis:
@@ -294,12 +300,12 @@ def _stale(connection: Any) -> bool:
     it read ahead and holds unread tell, else one ``poll`` of its private ``_sock`` (a plain TCP
     or Unix socket; ``tests/test_redis_internals.py`` checks both are there) instead of
     ``can_read``'s three syscalls (saves ~2 µs CPU per exchange, measured). Any other socket
-    (TLS keeps decrypted bytes of its own), parser (hiredis) and a platform without ``poll``
-    ask ``can_read``.
+    (TLS keeps decrypted bytes of its own), parser (hiredis), a redis-py that no longer has
+    that buffer class where it is looked for, and a platform without ``poll`` ask ``can_read``.
     """
     sock = getattr(connection, "_sock", None)
-    buffer = getattr(getattr(connection, "_parser", None), "_buffer", None)
-    if type(sock) is socket.socket and type(buffer) is SocketBuffer and _POLL is not None:
+    buffer: Any = getattr(getattr(connection, "_parser", None), "_buffer", None)
+    if type(sock) is socket.socket and type(buffer) is _SOCKET_BUFFER and _POLL is not None:
         if buffer.unread_bytes():
             return True
         poller = _POLL()

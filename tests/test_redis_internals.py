@@ -17,6 +17,8 @@ import asyncio
 import functools
 import inspect
 import socket
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -31,6 +33,7 @@ from celery_redislock._redis import PooledConnection
 from celery_redislock.aio import AsyncRedisLock
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisClusterServers, RedisServer
+from examples._support import ROOT
 from tests.taskapp import LEASE
 from tests.workers import renewed, wait_for
 
@@ -218,3 +221,34 @@ def test_asyncio_waits_on_a_pooled_connection(
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == [True, True]
     assert get_connection.calls and release.calls
+
+
+def test_a_redis_py_without_the_buffer_class_still_imports_and_probes_with_can_read(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The package imports redis-py's private ``SocketBuffer`` for its stale-connection probe: a
+    redis-py that moved it must not break the import, and the probe falls back to ``can_read``
+    (in a fresh interpreter, where that module cannot be imported)."""
+    code = f"""
+import sys
+import redis
+sys.modules["redis._parsers.socket"] = None  # what a redis-py that moved it looks like
+from celery_redislock import RedisLock
+from celery_redislock import _redis
+assert _redis._SOCKET_BUFFER is None
+probes = []
+can_read = redis.connection.AbstractConnection.can_read
+def counted(self, *args, **kwargs):
+    probes.append(1)
+    return can_read(self, *args, **kwargs)
+redis.connection.AbstractConnection.can_read = counted
+client = redis.Redis.from_url({redis_server.url!r})
+lock = RedisLock(client, {prefix + ":moved"!r}, ttl=30, watchdog=False)
+assert lock.acquire(blocking=False)
+lock.release()
+assert client.exists({prefix + ":moved"!r}) == 0
+print(len(probes) > 0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
