@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test matrix lint docs bench bench-tasks bench-crash chart clean
+.PHONY: demo test matrix lint docs bench bench-tasks bench-instructions bench-crash chart clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "celery-redislock needs Python 3.10+, $(PYTHON) is " + sys.version.split()[0])'
@@ -41,6 +41,11 @@ bench: $(VENV)/.installed
 # median of 7 rounds x plain, lock CPU, round trips and commands per task (~6 min)
 bench-tasks: $(VENV)/.installed
 	$(BIN)/python bench/task_bench.py
+
+# The same variants' instructions per task, counted by callgrind (needs valgrind): where each lock's
+# work runs (pool, main process, producer), free of the timing noise of a shared machine (~10 min)
+bench-instructions: $(VENV)/.installed
+	$(BIN)/python bench/instructions_bench.py
 
 # bench/results/benchmarks.png from the two JSON files above (runs no benchmark)
 chart: $(VENV)/.installed

@@ -1,0 +1,273 @@
+"""Instructions per task, counted by callgrind: what each lock costs where it runs, without timing noise.
+
+``task_bench.py`` times the variants end to end, and on a shared two-core machine its rounds
+scatter by as much as the variants differ. This script counts instead: valgrind's callgrind
+tool counts the instructions a process executes, the same total for the same work whatever
+else the machine does (``docs/benchmarks.md``). For each variant of ``task_bench.py``:
+
+* **worker**: ``celery -A task_bench worker -P prefork -c 2`` runs under callgrind (which
+  follows the fork into the pool children), twice: with ``--base`` tasks, then with
+  ``--base`` + ``--tasks``. Each process writes its count when it exits; the difference of the
+  two runs, over ``--tasks``, is what a task costs the pool children and the main process, the
+  start-up and shut-down falling out;
+* **producer**: the ``apply_async`` loop of ``task_bench.py`` (the results kept, as there), in a
+  process of its own under callgrind, the same two sizes;
+* **lock server**: its ``INFO commandstats`` microseconds over the worker runs (reset before
+  each), per task: a time, not a count, small beside the rest.
+
+**Lock instructions per task** are the pool's and the producer's less plain's: the work a
+lock adds, wherever it runs. The worker's main process is shown apart: its event loop's work
+follows the run's length (stretched some 50 times under callgrind) as much as its tasks. The
+peers (celery-once, celery-singleton) lock in the producer and unlock in the pool,
+``LockedTask`` does both in the pool. Everything is printed and written to
+``bench/results/instructions_bench.json``, with a summary line: ``LockedTask``'s lock
+instructions over the best peer's (target <= 1).
+
+Needs valgrind (``apt-get install valgrind``); the two servers are private redis-servers on
+127.0.0.1, as in ``task_bench.py``. About 10 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "instructions_bench.json"
+#: What a lock's instructions are counted in: the pool children and the producer (as ``task_bench.py``'s
+#: lock CPU). The worker's main process is shown apart: its event loop's work follows the run's
+#: length (slowed down some 50 times under callgrind) as much as its tasks.
+LOCK_PLACES = ("worker pool", "producer")
+#: A callgrind output's total of instructions executed (``summary:``, or ``totals:`` in newer ones).
+_TOTAL = re.compile(rb"^(?:summary|totals): (\d+)", re.M)
+
+
+def callgrind_total(path: Path) -> int:
+    """The instructions counted in callgrind output ``path``."""
+    found = _TOTAL.search(path.read_bytes())
+    if found is None:
+        raise RuntimeError(f"{path}: no instruction total (did the process end?)")
+    return int(found.group(1))
+
+
+def valgrind(out: str) -> list[str]:
+    """The command prefix that runs a program under callgrind, writing to ``out`` (``%p``: the pid)."""
+    return ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={out}"]
+
+
+def worker_run(variant: str, tasks: int, broker: Any, locks: Any) -> dict[str, float]:
+    """One worker run under callgrind with ``tasks`` tasks: instructions of its main process and
+    its pool children (summed), and the lock server's commandstats microseconds."""
+    import task_bench
+    from celery.result import ResultSet
+
+    run = secrets.token_hex(4)
+    queue = f"instructions-{run}"
+    env = {
+        **os.environ,
+        "TASK_BENCH_VARIANT": variant,
+        "TASK_BENCH_BROKER": broker.url,
+        "TASK_BENCH_LOCKS": locks.url,
+        "TASK_BENCH_QUEUE": queue,
+    }
+    command = [sys.executable, "-m", "celery", "-A", "task_bench", "worker", "-P", "prefork", "-c", "2"]
+    command += ["-Q", queue, "-n", f"{queue}@%h", "-l", "WARNING"]
+    command += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+    with tempfile.TemporaryDirectory(prefix="instructions-bench-") as folder, locks.client() as admin:
+        admin.config_resetstat()
+        log = Path(folder, "worker.log")
+        with log.open("wb") as output:
+            worker = subprocess.Popen(
+                valgrind(f"{folder}/%p.out") + command,
+                cwd=HERE,
+                env=env,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        app, noop = task_bench.make_app(variant, broker.url, locks.url, queue)
+        try:
+            ResultSet([noop.apply_async((run, i)) for i in range(tasks)]).get(timeout=1800)
+        except Exception as exc:
+            raise RuntimeError(
+                f"{variant}: {exc!r}; the worker's log ends with:\n{log.read_text()[-3000:]}"
+            ) from exc
+        finally:
+            app.close()
+            worker.send_signal(signal.SIGTERM)  # warm shutdown: each process writes its count
+            try:
+                worker.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)  # its own session: the group is its pid
+                worker.wait(timeout=60)
+        usec = sum(v["usec"] for k, v in admin.info("commandstats").items() if k.startswith("cmdstat_"))
+        counts = {int(path.stem): callgrind_total(path) for path in Path(folder).glob("*.out")}
+    if worker.pid not in counts or len(counts) < 2:
+        raise RuntimeError(
+            f"{variant}: callgrind counted {len(counts)} processes, not the worker and its pool"
+        )
+    main = counts.pop(worker.pid)
+    return {"worker main": main, "worker pool": sum(counts.values()), "lock server usec": usec}
+
+
+def producer_run(variant: str, tasks: int, broker: Any, locks: Any) -> int:
+    """Instructions of a process that sends ``tasks`` tasks of ``variant`` (``--produce``)."""
+    with tempfile.TemporaryDirectory(prefix="instructions-bench-") as folder:
+        out = Path(folder, "producer.out")
+        produce = [
+            sys.executable,
+            str(Path(__file__)),
+            "--produce",
+            variant,
+            str(tasks),
+            broker.url,
+            locks.url,
+        ]
+        subprocess.run(valgrind(str(out)) + produce, check=True, cwd=HERE)
+        return callgrind_total(out)
+
+
+def produce(variant: str, tasks: int, broker_url: str, lock_url: str) -> None:
+    """``--produce``: send ``tasks`` tasks with distinct arguments to a queue no worker reads,
+    keeping the results (as ``task_bench.py`` keeps them until they arrive)."""
+    import task_bench
+
+    app, noop = task_bench.make_app(
+        variant, broker_url, lock_url, f"instructions-produce-{secrets.token_hex(4)}"
+    )
+    run = secrets.token_hex(4)
+    kept = [noop.apply_async((run, i)) for i in range(tasks)]
+    assert len(kept) == tasks
+    app.close()
+
+
+def per_task(small: dict[str, float], large: dict[str, float], tasks: int) -> dict[str, float]:
+    """Per task: the difference of two runs' figures (``large`` had ``tasks`` more tasks)."""
+    return {place: (large[place] - small[place]) / tasks for place in large}
+
+
+def lock_instructions(row: dict[str, float], plain: dict[str, float]) -> float:
+    """What a lock adds per task: the pool's and the producer's instructions less plain's."""
+    return sum(row[place] - plain[place] for place in LOCK_PLACES)
+
+
+def summarize(rows: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Each variant's per-task figures with its lock instructions (``lock_instructions``)."""
+    plain = rows["plain"]
+    return {
+        variant: {**row, "lock instructions": lock_instructions(row, plain)} for variant, row in rows.items()
+    }
+
+
+def checks(summary: dict[str, dict[str, float]]) -> list[Any]:
+    """LockedTask's lock instructions over the best peer's (target <= 1), and each variant's."""
+    from lock_bench import Check
+    from task_bench import PEER_VARIANTS
+
+    found = []
+    peers = [summary[peer]["lock instructions"] for peer in PEER_VARIANTS if peer in summary]
+    if "LockedTask" in summary and peers:
+        best = min(peers)
+        found.append(
+            Check(
+                "LockedTask lock instructions / best peer's",
+                summary["LockedTask"]["lock instructions"] / best,
+                "<= 1",
+            )
+        )
+    for variant, row in summary.items():
+        if variant != "plain":
+            found.append(Check(f"{variant} lock instructions/task", row["lock instructions"], "", "{:,.0f}"))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(HERE))  # task_bench and lock_bench, by name, as the worker imports them
+    if argv is None and sys.argv[1:2] == ["--produce"]:
+        produce(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+        return 0
+    import task_bench
+    from lock_bench import print_summary, print_table, run_header, write_json
+
+    from celery_redislock.testing import RedisServer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=300, help="tasks counted per variant (default 300)")
+    parser.add_argument("--base", type=int, default=50, help="tasks of the smaller run (default 50)")
+    parser.add_argument("--variants", nargs="+", choices=task_bench.VARIANTS, default=task_bench.VARIANTS)
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        parser.error("valgrind is not on PATH (Debian: apt-get install valgrind)")
+    if "plain" not in args.variants:
+        args.variants.insert(0, "plain")
+    versions = task_bench.ensure_peers()
+    started = time.monotonic()
+    rows: dict[str, dict[str, float]] = {}
+    with RedisServer() as broker, RedisServer() as locks, ThreadPoolExecutor(1) as producers:
+        for variant in args.variants:
+            # The producer's two runs go on beside the worker's (the counts do not depend on it).
+            sent = [
+                producers.submit(producer_run, variant, n, broker, locks)
+                for n in (args.base, args.base + args.tasks)
+            ]
+            small, large = (
+                worker_run(variant, n, broker, locks) for n in (args.base, args.base + args.tasks)
+            )
+            small["producer"], large["producer"] = (future.result() for future in sent)
+            rows[variant] = per_task(small, large, args.tasks)
+            row = rows[variant]
+            print(
+                f"  {variant:<17} pool {row['worker pool']:>11,.0f}  main {row['worker main']:>11,.0f}"
+                f"  producer {row['producer']:>11,.0f} instructions/task",
+                flush=True,
+            )
+            for server in (broker, locks):
+                with server.client() as client:
+                    client.flushall()
+    summary = summarize(rows)
+    print_table(
+        f"instructions per task (callgrind; runs of {args.base} and {args.base + args.tasks} tasks, "
+        "prefork -c 2; lock: pool + producer less plain's)",
+        ["variant", "lock", "pool", "main", "producer", "lock server us"],
+        [
+            [
+                variant,
+                f"{row['lock instructions']:,.0f}",
+                f"{row['worker pool']:,.0f}",
+                f"{row['worker main']:,.0f}",
+                f"{row['producer']:,.0f}",
+                f"{row['lock server usec']:.1f}",
+            ]
+            for variant, row in summary.items()
+        ],
+    )
+    found = checks(summary)
+    print_summary(found)
+    write_json(
+        args.json,
+        {
+            **run_header(args),
+            "versions": versions,
+            "duration_s": time.monotonic() - started,
+            "summary": summary,
+            "checks": [check.line() for check in found],
+        },
+    )
+    print(f"results written to {args.json} ({time.monotonic() - started:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

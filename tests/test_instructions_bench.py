@@ -1,0 +1,66 @@
+"""bench/instructions_bench.py's arithmetic: a callgrind output's total, per-task figures as the
+difference of two runs, and lock instructions as pool + producer less plain's."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples._support import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))  # it imports task_bench and lock_bench by name
+_spec = importlib.util.spec_from_file_location("instructions_bench", ROOT / "bench" / "instructions_bench.py")
+assert _spec is not None and _spec.loader is not None
+instructions_bench: Any = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(instructions_bench)
+
+
+@pytest.mark.parametrize("line", ["summary: 1234567", "totals: 1234567"])
+def test_the_total_is_read_from_either_form_of_callgrind_output(tmp_path: Path, line: str) -> None:
+    out = tmp_path / "1.out"
+    out.write_text(f"version: 1\ncmd: python\nevents: Ir\nfn=(1) main\n16 1200000\n{line}\n")
+    assert instructions_bench.callgrind_total(out) == 1234567
+
+
+def test_an_output_without_a_total_is_an_error_naming_it(tmp_path: Path) -> None:
+    out = tmp_path / "2.out"
+    out.write_text("")  # a process killed before it wrote its count
+    with pytest.raises(RuntimeError, match=r"2\.out"):
+        instructions_bench.callgrind_total(out)
+
+
+def test_per_task_figures_are_the_difference_of_two_runs_and_locks_exclude_the_main_process() -> None:
+    def runs(pool: float, main: float, producer: float) -> dict[str, dict[str, float]]:
+        small = {"worker pool": 10e6, "worker main": 50e6, "producer": 20e6, "lock server usec": 100.0}
+        large = {
+            "worker pool": 10e6 + 300 * pool,
+            "worker main": 50e6 + 300 * main,
+            "producer": 20e6 + 300 * producer,
+            "lock server usec": 100.0 + 300 * 2.5,
+        }
+        return {"small": small, "large": large}
+
+    rows = {}
+    for variant, figures in {
+        "plain": (1.2e6, 3.4e6, 2.5e6),
+        "LockedTask": (1.75e6, 3.5e6, 2.55e6),
+        "celery-singleton": (1.5e6, 3.4e6, 2.9e6),
+        "celery-once": (1.55e6, 3.3e6, 2.8e6),
+    }.items():
+        both = runs(*figures)
+        rows[variant] = instructions_bench.per_task(both["small"], both["large"], 300)
+    assert rows["LockedTask"]["worker pool"] == pytest.approx(1.75e6)
+    assert rows["LockedTask"]["lock server usec"] == pytest.approx(2.5)
+    summary = instructions_bench.summarize(rows)
+    # pool + producer less plain's; the main process (its event loop follows the run's length) apart
+    assert summary["LockedTask"]["lock instructions"] == pytest.approx(0.55e6 + 0.05e6)
+    assert summary["celery-singleton"]["lock instructions"] == pytest.approx(0.3e6 + 0.4e6)
+    assert summary["plain"]["lock instructions"] == 0
+    found = {check.name: check for check in instructions_bench.checks(summary)}
+    ratio = found["LockedTask lock instructions / best peer's"]
+    assert ratio.value == pytest.approx(0.6e6 / 0.65e6) and ratio.verdict == "PASS"  # once's 0.65e6 is best
+    assert found["celery-once lock instructions/task"].verdict == "INFO"
