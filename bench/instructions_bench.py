@@ -11,9 +11,11 @@ else the machine does (``docs/benchmarks.md``). For each variant of ``task_bench
   two runs, over ``--tasks``, is what a task costs the pool children and the main process, the
   start-up and shut-down falling out;
 * **producer**: the ``apply_async`` loop of ``task_bench.py`` (the results kept, as there), in a
-  process of its own under callgrind, the same two sizes;
-* **lock server**: its ``INFO commandstats`` microseconds over the worker runs (reset before
-  each), per task: a time, not a count, small beside the rest.
+  process of its own under callgrind, the same two sizes, on servers of its own.
+
+The lock server's work is not counted here: ``task_bench.py`` reports its CPU and its commands
+per task (``INFO commandstats`` cannot tell a script's own time from its commands', which it
+counts as well).
 
 **Lock instructions per task** are the pool's and the producer's less plain's: the work a
 lock adds, wherever it runs. The worker's main process is shown apart: its event loop's work
@@ -68,7 +70,7 @@ def valgrind(out: str) -> list[str]:
 
 def worker_run(variant: str, tasks: int, broker: Any, locks: Any) -> dict[str, float]:
     """One worker run under callgrind with ``tasks`` tasks: instructions of its main process and
-    its pool children (summed), and the lock server's commandstats microseconds."""
+    its pool children (summed)."""
     import task_bench
     from celery.result import ResultSet
 
@@ -84,8 +86,7 @@ def worker_run(variant: str, tasks: int, broker: Any, locks: Any) -> dict[str, f
     command = [sys.executable, "-m", "celery", "-A", "task_bench", "worker", "-P", "prefork", "-c", "2"]
     command += ["-Q", queue, "-n", f"{queue}@%h", "-l", "WARNING"]
     command += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
-    with tempfile.TemporaryDirectory(prefix="instructions-bench-") as folder, locks.client() as admin:
-        admin.config_resetstat()
+    with tempfile.TemporaryDirectory(prefix="instructions-bench-") as folder:
         log = Path(folder, "worker.log")
         with log.open("wb") as output:
             worker = subprocess.Popen(
@@ -111,14 +112,13 @@ def worker_run(variant: str, tasks: int, broker: Any, locks: Any) -> dict[str, f
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)  # its own session: the group is its pid
                 worker.wait(timeout=60)
-        usec = sum(v["usec"] for k, v in admin.info("commandstats").items() if k.startswith("cmdstat_"))
         counts = {int(path.stem): callgrind_total(path) for path in Path(folder).glob("*.out")}
     if worker.pid not in counts or len(counts) < 2:
         raise RuntimeError(
             f"{variant}: callgrind counted {len(counts)} processes, not the worker and its pool"
         )
     main = counts.pop(worker.pid)
-    return {"worker main": main, "worker pool": sum(counts.values()), "lock server usec": usec}
+    return {"worker main": main, "worker pool": sum(counts.values())}
 
 
 def producer_run(variant: str, tasks: int, broker: Any, locks: Any) -> int:
@@ -215,11 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     versions = task_bench.ensure_peers()
     started = time.monotonic()
     rows: dict[str, dict[str, float]] = {}
-    with RedisServer() as broker, RedisServer() as locks, ThreadPoolExecutor(1) as producers:
+    with (
+        RedisServer() as broker,
+        RedisServer() as locks,
+        RedisServer() as producer_broker,
+        RedisServer() as producer_locks,
+        ThreadPoolExecutor(1) as producers,
+    ):
         for variant in args.variants:
-            # The producer's two runs go on beside the worker's (the counts do not depend on it).
+            # The producer's two runs go on beside the worker's (a count does not depend on what else
+            # runs), on servers of their own.
             sent = [
-                producers.submit(producer_run, variant, n, broker, locks)
+                producers.submit(producer_run, variant, n, producer_broker, producer_locks)
                 for n in (args.base, args.base + args.tasks)
             ]
             small, large = (
@@ -233,14 +240,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"  producer {row['producer']:>11,.0f} instructions/task",
                 flush=True,
             )
-            for server in (broker, locks):
+            for server in (broker, locks, producer_broker, producer_locks):
                 with server.client() as client:
                     client.flushall()
     summary = summarize(rows)
     print_table(
         f"instructions per task (callgrind; runs of {args.base} and {args.base + args.tasks} tasks, "
         "prefork -c 2; lock: pool + producer less plain's)",
-        ["variant", "lock", "pool", "main", "producer", "lock server us"],
+        ["variant", "lock", "pool", "main", "producer"],
         [
             [
                 variant,
@@ -248,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['worker pool']:,.0f}",
                 f"{row['worker main']:,.0f}",
                 f"{row['producer']:,.0f}",
-                f"{row['lock server usec']:.1f}",
             ]
             for variant, row in summary.items()
         ],

@@ -35,12 +35,11 @@ def test_an_output_without_a_total_is_an_error_naming_it(tmp_path: Path) -> None
 
 def test_per_task_figures_are_the_difference_of_two_runs_and_locks_exclude_the_main_process() -> None:
     def runs(pool: float, main: float, producer: float) -> dict[str, dict[str, float]]:
-        small = {"worker pool": 10e6, "worker main": 50e6, "producer": 20e6, "lock server usec": 100.0}
+        small = {"worker pool": 10e6, "worker main": 50e6, "producer": 20e6}
         large = {
             "worker pool": 10e6 + 300 * pool,
             "worker main": 50e6 + 300 * main,
             "producer": 20e6 + 300 * producer,
-            "lock server usec": 100.0 + 300 * 2.5,
         }
         return {"small": small, "large": large}
 
@@ -54,7 +53,7 @@ def test_per_task_figures_are_the_difference_of_two_runs_and_locks_exclude_the_m
         both = runs(*figures)
         rows[variant] = instructions_bench.per_task(both["small"], both["large"], 300)
     assert rows["LockedTask"]["worker pool"] == pytest.approx(1.75e6)
-    assert rows["LockedTask"]["lock server usec"] == pytest.approx(2.5)
+    assert rows["LockedTask"]["producer"] == pytest.approx(2.55e6)
     summary = instructions_bench.summarize(rows)
     # pool + producer less plain's; the main process (its event loop follows the run's length) apart
     assert summary["LockedTask"]["lock instructions"] == pytest.approx(0.55e6 + 0.05e6)
