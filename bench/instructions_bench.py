@@ -32,11 +32,9 @@ Needs valgrind (``apt-get install valgrind``); the two servers are private redis
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -69,55 +67,32 @@ def valgrind(out: str) -> list[str]:
 
 
 def worker_run(variant: str, tasks: int, broker: Any, locks: Any) -> dict[str, float]:
-    """One worker run under callgrind with ``tasks`` tasks: instructions of its main process and
-    its pool children (summed)."""
+    """One run of ``task_bench.py``'s worker under callgrind with ``tasks`` tasks: instructions of
+    its main process and its pool children (summed)."""
     import task_bench
     from celery.result import ResultSet
 
     run = secrets.token_hex(4)
     queue = f"instructions-{run}"
-    env = {
-        **os.environ,
-        "TASK_BENCH_VARIANT": variant,
-        "TASK_BENCH_BROKER": broker.url,
-        "TASK_BENCH_LOCKS": locks.url,
-        "TASK_BENCH_QUEUE": queue,
-    }
-    command = [sys.executable, "-m", "celery", "-A", "task_bench", "worker", "-P", "prefork", "-c", "2"]
-    command += ["-Q", queue, "-n", f"{queue}@%h", "-l", "WARNING"]
-    command += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
     with tempfile.TemporaryDirectory(prefix="instructions-bench-") as folder:
-        log = Path(folder, "worker.log")
-        with log.open("wb") as output:
-            worker = subprocess.Popen(
-                valgrind(f"{folder}/%p.out") + command,
-                cwd=HERE,
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        worker = task_bench.Worker(
+            variant, broker.url, locks.url, queue, 2, wrapper=valgrind(f"{folder}/%p.out")
+        )
         app, noop = task_bench.make_app(variant, broker.url, locks.url, queue)
         try:
             ResultSet([noop.apply_async((run, i)) for i in range(tasks)]).get(timeout=1800)
         except Exception as exc:
-            raise RuntimeError(
-                f"{variant}: {exc!r}; the worker's log ends with:\n{log.read_text()[-3000:]}"
-            ) from exc
+            raise RuntimeError(f"{variant}: {exc!r}; the worker's log ends with:\n{worker.tail()}") from exc
         finally:
             app.close()
-            worker.send_signal(signal.SIGTERM)  # warm shutdown: each process writes its count
-            try:
-                worker.wait(timeout=600)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)  # its own session: the group is its pid
-                worker.wait(timeout=60)
+            worker.stop(timeout=600)  # warm, slow under callgrind: each process writes its count
         counts = {int(path.stem): callgrind_total(path) for path in Path(folder).glob("*.out")}
-    if worker.pid not in counts or len(counts) < 2:
+    pid = worker.process.pid
+    if pid not in counts or len(counts) < 2:
         raise RuntimeError(
             f"{variant}: callgrind counted {len(counts)} processes, not the worker and its pool"
         )
-    main = counts.pop(worker.pid)
+    main = counts.pop(pid)
     return {"worker main": main, "worker pool": sum(counts.values())}
 
 

@@ -72,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
@@ -195,9 +196,18 @@ if os.environ.get("TASK_BENCH_VARIANT"):  # imported by the worker
 
 
 class Worker:
-    """``celery -A task_bench worker -P prefork`` in a session of its own, stopped by its pid."""
+    """``celery -A task_bench worker -P prefork`` in a session of its own, stopped by its pid;
+    ``wrapper``: a command that runs it (``instructions_bench.py``'s callgrind)."""
 
-    def __init__(self, variant: str, broker_url: str, lock_url: str, queue: str, concurrency: int) -> None:
+    def __init__(
+        self,
+        variant: str,
+        broker_url: str,
+        lock_url: str,
+        queue: str,
+        concurrency: int,
+        wrapper: Sequence[str] = (),
+    ) -> None:
         env = {
             **os.environ,
             "TASK_BENCH_VARIANT": variant,
@@ -205,7 +215,7 @@ class Worker:
             "TASK_BENCH_LOCKS": lock_url,
             "TASK_BENCH_QUEUE": queue,
         }
-        command = [sys.executable, "-m", "celery", "-A", "task_bench", "worker", "-P", "prefork"]
+        command = [*wrapper, sys.executable, "-m", "celery", "-A", "task_bench", "worker", "-P", "prefork"]
         command += ["-c", str(concurrency), "-Q", queue, "-n", f"{queue}@%h", "-l", "WARNING"]
         command += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
         self.log = Path(tempfile.mkstemp(prefix="task-bench-worker-", suffix=".log")[1])
@@ -214,11 +224,12 @@ class Worker:
                 command, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30) -> None:
+        """A warm shutdown (SIGTERM), killed with its pool after ``timeout`` seconds."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the group is its pid
                 self.process.wait(timeout=30)
