@@ -202,6 +202,8 @@ def task_lock_cpu(tasks: dict[str, Any]) -> Panel:
             continue
         lock_server = _section(row, "cpu_ms_per_task").get("lock server", 0) * 1000
         note = f"{cpu:.0f} µs\nserver {lock_server:.0f}\n{row['round_trips_per_task']:.1f} RT"
+        if row.get("all_cpu_us_per_task") is not None:  # every place's, the main process's included
+            note += f"\nall {row['all_cpu_us_per_task']:.0f}"
         panel.bars.append(Bar(name, cpu, note))
     peers = [bar.value for bar in panel.bars if bar.label in TASK_PEERS]
     panel.lines = [(min(peers), "best peer")] if peers else []

@@ -49,8 +49,11 @@ rounds. The headline is the **paired ratio to plain**: each run's wall over
 plain's run in the same round, the median over the rounds (at least 7 by
 default), so both runs of a pair saw the same background load. Next to it,
 **lock CPU µs per task**: the worker pool's and the producer's CPU less plain's
-in the same round, plus the lock server's (median over the rounds); round
-trips and lock-server commands per task. Everything is printed and written to
+in the same round, plus the lock server's (median over the rounds); **all CPU
+µs per task**: the same difference summed over every place, the worker's main
+process and the broker's server included (where a design moves lock work, e.g.
+into the main process, this is the figure that still sees it); round trips and
+lock-server commands per task. Everything is printed and written to
 ``bench/results/task_bench.json`` (versions, machine, commit; paths relative to
 the repository) with a PASS/FAIL summary against the issue's targets, as ratios
 within the run (LockedTask at or below the best peer's ratio and lock CPU, <= 2
@@ -397,6 +400,13 @@ def lock_cpu_us(run: dict[str, Any], plain: dict[str, Any]) -> float:
     return (client + cpu["lock server"]) * 1000
 
 
+def all_cpu_us(run: dict[str, Any], plain: dict[str, Any]) -> float:
+    """CPU per task in µs that ``run`` spent beyond ``plain``'s run in the same round, summed over
+    every place (``CPU_PLACES``: the worker's main process and both servers too)."""
+    cpu, base = run["cpu_ms_per_task"], plain["cpu_ms_per_task"]
+    return sum(cpu[where] - base[where] for where in CPU_PLACES) * 1000
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Medians over the repeats; ``paired_ratio_to_plain`` and ``lock_cpu_us_per_task`` are
     medians of per-round figures, each run paired with plain's run of the same round."""
@@ -414,6 +424,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
         row["paired_ratio_to_plain"] = statistics.median(row["paired_ratios_to_plain"]) if pairs else None
         row["lock_cpu_us_per_task"] = (
             statistics.median(lock_cpu_us(run, plain) for run, plain in pairs) if pairs else None
+        )
+        row["all_cpu_us_per_task"] = (
+            statistics.median(all_cpu_us(run, plain) for run, plain in pairs) if pairs else None
         )
         row["server_commands_per_task"] = statistics.median(
             r.get("server_commands_per_task", sum(r["commands_per_task"].values())) for r in rows
@@ -481,6 +494,7 @@ def checks(summary: dict[str, dict[str, Any]], duplicates: dict[str, dict[str, f
             found += [
                 Check(f"{variant} x plain (paired median)", row["paired_ratio_to_plain"], ""),
                 Check(f"{variant} lock CPU us/task", row["lock_cpu_us_per_task"], "", "{:.0f}"),
+                Check(f"{variant} all CPU us/task", row["all_cpu_us_per_task"], "", "{:.0f}"),
             ]
     return found
 
@@ -575,12 +589,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"{args.tasks} tasks, prefork -c {args.concurrency}, {args.repeats} rounds (order alternating): "
         "x plain = median of the per-round wall ratios to plain's run of the same round",
-        ["variant", "x plain", "lock CPU us/task", "lock RT/task", "server cmds/task"],
+        ["variant", "x plain", "lock CPU us/task", "all CPU us/task", "lock RT/task", "server cmds/task"],
         [
             [
                 variant,
                 f"{row['paired_ratio_to_plain']:.3f}",
                 f"{row['lock_cpu_us_per_task']:.0f}",
+                f"{row['all_cpu_us_per_task']:.0f}",
                 f"{row['round_trips_per_task']:.2f}",
                 f"{row['server_commands_per_task']:.2f}",
             ]
@@ -589,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "  (lock CPU: worker pool + producer CPU less plain's in the same round, plus the lock server's;"
-        " RT: round trips)"
+        " all CPU: every place's less plain's; RT: round trips)"
     )
     print_table(
         f"{args.tasks} tasks, prefork -c {args.concurrency}, medians of {args.repeats} runs "

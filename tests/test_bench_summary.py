@@ -1,6 +1,6 @@
 """bench/task_bench.py's headline figures: each run is paired with plain's run of the same round
-(the median of those ratios, not a ratio of medians), and lock CPU is pool + producer less plain's
-in that round, plus the lock server's."""
+(the median of those ratios, not a ratio of medians), lock CPU is pool + producer less plain's
+in that round, plus the lock server's, and all CPU is every place's less plain's."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ task_bench: Any = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(task_bench)
 
 
-def run(wall: float, pool: float, producer: float, lock_server: float, trips: float = 2.0) -> dict[str, Any]:
+def run(
+    wall: float, pool: float, producer: float, lock_server: float, trips: float = 2.0, main: float = 1.0
+) -> dict[str, Any]:
     """One run's row as run_once returns it (CPU in ms per task)."""
-    places = {"worker main": 1.0, "worker pool": pool, "producer": producer, "lock server": lock_server}
+    places = {"worker main": main, "worker pool": pool, "producer": producer, "lock server": lock_server}
     return {
         "wall_s": wall,
         "enqueue_s": wall / 2,
@@ -48,6 +50,20 @@ def test_each_round_is_paired_with_plains_run_of_that_round() -> None:
     assert locked["lock_cpu_us_per_task"] == pytest.approx(500)
     assert locked["server_commands_per_task"] == 3.0
     assert summary["plain"]["paired_ratio_to_plain"] == 1.0
+
+
+def test_all_cpu_sees_what_a_variant_moves_into_the_worker_main_process() -> None:
+    runs = {
+        "plain": [run(1.0, 1.0, 1.0, 0.0, 0), run(1.0, 1.2, 1.0, 0.0, 0)],
+        # the lock taken in the main process: the pool and producer as plain's, the main busier
+        "main-process lock": [run(1.1, 1.0, 1.0, 0.1, main=1.3), run(1.1, 1.2, 1.0, 0.1, main=1.2)],
+    }
+    row = task_bench.summarize(runs)["main-process lock"]
+    assert row["lock_cpu_us_per_task"] == pytest.approx(100)  # the lock server's only
+    # per round: main +300 or +200, lock server +100: 400, 300
+    assert row["all_cpu_us_per_task"] == pytest.approx(350)
+    found = {check.name: check for check in task_bench.checks(task_bench.summarize(runs), {})}
+    assert found["main-process lock all CPU us/task"].value == pytest.approx(350)
 
 
 def test_the_targets_are_checked_against_the_best_peer_of_the_run() -> None:

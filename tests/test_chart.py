@@ -179,3 +179,16 @@ def test_paired_ratios_and_lock_cpu_are_charted() -> None:
     cpu = by_title(panels, "Celery: lock CPU per task")
     assert values(cpu) == {name: cpu_us for name, (_, cpu_us) in figures.items() if name != "plain"}
     assert cpu.lines == [(190.0, "best peer")]
+    notes = {bar.label: bar.note for bar in cpu.bars}
+    assert "all" not in notes["LockedTask"]  # results written before all CPU was measured
+
+
+def test_all_cpu_is_noted_on_the_lock_cpu_bars() -> None:
+    tasks = copy.deepcopy(TASKS)
+    plain = tasks["summary"]["plain"]
+    tasks["summary"] = {
+        "plain": plain,
+        "LockedTask": {**copy.deepcopy(plain), "lock_cpu_us_per_task": 180.0, "all_cpu_us_per_task": 250.0},
+    }
+    cpu = by_title(chart.panels(LOCK, tasks), "Celery: lock CPU per task")
+    assert cpu.bars[0].note.endswith("\nall 250")
