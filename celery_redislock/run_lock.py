@@ -235,11 +235,35 @@ def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None])
 
     def freed(reply: Any) -> None:
         lock.forget()  # also if an exception came between the send and the ``forget`` below
+        if _connection_lost(reply):
+            try:
+                reply = _free_again(servers, token)
+            except BaseException:  # interrupted: the first send's outcome stays unknown
+                then(reply)
+                raise
         then(reply if isinstance(reply, BaseException) else bool(int(reply)))
 
     if not servers.free_later(token, freed):
         return False
     lock.forget()
+    return True
+
+
+def _connection_lost(reply: Any) -> bool:
+    """Whether a release sent without waiting got, instead of its reply, a Redis error other than
+    an error reply: its connection broke, before or after Redis ran it."""
+    return isinstance(reply, redis.RedisError) and not isinstance(reply, redis.exceptions.ResponseError)
+
+
+def _free_again(servers: OneServer, token: str) -> bool | redis.RedisError:
+    """Send again, and wait for, the release of ``token`` whose connection broke: ``True`` once
+    done, whatever it found (the first send may have freed the key: a resend's 0 counts as
+    released, as ``OneServer.free`` counts its client's resends), or the Redis error of this try
+    (the client's retry policy applied: the key then expires within its lease)."""
+    try:
+        servers.free(token)
+    except redis.RedisError as exc:
+        return exc
     return True
 
 

@@ -292,6 +292,75 @@ def test_an_interrupted_deferred_read_drops_the_connection_and_the_next_run_gets
     recorder.close()
 
 
+def pausing_writes(locks: redis.Redis) -> Callable[[Any, int], None]:
+    """A body that pauses the lock server for writes: the release sent after it waits there."""
+    return lambda self, x: locks.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")  # type: ignore[no-untyped-call]
+
+
+def cutter(watch: Watch, locks: redis.Redis, killed: list[int]) -> Callable[[], None]:
+    """For ``task_success``: kill this thread's loaned connection, the release's (which Redis has not
+    run: writes are paused), then let the server go on."""
+
+    def cut() -> None:
+        loan = pooled._LOANS.by_pool[watch.client.connection_pool]
+        host, port = loan.connection._sock.getsockname()
+        killed.append(locks.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}"))  # type: ignore[no-untyped-call]
+        locks.execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+
+    return cut
+
+
+def test_a_deferred_release_lost_with_its_connection_is_sent_again_and_frees_the_lock_at_once(
+    redis_server: RedisServer, fresh_server: RedisServer, prefix: str
+) -> None:
+    """The release was sent, and its connection broke before Redis ran it (as a restart or a
+    network cut would): reading its reply fails with a ``ConnectionError``, not an interrupt, so
+    the run sends the release again (the client's retry policy applies) and the lock is free
+    once the run is over, reported released once, instead of being left to its lease."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_url=fresh_server.url)
+    locks = fresh_server.client()
+    task = define(app, "cut", pausing_writes(locks))
+    killed: list[int] = []
+    with watching(app, task) as watch, threads_worker(app, concurrency=1):
+        watch.on_success = cutter(watch, locks, killed)
+        assert task.delay(7).get(timeout=RESULT_TIMEOUT) == 7
+        _wait_for_postrun(watch)
+    assert killed == [1]
+    assert locks.exists(task_lock_key(task, (7,))) == 0
+    assert watch.kinds() == ["prerun", "success", "released", "postrun"]
+    locks.close()
+
+
+def test_an_interrupt_while_the_release_is_sent_again_reports_its_outcome_unknown_once(
+    redis_server: RedisServer, fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, and a soft time limit lands while the release is sent again: the outcome is
+    reported once, unknown ("error", the connection's error: the key expires within its lease),
+    and the interrupt goes on up (the trace logs it; the result stays the body's)."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_url=fresh_server.url)
+    locks = fresh_server.client()
+    task = define(app, "cut-interrupted", pausing_writes(locks))
+    resent: list[bool] = []
+
+    def interrupted_again(self: Any, token: str) -> bool:  # a deferred release never calls it first
+        resent.append(True)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(celery_redislock.lock.OneServer, "free", interrupted_again)
+    killed: list[int] = []
+    with watching(app, task) as watch, threads_worker(app, concurrency=1):
+        watch.on_success = cutter(watch, locks, killed)
+        assert task.delay(8).get(timeout=RESULT_TIMEOUT) == 8
+        _wait_for_postrun(watch)
+    assert killed == [1] and resent == [True]
+    assert watch.kinds() == ["prerun", "success", "warning", "postrun"]
+    [record] = watch.of("warning")
+    assert record.outcome == "error" and "Connection closed by server" in record.getMessage()
+    assert 0 < locks.pttl(task_lock_key(task, (8,))) <= 30_000  # left to its lease
+    locks.delete(task_lock_key(task, (8,)))
+    locks.close()
+
+
 def test_a_direct_call_releases_before_returning(app: Celery) -> None:
     """A direct call (``task(...)``: no trace, no ``task_postrun`` follows) knows its release's
     outcome when it returns, and leaves nothing to read."""
