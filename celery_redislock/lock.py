@@ -187,6 +187,14 @@ class OneServer:
 
         return send_later(self.client, command, read, then)
 
+    def free_once(self, token: str) -> bool:
+        """``free`` in one exchange, outside the client's retry policy (its error propagates): for a
+        release sent again because its first send's reply was lost, which must not hold its run
+        up for the policy's backoffs. Only where ``waits_for_reply()``."""
+        with PooledConnection(self.client) as connection:
+            key = bulk(connection.encoder.encode(self.name))
+            return bool(int(RELEASE.run_on(connection, [key], [bulk(token.encode())])))
+
     def extend(self, token: str, ttl: float) -> bool:
         return not RENEW(self.client, self._keys, [to_ms(ttl), token])
 

@@ -238,7 +238,7 @@ def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None])
         if _connection_lost(reply):
             try:
                 reply = _free_again(servers, token)
-            except BaseException:  # interrupted: the first send's outcome stays unknown
+            except BaseException:  # interrupted (a soft time limit is an Exception too): unknown
                 then(reply)
                 raise
         then(reply if isinstance(reply, BaseException) else bool(int(reply)))
@@ -250,18 +250,19 @@ def _release_sent(lock: RedisLock, then: Callable[[bool | BaseException], None])
 
 
 def _connection_lost(reply: Any) -> bool:
-    """Whether a release sent without waiting got, instead of its reply, a Redis error other than
-    an error reply: its connection broke, before or after Redis ran it."""
-    return isinstance(reply, redis.RedisError) and not isinstance(reply, redis.exceptions.ResponseError)
+    """Whether a release sent without waiting got, instead of its reply, a broken connection
+    (a ``ConnectionError``: Redis may never have run it). Not a timeout: a server that took the
+    release and is slow most likely ran it, and would be as slow to answer a second one."""
+    return isinstance(reply, redis.exceptions.ConnectionError)
 
 
 def _free_again(servers: OneServer, token: str) -> bool | redis.RedisError:
-    """Send again, and wait for, the release of ``token`` whose connection broke: ``True`` once
-    done, whatever it found (the first send may have freed the key: a resend's 0 counts as
-    released, as ``OneServer.free`` counts its client's resends), or the Redis error of this try
-    (the client's retry policy applied: the key then expires within its lease)."""
+    """Send again, once, the release of ``token`` whose connection broke: ``True`` once done,
+    whatever it found (the first send may have freed the key: a resend's 0 counts as released, as
+    ``OneServer.free`` counts its client's resends; a loss found only then goes unreported), or
+    the Redis error of that one try (the key then expires within its lease)."""
     try:
-        servers.free(token)
+        servers.free_once(token)
     except redis.RedisError as exc:
         return exc
     return True

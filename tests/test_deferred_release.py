@@ -302,6 +302,7 @@ def cutter(watch: Watch, locks: redis.Redis, killed: list[int]) -> Callable[[], 
     run: writes are paused), then let the server go on."""
 
     def cut() -> None:
+        assert locks.exists(watch.of("success")[-1][2]) == 1  # the release sent, not run: paused
         loan = pooled._LOANS.by_pool[watch.client.connection_pool]
         host, port = loan.connection._sock.getsockname()
         killed.append(locks.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}"))  # type: ignore[no-untyped-call]
@@ -315,8 +316,8 @@ def test_a_deferred_release_lost_with_its_connection_is_sent_again_and_frees_the
 ) -> None:
     """The release was sent, and its connection broke before Redis ran it (as a restart or a
     network cut would): reading its reply fails with a ``ConnectionError``, not an interrupt, so
-    the run sends the release again (the client's retry policy applies) and the lock is free
-    once the run is over, reported released once, instead of being left to its lease."""
+    the run sends the release again, once, and the lock is free once the run is over, reported
+    released once, instead of being left to its lease."""
     app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_url=fresh_server.url)
     locks = fresh_server.client()
     task = define(app, "cut", pausing_writes(locks))
@@ -342,11 +343,11 @@ def test_an_interrupt_while_the_release_is_sent_again_reports_its_outcome_unknow
     task = define(app, "cut-interrupted", pausing_writes(locks))
     resent: list[bool] = []
 
-    def interrupted_again(self: Any, token: str) -> bool:  # a deferred release never calls it first
+    def interrupted_again(self: Any, token: str) -> bool:
         resent.append(True)
         raise SoftTimeLimitExceeded()
 
-    monkeypatch.setattr(celery_redislock.lock.OneServer, "free", interrupted_again)
+    monkeypatch.setattr(celery_redislock.lock.OneServer, "free_once", interrupted_again)
     killed: list[int] = []
     with watching(app, task) as watch, threads_worker(app, concurrency=1):
         watch.on_success = cutter(watch, locks, killed)
@@ -358,6 +359,35 @@ def test_an_interrupt_while_the_release_is_sent_again_reports_its_outcome_unknow
     assert record.outcome == "error" and "Connection closed by server" in record.getMessage()
     assert 0 < locks.pttl(task_lock_key(task, (8,))) <= 30_000  # left to its lease
     locks.delete(task_lock_key(task, (8,)))
+    locks.close()
+
+
+def test_a_deferred_release_whose_reply_times_out_is_not_sent_again(
+    redis_server: RedisServer, fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that times out (the lock client's ``socket_timeout``, 0.5 s here; the server has the
+    release and is slow: paused) is not a broken connection: Redis most likely ran the release,
+    or will, and would be as slow to answer another, so none is sent; the outcome is reported
+    unknown once ("error"), the key left to its lease."""
+    lock_url = f"{fresh_server.url}?socket_timeout=0.5"
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_url=lock_url)
+    locks = fresh_server.client()
+    task = define(app, "slow", pausing_writes(locks))
+    resent: list[str] = []
+    monkeypatch.setattr(
+        celery_redislock.lock.OneServer, "free_once", lambda self, token: resent.append(token)
+    )
+    try:
+        with watching(app, task) as watch, threads_worker(app, concurrency=1):
+            assert task.delay(9).get(timeout=RESULT_TIMEOUT) == 9
+            _wait_for_postrun(watch)
+    finally:
+        locks.execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+    assert resent == []
+    assert watch.kinds() == ["prerun", "success", "warning", "postrun"]
+    [record] = watch.of("warning")
+    assert record.outcome == "error" and "Timeout" in record.getMessage()
+    locks.delete(task_lock_key(task, (9,)))  # its outcome is unknown here
     locks.close()
 
 
