@@ -179,8 +179,7 @@ class OneServer:
         """``free`` without waiting for the reply (``_redis.send_later``, whose contract holds):
         ``then`` gets the reply (1: ``token`` held the lock) or the exception that left the outcome
         unknown; ``False``: nothing sent. Only where ``waits_for_reply()``."""
-        encode = self.client.get_encoder().encode
-        command = RELEASE.pack([bulk(encode(self.name))], [bulk(token.encode())])
+        command = RELEASE.pack(*self._release_operands(token))
 
         def read(connection: Any) -> Any:
             return read_replies(connection, RELEASE, [command])[0]
@@ -192,8 +191,11 @@ class OneServer:
         release sent again because its first send's reply was lost, which must not hold its run
         up for the policy's backoffs. Only where ``waits_for_reply()``."""
         with PooledConnection(self.client) as connection:
-            key = bulk(connection.encoder.encode(self.name))
-            return bool(int(RELEASE.run_on(connection, [key], [bulk(token.encode())])))
+            return bool(int(RELEASE.run_on(connection, *self._release_operands(token))))
+
+    def _release_operands(self, token: str) -> tuple[list[bytes], list[bytes]]:
+        """``RELEASE``'s keys and args for ``token``, as RESP bulk strings (``free_later``, ``free_once``)."""
+        return [bulk(self.client.get_encoder().encode(self.name))], [bulk(token.encode())]
 
     def extend(self, token: str, ttl: float) -> bool:
         return not RENEW(self.client, self._keys, [to_ms(ttl), token])
