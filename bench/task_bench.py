@@ -392,24 +392,29 @@ def ensure_peers() -> dict[str, str]:
     return {dist: importlib.metadata.version(dist) for dist in dists}
 
 
+def _beyond_plain_ms(run: dict[str, Any], plain: dict[str, Any], places: Sequence[str]) -> float:
+    """CPU ms per task that ``run`` spent in ``places`` beyond ``plain``'s run in the same round."""
+    cpu, base = run["cpu_ms_per_task"], plain["cpu_ms_per_task"]
+    return sum(cpu[where] - base[where] for where in places)
+
+
 def lock_cpu_us(run: dict[str, Any], plain: dict[str, Any]) -> float:
     """Lock CPU per task in µs of ``run``: its worker pool and producer less those of ``plain``'s
     run in the same round, plus the lock server's."""
-    cpu, base = run["cpu_ms_per_task"], plain["cpu_ms_per_task"]
-    client = sum(cpu[where] - base[where] for where in ("worker pool", "producer"))
-    return (client + cpu["lock server"]) * 1000
+    client = _beyond_plain_ms(run, plain, ("worker pool", "producer"))
+    return (client + run["cpu_ms_per_task"]["lock server"]) * 1000
 
 
 def all_cpu_us(run: dict[str, Any], plain: dict[str, Any]) -> float:
     """CPU per task in µs that ``run`` spent beyond ``plain``'s run in the same round, summed over
     every place (``CPU_PLACES``: the worker's main process and both servers too)."""
-    cpu, base = run["cpu_ms_per_task"], plain["cpu_ms_per_task"]
-    return sum(cpu[where] - base[where] for where in CPU_PLACES) * 1000
+    return _beyond_plain_ms(run, plain, CPU_PLACES) * 1000
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Medians over the repeats; ``paired_ratio_to_plain`` and ``lock_cpu_us_per_task`` are
-    medians of per-round figures, each run paired with plain's run of the same round."""
+    """Medians over the repeats; ``paired_ratio_to_plain``, ``lock_cpu_us_per_task`` and
+    ``all_cpu_us_per_task`` are medians of per-round figures, each run paired with plain's run of
+    the same round."""
     plain_runs = runs.get("plain") or []
     plain_wall = statistics.median(r["wall_s"] for r in plain_runs) if plain_runs else None
     summary: dict[str, dict[str, Any]] = {}
@@ -422,12 +427,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
         pairs = list(zip(rows, plain_runs, strict=True)) if plain_runs else []
         row["paired_ratios_to_plain"] = [run["wall_s"] / plain["wall_s"] for run, plain in pairs]
         row["paired_ratio_to_plain"] = statistics.median(row["paired_ratios_to_plain"]) if pairs else None
-        row["lock_cpu_us_per_task"] = (
-            statistics.median(lock_cpu_us(run, plain) for run, plain in pairs) if pairs else None
-        )
-        row["all_cpu_us_per_task"] = (
-            statistics.median(all_cpu_us(run, plain) for run, plain in pairs) if pairs else None
-        )
+        for figure, per_round in (("lock_cpu_us_per_task", lock_cpu_us), ("all_cpu_us_per_task", all_cpu_us)):
+            row[figure] = statistics.median(per_round(run, plain) for run, plain in pairs) if pairs else None
         row["server_commands_per_task"] = statistics.median(
             r.get("server_commands_per_task", sum(r["commands_per_task"].values())) for r in rows
         )
