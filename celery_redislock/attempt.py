@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import socket
 import time as mod_time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._durations import Duration, seconds, to_ms
+from ._process import current_pid
 from .exceptions import LockConfigurationError, LockLost, LockNotOwned
 from .protocol import parse_value, text
 from .telemetry import log_fields
@@ -123,7 +123,7 @@ def hostname() -> str:
 def waiter_member(ttl_ms: int, token: str, fair: bool, holder: str | None) -> str:
     """The waiter member (see ``_scripts``) describing an acquisition by ``token``; the holder
     is ``"<host>:<pid>"`` by default."""
-    holder = holder if holder is not None else f"{hostname()}:{os.getpid()}"
+    holder = holder if holder is not None else f"{hostname()}:{current_pid()}"
     return f"{ttl_ms}:{token}:{'1' if fair else '0'}:{holder}"
 
 
@@ -278,7 +278,7 @@ class LockCore:
 
     def held(self) -> bool:
         """Held by this object in this process (a forked child holds nothing it inherited)."""
-        return self._count > 0 and self._pid == os.getpid()
+        return self._count > 0 and self._pid == current_pid()
 
     @property
     def hold_count(self) -> int:
@@ -287,7 +287,7 @@ class LockCore:
 
     def record_hold(self, token: str, fence: int) -> None:
         """Record a hold granted to ``token`` (``fence``) as this object's, held once, in this process."""
-        self.token, self.fence, self._count, self._pid = token, fence, 1, os.getpid()
+        self.token, self.fence, self._count, self._pid = token, fence, 1, current_pid()
 
     def clear_hold(self) -> None:
         """Forget the hold (freed or handed on by the caller)."""

@@ -64,7 +64,6 @@ from __future__ import annotations
 import contextvars
 import copy
 import logging
-import os
 import secrets
 import socket
 import weakref
@@ -78,6 +77,7 @@ from celery.schedules import BaseSchedule, schedule
 from celery.utils.time import maybe_make_aware
 
 from ._durations import to_ms
+from ._process import current_pid
 from ._task_scripts import CLAIM
 from .config import app_settings, bound_options
 from .connection import GIVEN_CLIENT, client_for
@@ -329,7 +329,7 @@ class BeatGuard:
         self.app = scheduler.app
         settings = app_settings(self.app)
         self.prefix, self.on_error = settings.prefix, settings.on_error
-        self.holder = f"beat={socket.gethostname()}:{os.getpid()}"
+        self.holder = f"beat={socket.gethostname()}:{current_pid()}"
         self.leader = (
             Leadership(self.app, leader_key(self.prefix), settings.beat_leader_ttl, self.holder)
             if settings.beat_leader

@@ -26,6 +26,7 @@ import redis
 import redis.cluster
 import redis.sentinel
 
+from ._process import current_pid
 from .config import URL_SCHEMES, app_settings, check_client
 from .exceptions import LockConfigurationError, RedisLockError
 from .state import LockClient, app_state
@@ -197,7 +198,7 @@ def client_for(app: Any) -> tuple[Client, str]:
     raises: ``ClientCallableFailed`` (callers apply ``redislock_on_error``).
     """
     made = app_state(app).client
-    if made is None or made.pid != os.getpid():
+    if made is None or made.pid != current_pid():
         with _making:  # two threads needing it at once make one
             made = _made(app)
     return made.client, made.where
@@ -206,7 +207,7 @@ def client_for(app: Any) -> tuple[Client, str]:
 def _made(app: Any) -> LockClient:
     """The app's lock client in this process: made, stored and logged unless it is already."""
     state = app_state(app)
-    if state.client is not None and state.client.pid == os.getpid():
+    if state.client is not None and state.client.pid == current_pid():
         return state.client
     given = app_settings(app).client  # an instance was checked with the settings
     if given is None:
@@ -215,7 +216,7 @@ def _made(app: Any) -> LockClient:
         client = _called(app, given) if callable(given) else given
         where, source = client_location(client), "redislock_client"
     # the package closes what it made (``forget_client``), never a client it was given
-    state.client = LockClient(os.getpid(), client, where, given is None or callable(given))
+    state.client = LockClient(current_pid(), client, where, given is None or callable(given))
     connected = log_fields(outcome="connected")
     logger.info("celery-redislock: locks in Redis at %s (from %s)", where, source, extra=connected)
     return state.client

@@ -28,7 +28,6 @@ delivered again is dropped too.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import redis
 
 from . import signals
 from ._durations import to_ms
+from ._process import current_pid
 from ._task_scripts import DROP, REPLACE, UNREPLACE
 from .attempt import busy_reply, hostname, seconds_left
 from .config import AppSettings, LockOptions
@@ -87,7 +87,7 @@ def enqueue(
     """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock."""
     lock_options: LockOptions = task.lock_options
     settings: AppSettings = task.lock_settings
-    holder = holder_for(task_id, options.get("retries") or 0, hostname(), os.getpid(), "queued")
+    holder = holder_for(task_id, options.get("retries") or 0, hostname(), current_pid(), "queued")
     ttl = _queue_ttl(lock_options, options)
     if lock_options.duplicate == "replace" and (options.get("group_id") or options.get("chord")):
         raise LockConfigurationError(

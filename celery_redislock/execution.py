@@ -21,7 +21,6 @@ Where each outcome is handled:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from contextlib import AbstractContextManager, suppress
 from typing import Any
@@ -30,6 +29,7 @@ import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
+from ._process import current_pid
 from ._task_scripts import CLAIM, PARK, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
@@ -108,7 +108,7 @@ class Execution:
                 self.client,
                 key,
                 options.ttl,
-                holder_for(self.task_id, self.retries, self.node, os.getpid()),
+                holder_for(self.task_id, self.retries, self.node, current_pid()),
                 settings,
                 task_name=task.name,
                 raise_on_lost=options.on_lost != "log",
@@ -260,7 +260,7 @@ class Execution:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
         ``"parked"``, ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
         ttl = self.options.queue_ttl + delay
-        queued = holder_for(self.task_id, self.retries + 1, hostname(), os.getpid(), "queued")
+        queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
         current, fence = lock.holder or "", lock.fence
         try:
             parked = PARK(
@@ -318,7 +318,7 @@ class Execution:
         with a WARNING the first time (per task).
         """
         state = app_state(self.task.app)
-        if state.pool_child == os.getpid():
+        if state.pool_child == current_pid():
             return True
         if self.task.name not in state.terminate_warned:
             state.terminate_warned.add(self.task.name)
@@ -372,7 +372,7 @@ class Execution:
         nobody claimed (beat's ``send_task`` fallback) goes to the first
         message of it that starts here.
         """
-        holder = holder_for(self.task_id, self.retries, self.node, os.getpid(), "claimed")
+        holder = holder_for(self.task_id, self.retries, self.node, current_pid(), "claimed")
         reply = CLAIM(self.client, [slot["key"]], [slot["token"], holder, slot["ttl"]])
         if isinstance(reply, int):
             logger.info(

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import weakref
 from typing import Any
 
 from celery import signals as celery_signals
 
+from ._process import current_pid
 from .beat import connect as connect_beat
 from .config import app_settings, bound_options
 from .connection import client_for
@@ -107,7 +107,7 @@ def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:
     """``worker_process_init`` (sent in a prefork pool child only): this process is one."""
     app = app_ref()
     if app is not None:
-        app_state(app).pool_child = os.getpid()
+        app_state(app).pool_child = current_pid()
 
 
 def _free_revoked(

@@ -27,6 +27,7 @@ from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
+from ._process import current_pid
 from .config import bound_options
 from .connection import client_for
 from .inventory import release_held_by
@@ -76,7 +77,7 @@ class LockedRequest(Request):
         """Release the lock once the child ``pid`` that ran the task has terminated (the pool
         stops it after this returns). A task that ran in this process (gevent, eventlet) was
         stopped in its own greenlet before the pool reports the time limit: released at once."""
-        if pid == os.getpid():
+        if pid == current_pid():
             self._release_orphaned_lock(why)
             return
         try:

@@ -21,6 +21,7 @@ import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
+from ._process import current_pid
 from ._redis import settle_later
 from ._task_scripts import ADOPT
 from .attempt import busy_reply
@@ -105,10 +106,10 @@ class ExecutionLock(RedisLock):
                         "pool child %d (lock_on_lost='terminate')",
                         self.name,
                         task_id,
-                        os.getpid(),
+                        current_pid(),
                         extra=telemetry.log_fields(self.name, task_id, self.holder, self.fence, "terminate"),
                     )
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(current_pid(), signal.SIGKILL)
         return True
 
     def body(self) -> AbstractContextManager[None]:

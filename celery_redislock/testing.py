@@ -46,6 +46,7 @@ import redis.cluster
 import redis.sentinel
 
 from ._durations import Duration
+from ._process import current_pid
 from .config import app_settings
 from .connection import Client, client_for
 from .exceptions import LockConfigurationError
@@ -403,7 +404,7 @@ def hold(
     if not app_settings(task.app).enabled:  # the tasks would ignore the lock held
         raise LockConfigurationError(f"task {task.name!r}: hold() needs redislock_enabled=True")
     client, _ = client_for(task.app)
-    holder = holder_for(task_id, 0, "celery_redislock.testing", os.getpid())
+    holder = holder_for(task_id, 0, "celery_redislock.testing", current_pid())
     lock = RedisLock(client, key, ttl, holder=holder)
     with lock:
         yield lock

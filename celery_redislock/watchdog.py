@@ -58,6 +58,7 @@ from typing import Any, Protocol
 import redis.cluster
 
 from . import signals, telemetry
+from ._process import current_pid
 from ._scripts import RENEW, bulk, read_replies
 
 __all__ = [
@@ -217,7 +218,7 @@ class Watchdog(LeaseSet):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pid = os.getpid()
+        self.pid = current_pid()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         #: losses to log and signal (lock, lease, reason), and the thread doing it
@@ -546,10 +547,10 @@ def get_watchdog() -> Watchdog:
     """This process's watchdog, created on first use and again after ``fork()``."""
     global _watchdog, _fork_hook_registered
     watchdog = _watchdog
-    if watchdog is not None and watchdog.pid == os.getpid():
+    if watchdog is not None and watchdog.pid == current_pid():
         return watchdog
     with _create:
-        if _watchdog is None or _watchdog.pid != os.getpid():
+        if _watchdog is None or _watchdog.pid != current_pid():
             if not _fork_hook_registered:
                 os.register_at_fork(after_in_child=_forget_after_fork)
                 _fork_hook_registered = True
