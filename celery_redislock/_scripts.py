@@ -239,11 +239,13 @@ class Script:
     (``fast`` where it has one).
     """
 
-    __slots__ = ("sha", "source")
+    __slots__ = ("packed_sha", "sha", "source")
 
     def __init__(self, body: str, fast: str = "") -> None:
         self.source = _PRELUDE_LOCK + fast + _PRELUDE_NAMES + _PRELUDE_FUNCTIONS + body
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+        #: the SHA as a RESP bulk string, as every ``pack`` sends it
+        self.packed_sha = bulk(self.sha.encode())
 
     def __call__(
         self,
@@ -296,20 +298,40 @@ class Script:
         args: Sequence[str | int],
         resending: Callable[[], None] | None,
     ) -> Any:
-        """``__call__`` on this thread's connection of the pool of ``client`` (a plain ``redis.Redis``)."""
-        with PooledConnection(client) as connection:
+        """``__call__`` on this thread's connection of the pool of ``client`` (a plain ``redis.Redis``).
+
+        A connection lent unpolled (``PooledConnection``, ``resends``) that the first send finds
+        broken, and the retry policy did not send it again on, is sent on again once, on a new
+        connection: what a poll before the send would have done, the script run at most once
+        more, as a retry policy runs it (a reply lost with its connection).
+        """
+        pooled = PooledConnection(client, resends=True)
+        with pooled as connection:
             encode = connection.encoder.encode
             packed_keys = [bulk(encode(key)) for key in keys]
             packed_args = [bulk(encode(arg)) for arg in args]
+            sends = failures = 0
 
             def failed(_: Exception) -> None:
+                nonlocal failures
+                failures += 1
                 connection.disconnect()
                 if resending is not None:
                     resending()
 
-            return connection.retry.call_with_retry(
-                lambda: self.run_on(connection, packed_keys, packed_args), failed
-            )
+            def send() -> Any:
+                nonlocal sends
+                sends += 1
+                return self.run_on(connection, packed_keys, packed_args)
+
+            try:
+                return connection.retry.call_with_retry(send, failed)
+            except redis.exceptions.ConnectionError as exc:
+                if sends > 1 or not pooled.unpolled:
+                    raise
+                if not failures:  # a policy that does not retry this error did not drop the connection
+                    failed(exc)
+                return send()
 
     async def call_async(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """Run on the asyncio client ``client`` (``redis.asyncio.Redis``), honouring its retry policy."""
@@ -341,7 +363,7 @@ class Script:
         return b"".join(
             (
                 b"*%d\r\n$7\r\nEVALSHA\r\n" % (3 + len(keys) + len(args)),
-                bulk(self.sha.encode()),
+                self.packed_sha,
                 bulk(b"%d" % len(keys)),
                 *keys,
                 *args,

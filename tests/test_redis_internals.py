@@ -29,6 +29,7 @@ import redis.cluster
 from redis._parsers.socket import SocketBuffer
 
 from celery_redislock import RedisLock
+from celery_redislock import _redis as pooled
 from celery_redislock._redis import PooledConnection
 from celery_redislock.aio import AsyncRedisLock
 from celery_redislock.lock import companion_key
@@ -41,9 +42,10 @@ pytestmark = pytest.mark.compat
 
 
 class Spy:
-    """Counts the calls of ``owner.name`` (a redis-py method) while the test runs."""
+    """Counts the calls of ``owner.name`` (a redis-py method, or the package's ``_redis._POLL``)
+    while the test runs."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
         self.calls = 0
         original = getattr(owner, name)
         if inspect.iscoroutinefunction(original):
@@ -140,12 +142,9 @@ def test_redlock_sends_to_every_server_on_pooled_connections(
     probe.close()
 
 
-def test_a_connection_the_server_closed_is_found_by_polling_its_socket(
-    monkeypatch: pytest.MonkeyPatch, client: redis.Redis, prefix: str
-) -> None:
-    """Before an exchange, a thread's pooled connection is probed by polling redis-py's ``_sock``
-    (a plain socket): one the server closed meanwhile is connected afresh before the script is
-    sent, so the send is not lost and sent again by the retry policy."""
+def killed_between_exchanges(client: redis.Redis, prefix: str) -> tuple[RedisLock, Any]:
+    """A lock held through ``client``, whose thread's pooled connection the server then closed
+    (``CLIENT KILL``, sent on another connection), and the class of that connection."""
     lock = RedisLock(client, f"{prefix}:k", ttl=LEASE, watchdog=False)
     assert lock.acquire(blocking=False)
     lock.release()  # the server has the release script from now on: one send is one EVALSHA
@@ -160,19 +159,55 @@ def test_a_connection_the_server_closed_is_found_by_polling_its_socket(
         lambda: str(own_id) not in {entry["id"] for entry in client.client_list()},
         what="the server to close the killed connection",
     )
-    found = spies(monkeypatch, client, "connection.can_read")
-    scripts_sent: list[bytes] = []
-    connection_class = type(connection)
+    return lock, type(connection)
+
+
+def recording_scripts(monkeypatch: pytest.MonkeyPatch, connection_class: Any) -> list[bytes]:
+    """The scripts sent on connections of ``connection_class`` from now on."""
+    sent: list[bytes] = []
     send = connection_class.send_packed_command
 
     def recording_send(self: Any, command: Any, check_health: bool = True) -> None:
-        scripts_sent.extend(part for part in command if b"EVALSHA" in part)
+        sent.extend(part for part in command if b"EVALSHA" in part)
         send(self, command, check_health)
 
     monkeypatch.setattr(connection_class, "send_packed_command", recording_send)
+    return sent
+
+
+def test_an_idle_connection_the_server_closed_is_found_by_polling_its_socket(
+    monkeypatch: pytest.MonkeyPatch, client: redis.Redis, prefix: str
+) -> None:
+    """Before an exchange, a thread's pooled connection idle for ``FRESH_FOR`` (here 0: every
+    one) is probed by polling redis-py's ``_sock`` (a plain socket): one the server closed
+    meanwhile is connected afresh before the script is sent, so the send is not lost and sent
+    again."""
+    monkeypatch.setattr(pooled, "FRESH_FOR", 0.0)
+    lock, connection_class = killed_between_exchanges(client, prefix)
+    found = spies(monkeypatch, client, "connection.can_read")
+    scripts_sent = recording_scripts(monkeypatch, connection_class)
     lock.release()
     assert (found["connection.can_read"].calls, len(scripts_sent)) == (0, 1)
     assert client.exists(f"{prefix}:k") == 0
+
+
+@pytest.mark.parametrize("policy", ["no retries", "default"])
+def test_a_fresh_connection_the_server_closed_is_sent_on_again_once(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, prefix: str, policy: str
+) -> None:
+    """A connection whose last reply was read less than ``FRESH_FOR`` ago is not polled: the
+    server closed it since, so the send breaks, and the script is sent once more on a new
+    connection, by the client's retry policy or, for a client that never retries, by the
+    package itself (what the poll would have done), and the release does its work."""
+    retry = {"retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)} if policy == "no retries" else {}
+    client = redis.Redis.from_url(redis_server.url, **retry)
+    lock, connection_class = killed_between_exchanges(client, prefix)
+    polls = Spy(monkeypatch, pooled, "_POLL")
+    scripts_sent = recording_scripts(monkeypatch, connection_class)
+    lock.release()
+    assert (polls.calls, len(scripts_sent)) == (0, 2)
+    assert client.exists(f"{prefix}:k") == 0
+    client.close()
 
 
 def test_cluster_nodes_found_by_key_and_by_slot(
