@@ -12,6 +12,8 @@ Duration = float | int | timedelta
 
 def seconds(value: object, what: str) -> float:
     """``value`` as finite seconds >= 0, or ``LockConfigurationError`` naming ``what``."""
+    if type(value) is float and 0.0 <= value < math.inf:  # as settings are, once resolved: no conversion
+        return value
     if isinstance(value, timedelta):
         result = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):

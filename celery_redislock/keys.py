@@ -95,6 +95,8 @@ def _encode(value: Any, delivered: bool) -> str:
 
 #: The types JSON delivers as they were sent (``bool`` and ``None`` included; not subclasses).
 _SCALARS = frozenset({str, int, float, bool, type(None)})
+#: The one type of dict key JSON delivers as it was sent.
+_TEXT = frozenset({str})
 
 
 def _delivered(value: Any) -> bool:
@@ -102,6 +104,8 @@ def _delivered(value: Any) -> bool:
     and ``_SCALARS``, each container reached once: no cycle, no shared part), so that one
     encoding gives its canonical JSON. Anything else (other types, an int dict key, a dict
     shaped like kombu's envelope) takes the round trip."""
+    if type(value) is dict and _SCALARS.issuperset(map(type, value.values())):  # flat, as most calls: no walk
+        return _TEXT.issuperset(map(type, value)) and value.keys() != _ENVELOPE
     pending, seen = [value], set()
     while pending:
         item = pending.pop()

@@ -101,7 +101,17 @@ def parse_holder(holder: str | None) -> dict[str, str]:
 
 def message_ticket(headers: Mapping[str, Any] | None) -> tuple[str, str] | None:
     """(key, token) of the enqueue lock a message carries in its ``redislock`` header, if any."""
-    ticket = (headers or {}).get(HEADER)
+    return _ticket(headers.get(HEADER) if headers else None)
+
+
+def request_ticket(request: Any) -> tuple[str, str] | None:
+    """The enqueue lock a request's message carries (in ``request.headers`` or, for a
+    request built from the raw message headers, as its ``redislock`` attribute)."""
+    return message_ticket(getattr(request, "headers", None)) or _ticket(getattr(request, HEADER, None))
+
+
+def _ticket(ticket: Any) -> tuple[str, str] | None:
+    """A ``redislock`` header's (key, token), if it is one."""
     if (
         isinstance(ticket, Mapping)
         and isinstance(ticket.get("key"), str)
@@ -109,14 +119,6 @@ def message_ticket(headers: Mapping[str, Any] | None) -> tuple[str, str] | None:
     ):
         return ticket["key"], ticket["token"]
     return None
-
-
-def request_ticket(request: Any) -> tuple[str, str] | None:
-    """The enqueue lock a request's message carries (in ``request.headers`` or, for a
-    request built from the raw message headers, as its ``redislock`` attribute)."""
-    return message_ticket(getattr(request, "headers", None)) or message_ticket(
-        {HEADER: getattr(request, HEADER, None)}
-    )
 
 
 def request_slot(request: Any) -> dict[str, Any] | None:

@@ -104,3 +104,19 @@ def test_all_arguments_by_position_key_as_bound(a: Any, b: Any, c: Any) -> None:
     assert by_position == call_digest("t", positional, (a, b), {"c": c})
     assert by_position == call_digest("t", positional, (a, b, c), lock_on=["a", "b", "c"])
     assert call_digest("t", positional, (a,)) == call_digest("t", positional, (a, 2, 3))
+
+
+#: One level of arguments, as most calls bind them: scalars and a few other values, under str
+#: keys, an int key or the envelope's keys.
+flat_arguments = st.dictionaries(
+    st.text(max_size=3) | st.integers() | st.sampled_from(["__type__", "__value__"]),
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.datetimes() | st.just(()),
+    max_size=3,
+)
+
+
+@given(flat_arguments)
+def test_a_flat_dict_is_judged_as_the_full_walk_judges_it(value: dict[Any, Any]) -> None:
+    """``_delivered`` answers a dict of scalars without walking it: the same answer as the walk
+    gives (reached here through a list, which the shortcut does not take)."""
+    assert keys._delivered(value) == keys._delivered([value])
