@@ -212,7 +212,8 @@ class PooledConnection:
     time limit) would otherwise leave a late reply for its next exchange to read
     as its own.
 
-    ``resends=True``: the caller sends its command once more, on a new connection,
+    ``resends=True``: the caller's command answers a second run as it answered the
+    first (``Script(idempotent=True)``), and is sent once more, on a new connection,
     when its first send finds the connection broken and ``unpolled`` is set; a
     fresh loaned connection is then not polled first (``_stale``).
     """
@@ -271,8 +272,8 @@ def send_later(client: Any, command: bytes, read: Callable[[Any], Any], then: Ca
         return False
     try:
         connection = loan.connection
-        try:  # not polled when fresh: a broken connection's release is sent again (``run_lock``)
-            _connect_clean(connection, time.monotonic() < loan.fresh_until)
+        try:
+            _connect_clean(connection)
         except BaseException as exc:
             connection.disconnect()
             if isinstance(exc, redis.exceptions.RedisError):
@@ -329,12 +330,14 @@ def _stale(connection: Any, fresh: bool = False) -> bool | None:
     that buffer class where it is looked for, and a platform without ``poll`` ask ``can_read``.
 
     A ``fresh`` connection (its last reply read completely less than ``FRESH_FOR`` seconds
-    ago, and its caller sends again on a broken one) is not polled: the ``poll`` is the costliest
-    step of a busy worker's exchange (about 4 µs of a pool child's CPU, measured in a worker's
-    tracer, two per task), and what it looks for is a connection closed while idle. One the
-    server closed within that second breaks the send or its read, and is sent on again, once,
-    on a new connection, as the poll would have done before the send (``Script``, and the
-    release sent without waiting, ``run_lock.release_later``).
+    ago) is not polled when its caller asks so (``PooledConnection(resends=True)``: a script
+    whose second run answers as its first, ``ACQUIRE``): the ``poll`` is the costliest step of
+    a busy worker's exchange (about 4 µs of a pool child's CPU, measured in a worker's tracer),
+    and what it looks for is a connection closed while idle. One the server closed since breaks
+    the send or its read, and the script is sent again on a new connection; its answer is the
+    one the first send would have had. Any other exchange is polled: after a broken connection
+    a second run of a release finds 0 whether the first freed the key or the key was lost
+    meanwhile, where a poll would have sent the first on a new connection and known.
     """
     sock = getattr(connection, "_sock", None)
     buffer: Any = getattr(getattr(connection, "_parser", None), "_buffer", None)
@@ -353,8 +356,9 @@ def _stale(connection: Any, fresh: bool = False) -> bool | None:
 
 
 #: How long (seconds) after its last reply a loaned connection counts as fresh: not polled before
-#: its next exchange (``_stale``). Shorter than any idle timeout a server or a network applies.
-FRESH_FOR = 1.0
+#: an idempotent script (``_stale``). Half of Redis's shortest idle ``timeout`` (1 s); one closed
+#: within it anyway (a restart, a failover) costs a second send.
+FRESH_FOR = 0.5
 #: ``select.poll`` where the platform has it (not Windows).
 _POLL = getattr(select, "poll", None)
 

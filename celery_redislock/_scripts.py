@@ -239,11 +239,14 @@ class Script:
     (``fast`` where it has one).
     """
 
-    __slots__ = ("packed_sha", "sha", "source")
+    __slots__ = ("idempotent", "packed_sha", "sha", "source")
 
-    def __init__(self, body: str, fast: str = "") -> None:
+    def __init__(self, body: str, fast: str = "", idempotent: bool = False) -> None:
         self.source = _PRELUDE_LOCK + fast + _PRELUDE_NAMES + _PRELUDE_FUNCTIONS + body
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+        #: a second run of a call answers as the first did (``ACQUIRE``: the caller's own hold is
+        #: found and granted again): sent on a fresh connection unpolled (``_call_pooled``)
+        self.idempotent = idempotent
         #: the SHA as a RESP bulk string, as every ``pack`` sends it
         self.packed_sha = bulk(self.sha.encode())
 
@@ -300,12 +303,12 @@ class Script:
     ) -> Any:
         """``__call__`` on this thread's connection of the pool of ``client`` (a plain ``redis.Redis``).
 
-        A connection lent unpolled (``PooledConnection``, ``resends``) that the first send finds
-        broken, and the retry policy did not send it again on, is sent on again once, on a new
-        connection: what a poll before the send would have done, the script run at most once
-        more, as a retry policy runs it (a reply lost with its connection).
+        An ``idempotent`` script goes on a fresh connection unpolled (``PooledConnection``,
+        ``resends``); one the first send finds broken, and the retry policy did not send it
+        again on, is sent on again once, on a new connection: the script may run twice, and
+        answers the second run as it would have answered the first.
         """
-        pooled = PooledConnection(client, resends=True)
+        pooled = PooledConnection(client, resends=self.idempotent)
         with pooled as connection:
             encode = connection.encoder.encode
             packed_keys = [bulk(encode(key)) for key in keys]
@@ -463,6 +466,6 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-ACQUIRE = Script(_ACQUIRE, fast=_ACQUIRE_FAST)
+ACQUIRE = Script(_ACQUIRE, fast=_ACQUIRE_FAST, idempotent=True)
 RELEASE = Script(_RELEASE, fast=_RELEASE_FAST)
 RENEW = Script(_RENEW)

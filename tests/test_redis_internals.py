@@ -28,7 +28,7 @@ import redis.asyncio
 import redis.cluster
 from redis._parsers.socket import SocketBuffer
 
-from celery_redislock import RedisLock
+from celery_redislock import LockNotOwned, RedisLock
 from celery_redislock import _redis as pooled
 from celery_redislock._redis import PooledConnection
 from celery_redislock.aio import AsyncRedisLock
@@ -175,38 +175,68 @@ def recording_scripts(monkeypatch: pytest.MonkeyPatch, connection_class: Any) ->
     return sent
 
 
-def test_an_idle_connection_the_server_closed_is_found_by_polling_its_socket(
+def test_a_release_finds_a_connection_the_server_closed_by_polling_its_socket(
     monkeypatch: pytest.MonkeyPatch, client: redis.Redis, prefix: str
 ) -> None:
-    """Before an exchange, a thread's pooled connection idle for ``FRESH_FOR`` (here 0: every
-    one) is probed by polling redis-py's ``_sock`` (a plain socket): one the server closed
-    meanwhile is connected afresh before the script is sent, so the send is not lost and sent
-    again."""
-    monkeypatch.setattr(pooled, "FRESH_FOR", 0.0)
+    """Before a release, a thread's pooled connection is probed by polling redis-py's ``_sock`` (a
+    plain socket), however recently it was used: one the server closed meanwhile is connected
+    afresh before the script is sent, so the release is sent once, and its answer is known."""
     lock, connection_class = killed_between_exchanges(client, prefix)
     found = spies(monkeypatch, client, "connection.can_read")
-    scripts_sent = recording_scripts(monkeypatch, connection_class)
-    lock.release()
-    assert (found["connection.can_read"].calls, len(scripts_sent)) == (0, 1)
-    assert client.exists(f"{prefix}:k") == 0
-
-
-@pytest.mark.parametrize("policy", ["no retries", "default"])
-def test_a_fresh_connection_the_server_closed_is_sent_on_again_once(
-    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, prefix: str, policy: str
-) -> None:
-    """A connection whose last reply was read less than ``FRESH_FOR`` ago is not polled: the
-    server closed it since, so the send breaks, and the script is sent once more on a new
-    connection, by the client's retry policy or, for a client that never retries, by the
-    package itself (what the poll would have done), and the release does its work."""
-    retry = {"retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)} if policy == "no retries" else {}
-    client = redis.Redis.from_url(redis_server.url, **retry)
-    lock, connection_class = killed_between_exchanges(client, prefix)
     polls = Spy(monkeypatch, pooled, "_POLL")
     scripts_sent = recording_scripts(monkeypatch, connection_class)
     lock.release()
-    assert (polls.calls, len(scripts_sent)) == (0, 2)
+    assert (found["connection.can_read"].calls, polls.calls, len(scripts_sent)) == (0, 1, 1)
     assert client.exists(f"{prefix}:k") == 0
+
+
+def test_a_lock_lost_while_its_connection_was_closed_is_not_owned_at_release(
+    client: redis.Redis, prefix: str
+) -> None:
+    """The key went (expired, deleted, a failover) and the server closed the holder's connection
+    (a restart) within a second of its last reply: the release is sent once, on a new connection,
+    and says the lock was not held (``LockNotOwned``), not released as a resent release's 0 would
+    be counted."""
+    lock, _ = killed_between_exchanges(client, prefix)
+    client.delete(f"{prefix}:k")
+    with pytest.raises(LockNotOwned):
+        lock.release()
+
+
+def test_an_idle_connection_the_server_closed_is_polled_before_an_acquire(
+    monkeypatch: pytest.MonkeyPatch, client: redis.Redis, prefix: str
+) -> None:
+    """A connection idle for ``FRESH_FOR`` (here 0: every one) is polled before an acquire too."""
+    monkeypatch.setattr(pooled, "FRESH_FOR", 0.0)
+    lock, connection_class = killed_between_exchanges(client, prefix)
+    other = RedisLock(client, f"{prefix}:other", ttl=LEASE, watchdog=False)
+    polls = Spy(monkeypatch, pooled, "_POLL")
+    scripts_sent = recording_scripts(monkeypatch, connection_class)
+    assert other.acquire(blocking=False)
+    assert (polls.calls, len(scripts_sent)) == (1, 1)
+    other.release()
+    lock.release()
+
+
+@pytest.mark.parametrize("policy", ["no retries", "default"])
+def test_a_fresh_connection_the_server_closed_is_sent_an_acquire_again_once(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, prefix: str, policy: str
+) -> None:
+    """A connection whose last reply was read less than ``FRESH_FOR`` ago is not polled before an
+    acquire (whose second run answers as its first): the server closed it since, so the send
+    breaks, and ``ACQUIRE`` is sent once more on a new connection, by the client's retry policy
+    or, for a client that never retries, by the package itself, and the lock is taken."""
+    retry = {"retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)} if policy == "no retries" else {}
+    client = redis.Redis.from_url(redis_server.url, **retry)
+    lock, connection_class = killed_between_exchanges(client, prefix)
+    other = RedisLock(client, f"{prefix}:other", ttl=LEASE, watchdog=False)
+    polls = Spy(monkeypatch, pooled, "_POLL")
+    scripts_sent = recording_scripts(monkeypatch, connection_class)
+    assert other.acquire(blocking=False)
+    assert (polls.calls, len(scripts_sent)) == (0, 2)
+    assert other.owned()
+    other.release()
+    lock.release()
     client.close()
 
 

@@ -164,7 +164,7 @@ def test_a_release_that_cannot_reach_redis_leaves_a_lock_that_expires_within_loc
         dropped_at = time.monotonic()
         stage.recorder.open_gate(x)  # the body ends; its release cannot reach Redis
         assert result.get(timeout=RESULT_TIMEOUT) == x  # the task's outcome stands
-        # reported once the release's outcome is read: as the result is stored, or after
+        # reported once the release's outcome is known, which may come after the result is stored
         wait_for(lambda: f"could not release lock {key}" in worker.output(), what="the release's WARNING")
         assert stage.client.exists(key)  # still there, but no longer renewed...
         wait_for(lambda: not stage.client.exists(key), timeout=TTL + 5, what="the lease to run out")
