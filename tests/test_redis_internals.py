@@ -203,29 +203,25 @@ def test_a_lock_lost_while_its_connection_was_closed_is_not_owned_at_release(
         lock.release()
 
 
-def test_an_idle_connection_the_server_closed_is_polled_before_an_acquire(
-    monkeypatch: pytest.MonkeyPatch, client: redis.Redis, prefix: str
+@pytest.mark.parametrize(
+    ("connection", "policy", "polls_and_sends"),
+    [("idle", "default", (1, 1)), ("fresh", "no retries", (0, 2)), ("fresh", "default", (0, 2))],
+)
+def test_an_acquire_on_a_connection_the_server_closed_polls_it_when_idle_and_sends_again_when_fresh(
+    monkeypatch: pytest.MonkeyPatch,
+    redis_server: RedisServer,
+    prefix: str,
+    connection: str,
+    policy: str,
+    polls_and_sends: tuple[int, int],
 ) -> None:
-    """A connection idle for ``FRESH_FOR`` (here 0: every one) is polled before an acquire too."""
-    monkeypatch.setattr(pooled, "FRESH_FOR", 0.0)
-    lock, connection_class = killed_between_exchanges(client, prefix)
-    other = RedisLock(client, f"{prefix}:other", ttl=LEASE, watchdog=False)
-    polls = Spy(monkeypatch, pooled, "_POLL")
-    scripts_sent = recording_scripts(monkeypatch, connection_class)
-    assert other.acquire(blocking=False)
-    assert (polls.calls, len(scripts_sent)) == (1, 1)
-    other.release()
-    lock.release()
-
-
-@pytest.mark.parametrize("policy", ["no retries", "default"])
-def test_a_fresh_connection_the_server_closed_is_sent_an_acquire_again_once(
-    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, prefix: str, policy: str
-) -> None:
-    """A connection whose last reply was read less than ``FRESH_FOR`` ago is not polled before an
-    acquire (whose second run answers as its first): the server closed it since, so the send
-    breaks, and ``ACQUIRE`` is sent once more on a new connection, by the client's retry policy
-    or, for a client that never retries, by the package itself, and the lock is taken."""
+    """A connection idle for ``FRESH_FOR`` (here 0: every one) is polled before an acquire, and
+    connected afresh before the send. One whose last reply was read less than ``FRESH_FOR`` ago
+    is not (an acquire's second run answers as its first): the server closed it since, so the
+    send breaks, and ``ACQUIRE`` is sent once more on a new connection, by the client's retry
+    policy or, for a client that never retries, by the package itself. The lock is taken."""
+    if connection == "idle":
+        monkeypatch.setattr(pooled, "FRESH_FOR", 0.0)
     retry = {"retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)} if policy == "no retries" else {}
     client = redis.Redis.from_url(redis_server.url, **retry)
     lock, connection_class = killed_between_exchanges(client, prefix)
@@ -233,7 +229,7 @@ def test_a_fresh_connection_the_server_closed_is_sent_an_acquire_again_once(
     polls = Spy(monkeypatch, pooled, "_POLL")
     scripts_sent = recording_scripts(monkeypatch, connection_class)
     assert other.acquire(blocking=False)
-    assert (polls.calls, len(scripts_sent)) == (0, 2)
+    assert (polls.calls, len(scripts_sent)) == polls_and_sends
     assert other.owned()
     other.release()
     lock.release()
