@@ -21,7 +21,6 @@ import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
-from ._process import current_pid
 from ._redis import settle_later
 from ._task_scripts import ADOPT
 from .attempt import busy_reply
@@ -101,15 +100,16 @@ class ExecutionLock(RedisLock):
             with self._guard:  # the body cannot end meanwhile: a child that finished is never stopped
                 if self._body_running:
                     task_id = getattr(self.request, "id", None)
+                    pid = os.getpid()  # asked of the kernel: the process stopped is this one, never another
                     logger.error(
                         "lock %r lost while task %s ran: it is no longer held by this task; stopping "
                         "pool child %d (lock_on_lost='terminate')",
                         self.name,
                         task_id,
-                        current_pid(),
+                        pid,
                         extra=telemetry.log_fields(self.name, task_id, self.holder, self.fence, "terminate"),
                     )
-                    os.kill(os.getpid(), signal.SIGKILL)  # this process, asked of the kernel: never another
+                    os.kill(pid, signal.SIGKILL)
         return True
 
     def body(self) -> AbstractContextManager[None]:
