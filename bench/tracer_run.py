@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.syscalls and shutil.which("strace") is None:
         parser.error("strace is not on PATH (Debian: apt-get install strace)")
+    if not args.syscalls and len(args.variants) not in (2, 4):
+        parser.error("without --syscalls, give VARIANT N, or VARIANT N BROKER_URL LOCK_URL")
     if not args.syscalls and len(args.variants) == 4:
         variant, tasks, broker_url, lock_url = args.variants
         run(variant, int(tasks), broker_url, lock_url)
