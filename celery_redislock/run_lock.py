@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import redis
@@ -44,7 +44,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The block of a body whose lock need not mark it (stateless: one serves every run).
 #: The block of a body that needs no marking: ``nullcontext`` keeps no state, so one serves every run.
 EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
 
@@ -198,21 +197,33 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
     unknown, and the key expires within its lease (never ``"lost"``: the hold is forgotten once
     the send began). One that comes before the send raises, the hold kept for ``finish_release``.
     """
-    stack = ExitStack()  # ends ``ending`` once: when the outcome is reported, or the send interrupted
-    stack.enter_context(ending)
+    ending.__enter__()
     report = _Report(task, lock, task_id, announce=True)  # once ``ending`` began: its held ≤ the signal's
+    ended = False
+
+    def end(exc: BaseException | None = None) -> None:
+        """End ``ending`` once: when the outcome is reported, or the send interrupted. (A flag,
+        not an ``ExitStack``: this runs for every task, and the stack's calls cost more.)"""
+        nonlocal ended
+        if not ended:
+            ended = True
+            ending.__exit__(None if exc is None else type(exc), exc, None if exc is None else exc.__traceback__)
 
     def then(freed: bool | BaseException) -> None:
-        with stack:
+        try:
             ending.outcome = report.outcome(freed)
+        except BaseException as exc:
+            end(exc)
+            raise
+        end()
 
     try:
         sent = _release_sent(lock, then)
     except BaseException as exc:  # interrupted: a hold still kept is ``finish_release``'s
-        stack.__exit__(type(exc), exc, exc.__traceback__)  # a no-op if ``then`` ended it
+        end(exc)  # a no-op if ``then`` ended it
         raise
     if not sent:
-        stack.close()  # no outcome: ``ending`` records nothing, the caller releases
+        end()  # no outcome: ``ending`` records nothing, the caller releases
     return sent
 
 

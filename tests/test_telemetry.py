@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun, task_success
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -37,12 +38,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY, generate_latest
 
+import celery_redislock.lock
 from celery_redislock import (
     LockConfigurationError,
     LockNotOwned,
     RedisLock,
     RedisLockError,
     busy,
+    run_lock,
     signals,
     task_lock_key,
     telemetry,
@@ -640,6 +643,48 @@ def test_a_release_that_fails_is_noted_with_its_error_type(otel: Otel, held: Red
     assert (noted["task"], noted["error.type"]) == ("t-failed", "celery_redislock.exceptions.RedisLockError")
     assert noted["fence"] == held.fence and noted["held"] > 0
     assert exceptions_on(run) == 0 and otel.count("redislock.lock.held", **attributes) == helds
+
+
+def test_a_deferred_release_interrupted_before_its_send_ends_its_step_once_and_keeps_the_hold(
+    otel: Otel, fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_lock.release_later`` interrupted before anything is sent (a soft time limit while
+    the connection is checked): the release step ends once, failed (``"auto"``: its event with
+    ``error.type``, no metric), and the hold is kept for ``finish_release``, whose release is
+    then reported as ``released``, no second event."""
+    attributes = {"task": "t-interrupted", "mode": "while_executing"}
+    helds = otel.count("redislock.lock.held", **attributes)
+    lock = RedisLock(fresh_server.client(), f"{prefix}:lock", ttl=30)
+    assert lock.acquire(blocking=False)
+    task = type("Task", (), {"name": "t-interrupted", "app": None})()  # what the signal receivers read
+
+    def interrupted(*args: Any) -> bool:
+        raise SoftTimeLimitExceeded()
+
+    released: list[dict[str, Any]] = []
+
+    def on_released(sender: Any, **details: Any) -> None:
+        released.append(details)
+
+    signals.lock_released.connect(on_released, sender=task, weak=False)
+    try:
+        with trace.get_tracer("test").start_as_current_span("A"):
+            with monkeypatch.context() as patched:
+                patched.setattr(celery_redislock.lock, "send_later", interrupted)
+                ending = telemetry.Release("t-interrupted", "while_executing", lock, "auto")
+                with pytest.raises(SoftTimeLimitExceeded):
+                    run_lock.release_later(task, lock, "id-1", ending)
+            assert lock.held()
+            run_lock.finish_release(task, lock, "id-1")
+    finally:
+        signals.lock_released.disconnect(on_released, sender=task)
+    assert not lock.held() and not lock.client.exists(lock.name)
+    [run] = spans_named(otel, "A")
+    [(name, noted)] = lock_events(run)
+    assert (name, noted["error.type"]) == ("redislock.release", "billiard.exceptions.SoftTimeLimitExceeded")
+    assert [details["key"] for details in released] == [lock.name]
+    assert otel.count("redislock.lock.held", **attributes) == helds
+    lock.client.close()
 
 
 def test_every_log_line_carries_its_fields(
