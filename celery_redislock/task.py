@@ -189,10 +189,11 @@ class LockedTask(OnCommit):
     def _retried_attempt(self, key: str, task_id: str | None, options: Mapping[str, Any]) -> Any:
         """The request of the attempt running here that a message for ``task_id`` with
         ``options`` retries (same task id and key, the next retry count), if any."""
+        if task_id is None:  # the common send: no need to read the request (a few µs, Celery's)
+            return None
         running = self.request
         if (
-            task_id is None
-            or running.id != task_id
+            running.id != task_id
             or getattr(running, "lock_key", None) != key
             or (options.get("retries") or 0) != (running.retries or 0) + 1
         ):
