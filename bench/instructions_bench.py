@@ -26,7 +26,7 @@ peers (celery-once, celery-singleton) lock in the producer and unlock in the poo
 instructions over the best peer's (target <= 1).
 
 Needs valgrind (``apt-get install valgrind``); the two servers are private redis-servers on
-127.0.0.1, as in ``task_bench.py``. About 10 minutes.
+127.0.0.1, as in ``task_bench.py``. About 15 minutes.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from celery_redislock.testing import RedisServer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=300, help="tasks counted per variant (default 300)")
+    parser.add_argument("--tasks", type=int, default=1000, help="tasks counted per variant (default 1000)")
     parser.add_argument("--base", type=int, default=50, help="tasks of the smaller run (default 50)")
     parser.add_argument("--variants", nargs="+", choices=task_bench.VARIANTS, default=task_bench.VARIANTS)
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
