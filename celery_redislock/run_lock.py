@@ -207,7 +207,10 @@ def release_later(task: Any, lock: RedisLock, task_id: str | None, ending: telem
         nonlocal ended
         if not ended:
             ended = True
-            ending.__exit__(None if exc is None else type(exc), exc, None if exc is None else exc.__traceback__)
+            if exc is None:
+                ending.__exit__(None, None, None)
+            else:
+                ending.__exit__(type(exc), exc, exc.__traceback__)
 
     def then(freed: bool | BaseException) -> None:
         try:
