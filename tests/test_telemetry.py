@@ -229,7 +229,7 @@ def test_a_run_is_counted_timed_and_noted_on_its_task_span(
     assert None not in times and times == sorted(times)  # type: ignore[type-var]
     assert not spans_named(otel, "redislock.acquire") + spans_named(otel, "redislock.release")
     assert acquired["mode"] == "while_executing" and 0 <= acquired["waited"] < 5
-    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 0.2
+    assert released["fence"] == acquired["fence"] and 0 <= released["held"] < 5  # seconds, not ms
     # to the release's send, which began before the signal's count: not to its reply's read
     assert 0 <= otel.total("redislock.lock.held", **attributes) - held <= released["held"]
     app.close()
