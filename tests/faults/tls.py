@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from celery_redislock.testing import find_redis_server
+from celery_redislock.testing import _free_port, find_redis_server
 
 __all__ = ["TLSRedisServer", "TLSUnsupported", "have_openssl"]
 
@@ -63,14 +63,6 @@ def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
         "-out", "server.pem", "-days", "1", "-extfile", "san.cnf",
     )  # fmt: skip
     return directory / "ca.pem", directory / "server.pem", directory / "server.key"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class TLSRedisServer:
