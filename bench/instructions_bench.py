@@ -13,25 +13,29 @@ else the machine does (``docs/benchmarks.md``). For each variant of ``task_bench
 * **producer**: the ``apply_async`` loop of ``task_bench.py`` (the results kept, as there), in a
   process of its own under callgrind, the same two sizes, on servers of its own.
 
-The lock server's work is not counted here: ``task_bench.py`` reports its CPU and its commands
-per task (``INFO commandstats`` cannot tell a script's own time from its commands', which it
-counts as well).
+* **lock server**: the worker runs' lock server runs under callgrind too, counting its command
+  processing only (``SERVER_FUNCTIONS``: reading and running each request, scripts included,
+  and writing its reply), not its event loop and cron, whose work follows the run's length
+  rather than its commands. Its counts are zeroed as a worker run begins and dumped as it ends
+  (``callgrind_control``): every lock command of the run, the sends' and the worker's (the
+  producer runs' own lock server is not counted: its commands are those of the sends).
 
-**Lock instructions per task** are the pool's and the producer's less plain's: the work a
-lock adds, wherever it runs. The worker's main process is shown apart: its event loop's work
-follows the run's length (stretched some 50 times under callgrind) as much as its tasks. The
-peers (celery-once, celery-singleton) lock in the producer and unlock in the pool,
-``LockedTask`` does both in the pool. Everything is printed and written to
+**Lock instructions per task** are the pool's, the producer's and the lock server's less
+plain's: the work a lock adds, wherever it runs. The worker's main process is shown apart: its
+event loop's work follows the run's length (stretched some 50 times under callgrind) as much as
+its tasks. The peers (celery-once, celery-singleton) lock in the producer and unlock in the
+pool, ``LockedTask`` does both in the pool. Everything is printed and written to
 ``bench/results/instructions_bench.json``, with a summary line: ``LockedTask``'s lock
 instructions over the best peer's (target <= 1).
 
-Needs valgrind (``apt-get install valgrind``); the two servers are private redis-servers on
-127.0.0.1, as in ``task_bench.py``. About 15 minutes.
+Needs valgrind (``apt-get install valgrind``, with ``callgrind_control``); the servers are private
+redis-servers on 127.0.0.1, as in ``task_bench.py``. About 15 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import secrets
 import shutil
@@ -39,16 +43,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "instructions_bench.json"
-#: What a lock's instructions are counted in: the pool children and the producer (as ``task_bench.py``'s
-#: lock CPU). The worker's main process is shown apart: its event loop's work follows the run's
-#: length (slowed down some 50 times under callgrind) as much as its tasks.
-LOCK_PLACES = ("worker pool", "producer")
+#: What a lock's instructions are counted in: the pool children, the producer and the lock server
+#: (as ``task_bench.py``'s lock CPU). The worker's main process is shown apart: its event loop's
+#: work follows the run's length (slowed down some 50 times under callgrind) as much as its tasks.
+LOCK_PLACES = ("worker pool", "producer", "lock server")
+#: The functions of redis-server (6.2 and 7.x export them) whose instructions callgrind counts in
+#: the lock server: ``readQueryFromClient`` reads a request and runs its commands (a script's own
+#: ``redis.call``s included), the replies go out from ``handleClientsWithPendingWritesUsingThreads``.
+#: Neither calls the other.
+SERVER_FUNCTIONS = ("readQueryFromClient", "handleClientsWithPendingWritesUsingThreads")
 #: A callgrind output's total of instructions executed (``summary:``, or ``totals:`` in newer ones).
 _TOTAL = re.compile(rb"^(?:summary|totals): (\d+)", re.M)
 
@@ -61,20 +71,46 @@ def callgrind_total(path: Path) -> int:
     return int(found.group(1))
 
 
-def valgrind(out: str) -> list[str]:
+def valgrind(out: str, *options: str) -> list[str]:
     """The command prefix that runs a program under callgrind, writing to ``out`` (``%p``: the pid)."""
-    return ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={out}"]
+    return ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={out}", *options]
 
 
-def worker_run(variant: str, tasks: int, broker: Any, locks: Any) -> dict[str, float]:
+def counted_server(out: Path) -> Any:
+    """A redis-server (not started) under callgrind, counting its command processing
+    (``SERVER_FUNCTIONS``) into dumps ``out.1``, ``out.2``... (``server_count``)."""
+    from celery_redislock.testing import RedisServer
+
+    return RedisServer(wrapper=valgrind(str(out), *(f"--toggle-collect={f}" for f in SERVER_FUNCTIONS)))
+
+
+@contextlib.contextmanager
+def server_count(server: Any, out: Path) -> Iterator[dict[str, int]]:
+    """The instructions ``server`` (a ``counted_server`` writing to ``out``) processes commands
+    with during the block: its counts are zeroed as it begins, and dumped as it ends into the
+    dict's ``"lock server"``."""
+    subprocess.run(["callgrind_control", "--zero", str(server.pid)], check=True, capture_output=True)
+    counted: dict[str, int] = {}
+    yield counted
+    before = set(out.parent.glob(f"{out.name}.*"))
+    subprocess.run(["callgrind_control", "--dump", str(server.pid)], check=True, capture_output=True)
+    [dump] = set(out.parent.glob(f"{out.name}.*")) - before
+    counted["lock server"] = callgrind_total(dump)
+
+
+def worker_run(variant: str, tasks: int, broker: Any, locks: Any, locks_out: Path) -> dict[str, float]:
     """One run of ``task_bench.py``'s worker under callgrind with ``tasks`` tasks: instructions of
-    its main process and its pool children (summed)."""
+    its main process, its pool children (summed) and the lock server ``locks`` (a
+    ``counted_server`` writing to ``locks_out``)."""
     import task_bench
     from celery.result import ResultSet
 
     run = secrets.token_hex(4)
     queue = f"instructions-{run}"
-    with tempfile.TemporaryDirectory(prefix="instructions-bench-") as folder:
+    with (
+        tempfile.TemporaryDirectory(prefix="instructions-bench-") as folder,
+        server_count(locks, locks_out) as lock_server,
+    ):
         worker = task_bench.Worker(
             variant, broker.url, locks.url, queue, 2, wrapper=valgrind(f"{folder}/%p.out")
         )
@@ -93,7 +129,7 @@ def worker_run(variant: str, tasks: int, broker: Any, locks: Any) -> dict[str, f
             f"{variant}: callgrind counted {len(counts)} processes, not the worker and its pool"
         )
     main = counts.pop(pid)
-    return {"worker main": main, "worker pool": sum(counts.values())}
+    return {"worker main": main, "worker pool": sum(counts.values()), **lock_server}
 
 
 def producer_run(variant: str, tasks: int, broker: Any, locks: Any) -> int:
@@ -133,7 +169,8 @@ def per_task(small: dict[str, float], large: dict[str, float], tasks: int) -> di
 
 
 def lock_instructions(row: dict[str, float], plain: dict[str, float]) -> float:
-    """What a lock adds per task: the pool's and the producer's instructions less plain's."""
+    """What a lock adds per task: the pool's, the producer's and the lock server's instructions
+    less plain's."""
     return sum(row[place] - plain[place] for place in LOCK_PLACES)
 
 
@@ -183,46 +220,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=task_bench.VARIANTS, default=task_bench.VARIANTS)
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
-    if shutil.which("valgrind") is None:
-        parser.error("valgrind is not on PATH (Debian: apt-get install valgrind)")
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        parser.error("valgrind or callgrind_control is not on PATH (Debian: apt-get install valgrind)")
     if "plain" not in args.variants:
         args.variants.insert(0, "plain")
     versions = task_bench.ensure_peers()
     started = time.monotonic()
     rows: dict[str, dict[str, float]] = {}
-    with (
-        RedisServer() as broker,
-        RedisServer() as locks,
-        RedisServer() as producer_broker,
-        RedisServer() as producer_locks,
-        ThreadPoolExecutor(1) as producers,
-    ):
-        for variant in args.variants:
-            # The producer's two runs go on beside the worker's (a count does not depend on what else
-            # runs), on servers of their own.
-            sent = [
-                producers.submit(producer_run, variant, n, producer_broker, producer_locks)
-                for n in (args.base, args.base + args.tasks)
-            ]
-            small, large = (
-                worker_run(variant, n, broker, locks) for n in (args.base, args.base + args.tasks)
-            )
-            small["producer"], large["producer"] = (future.result() for future in sent)
-            rows[variant] = per_task(small, large, args.tasks)
-            row = rows[variant]
-            print(
-                f"  {variant:<17} pool {row['worker pool']:>11,.0f}  main {row['worker main']:>11,.0f}"
-                f"  producer {row['producer']:>11,.0f} instructions/task",
-                flush=True,
-            )
-            for server in (broker, locks, producer_broker, producer_locks):
-                with server.client() as client:
-                    client.flushall()
+    with tempfile.TemporaryDirectory(prefix="instructions-bench-") as dumps:
+        lock_out = Path(dumps, "lock-server.out")
+        with (
+            counted_server(lock_out) as locks,
+            RedisServer() as broker,
+            RedisServer() as producer_broker,
+            RedisServer() as producer_locks,
+            ThreadPoolExecutor(1) as producers,
+        ):
+            for variant in args.variants:
+                # The producer's two runs go on beside the worker's (a count does not depend on what else
+                # runs), on servers of their own.
+                sent = [
+                    producers.submit(producer_run, variant, n, producer_broker, producer_locks)
+                    for n in (args.base, args.base + args.tasks)
+                ]
+                small, large = (
+                    worker_run(variant, n, broker, locks, lock_out)
+                    for n in (args.base, args.base + args.tasks)
+                )
+                small["producer"], large["producer"] = (future.result() for future in sent)
+                rows[variant] = per_task(small, large, args.tasks)
+                row = rows[variant]
+                print(
+                    f"  {variant:<17} pool {row['worker pool']:>11,.0f}  main {row['worker main']:>11,.0f}"
+                    f"  producer {row['producer']:>11,.0f}  lock server {row['lock server']:>9,.0f}"
+                    " instructions/task",
+                    flush=True,
+                )
+                for server in (broker, locks, producer_broker, producer_locks):
+                    with server.client() as client:
+                        client.flushall()
     summary = summarize(rows)
     print_table(
         f"instructions per task (callgrind; runs of {args.base} and {args.base + args.tasks} tasks, "
-        "prefork -c 2; lock: pool + producer less plain's)",
-        ["variant", "lock", "pool", "main", "producer"],
+        "prefork -c 2; lock: pool + producer + lock server less plain's)",
+        ["variant", "lock", "pool", "main", "producer", "lock server"],
         [
             [
                 variant,
@@ -230,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['worker pool']:,.0f}",
                 f"{row['worker main']:,.0f}",
                 f"{row['producer']:,.0f}",
+                f"{row['lock server']:,.0f}",
             ]
             for variant, row in summary.items()
         ],

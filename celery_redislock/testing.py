@@ -110,8 +110,13 @@ def _free_port(highest: int = 65535) -> int:
 class RedisServer:
     """A private redis-server on 127.0.0.1, started by ``start()`` and stopped by pid."""
 
-    def __init__(self, *extra_args: str, config: str = "", highest_port: int = 65535) -> None:
+    def __init__(
+        self, *extra_args: str, config: str = "", highest_port: int = 65535, wrapper: Sequence[str] = ()
+    ) -> None:
         self.extra_args = extra_args
+        #: a command that runs the server in its own process (``exec``-ing it, so that the pid is
+        #: the server's): ``bench/instructions_bench.py``'s callgrind
+        self.wrapper = tuple(wrapper)
         #: the highest port it may listen on (a Cluster node's bus port is its port + 10,000)
         self.highest_port = highest_port
         #: redis.conf text, for directives that only a file takes (a sentinel's)
@@ -148,6 +153,7 @@ class RedisServer:
             self.port = self.port or _free_port(self.highest_port)
             self.process = subprocess.Popen(
                 [
+                    *self.wrapper,
                     self.binary,
                     *config,
                     "--port",

@@ -4,6 +4,7 @@ helper is checked against a real server."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,3 +218,16 @@ def test_a_cluster_node_listens_at_or_below_port_55535() -> None:
     assert max(ports) <= 55535
     with node:
         assert node.port <= 55535
+
+
+def test_a_wrapper_runs_the_server_in_its_own_process() -> None:
+    """``wrapper`` runs the server (a profiler, for ``bench/instructions_bench.py``): here ``nice``,
+    which execs it at a lower priority; the server answers as the process started, stopped by
+    its pid."""
+    server = RedisServer(wrapper=["nice", "-n", "7"])
+    with server:
+        with server.client() as client:
+            assert int(client.info("server")["process_id"]) == server.pid
+        niceness = int(Path(f"/proc/{server.pid}/stat").read_text().rpartition(")")[2].split()[16])
+        assert niceness == os.getpriority(os.PRIO_PROCESS, 0) + 7
+    assert server.process is not None and server.process.poll() is not None
