@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import celery._state
 import pytest
@@ -30,7 +30,12 @@ from celery_redislock.testing import (
     find_redis_server,
 )
 from tests import invariants
+from tests.interrupts import Arm, arm_read_interrupts
+from tests.ports import held_port
 from tests.taskapp import make_app
+
+if TYPE_CHECKING:
+    from tests.otel import Otel
 
 
 def pytest_report_header() -> str:
@@ -88,6 +93,32 @@ def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def prefix() -> str:
     """A key prefix unique to the test."""
     return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A port of 127.0.0.1 that refuses connections for the whole test, as a stopped server's,
+    and that no other test process can start a server on meanwhile (``tests.ports``)."""
+    with held_port() as held:
+        yield int(held.getsockname()[1])
+
+
+@pytest.fixture
+def interrupt_read(monkeypatch: pytest.MonkeyPatch) -> Arm:
+    """``interrupt_read(when, error=Interrupt, then=None)``: from now on, the first
+    ``read_response`` for which ``when()`` is true calls ``then()`` and raises ``error`` before
+    reading anything. Returns a list that gets a 1 when it did (``tests.interrupts``)."""
+    return arm_read_interrupts(monkeypatch)
+
+
+@pytest.fixture
+def otel() -> Otel:
+    """The session's in-memory metric reader and span exporter (``tests.otel``), OpenTelemetry's
+    global providers from the first use on. Imported on use: the compatibility matrix's
+    virtualenvs (``noxfile.py``) have no OpenTelemetry SDK."""
+    from tests.otel import session_otel
+
+    return session_otel()
 
 
 def check_invariants(request: pytest.FixtureRequest, server: RedisServer, prefix: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -49,14 +48,6 @@ def fresh() -> str:
     return uuid.uuid4().hex[:10]
 
 
-def closed_port() -> int:
-    """A port on 127.0.0.1 nothing listens on (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 # -- a retry is never swallowed ----------------------------------------------------------------------
 
 
@@ -74,7 +65,9 @@ PATHS = [
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: str) -> None:
+def test_every_retry_path_runs_its_next_attempt(
+    app: Celery, prefix: str, path: str, refused_port: int
+) -> None:
     """An ``until_executed`` task that retries once runs its second attempt, whatever path sent
     its first: ``delay`` (the message carries the enqueue lock), ``send_task`` and beat's
     ``send_task`` fallback (no lock in the message), a message sent unlocked because Redis was
@@ -98,7 +91,7 @@ def test_every_retry_path_runs_its_next_attempt(app: Celery, prefix: str, path: 
             header = {**slot, "ttl": 60_000, "beat": "beat=test", "claimed": False}
             result = app.send_task(task.name, (x,), headers={BEAT_HEADER: header})
         elif path == "on_error_run":
-            unreachable = f"redis://127.0.0.1:{closed_port()}/0"
+            unreachable = f"redis://127.0.0.1:{refused_port}/0"  # held by the test: refused
             sender = make_app(
                 app.conf.broker_url,
                 prefix,

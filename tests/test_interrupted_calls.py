@@ -31,48 +31,9 @@ from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
+from tests.interrupts import Arm, Interrupt, on_this_thread
 from tests.invariants import stored
 from tests.workers import wait_for
-
-
-class Interrupt(BaseException):
-    """Stands for an exception landing from outside (a time limit, a signal): not an ``Exception``."""
-
-
-Arm = Callable[..., list[int]]
-
-
-@pytest.fixture
-def interrupt_read(monkeypatch: pytest.MonkeyPatch) -> Arm:
-    """``interrupt_read(when, error=Interrupt, then=None)``: from now on, the first
-    ``read_response`` for which ``when()`` is true calls ``then()`` and raises ``error`` before
-    reading anything. Returns a list that gets a 1 when it did."""
-
-    def arm(
-        when: Callable[[], bool],
-        error: type[BaseException] = Interrupt,
-        then: Callable[[], None] | None = None,
-    ) -> list[int]:
-        original = redis.connection.AbstractConnection.read_response
-        fired: list[int] = []
-
-        def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not fired and when():
-                fired.append(1)
-                if then is not None:
-                    then()
-                raise error
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", read_response)
-        return fired
-
-    return arm
-
-
-def on_this_thread() -> Callable[[], bool]:
-    thread = threading.current_thread()
-    return lambda: threading.current_thread() is thread
 
 
 def assert_right_answers(client: Any, prefix: str) -> RedisLock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import redis
@@ -13,13 +14,14 @@ from celery_redislock.redlock import Redlock
 from celery_redislock.testing import RedisServer
 from tests.conftest import independent_servers
 from tests.invariants import keys_without_ttl
+from tests.ports import held_port
 from tests.taskapp import LEASE
 from tests.workers import renewed
 
 
 @pytest.fixture(scope="module")
 def five() -> Iterator[list[RedisServer]]:
-    """Five independent servers for the module; a test that stops some starts them again."""
+    """Five independent servers for the module."""
     with independent_servers(5) as servers:
         yield servers
 
@@ -31,10 +33,19 @@ def servers(
     chosen = five[: request.param]
     yield chosen
     for server in chosen:
-        if server.process is None or server.process.poll() is not None:
-            server.start()  # stopped by the test: back, empty, on the same port
         with server.client() as client:
             assert keys_without_ttl(client, prefix) == []
+
+
+@contextmanager
+def down(servers: list[RedisServer], count: int) -> Iterator[list[str]]:
+    """The URLs of ``servers``, the first ``count`` of them down for the block: each replaced by a
+    port of 127.0.0.1 that refuses connections, as a stopped server's, and that no other test
+    process can start a server on meanwhile (held: ``tests/ports.py``), where a stopped server's
+    port is free again."""
+    with ExitStack() as stack:
+        refused = [stack.enter_context(held_port()).getsockname()[1] for _ in range(count)]
+        yield [f"redis://127.0.0.1:{port}/0" for port in refused] + [server.url for server in servers[count:]]
 
 
 def clients(servers: list[RedisServer]) -> list[redis.Redis]:
@@ -91,30 +102,30 @@ def test_a_waiter_gets_the_lock_when_it_is_released(servers: list[RedisServer], 
 
 def test_a_minority_down_still_locks_renews_and_releases(servers: list[RedisServer], prefix: str) -> None:
     name = f"{prefix}:k"
-    down = servers[: (len(servers) - 1) // 2]  # 1 of 3, 2 of 5
-    for server in down:
-        server.stop()
-    lock = RedisLock([server.url for server in servers], name, ttl=LEASE)
-    assert lock.acquire(blocking=False)
-    with servers[-1].client() as live:
-        renewed(live, name)  # on the live servers all along
-    assert not lock.lost.is_set()
-    assert lock.owned()
-    assert not RedisLock([server.url for server in servers], name, ttl=LEASE).acquire(blocking=False)
-    lock.release()
-    assert holders_of(servers[len(down) :], name) == [None] * (len(servers) - len(down))
+    minority = (len(servers) - 1) // 2  # 1 of 3, 2 of 5
+    with down(servers, minority) as urls:
+        lock = RedisLock(urls, name, ttl=LEASE)
+        assert lock.acquire(blocking=False)
+        with servers[-1].client() as live:
+            renewed(live, name)  # on the live servers all along
+        assert not lock.lost.is_set()
+        assert lock.owned()
+        assert not RedisLock(urls, name, ttl=LEASE).acquire(blocking=False)
+        lock.release()
+    assert holders_of(servers[minority:], name) == [None] * (len(servers) - minority)
 
 
 def test_a_majority_down_fails_with_lock_not_acquired(servers: list[RedisServer], prefix: str) -> None:
     name = f"{prefix}:k"
-    down = servers[: len(servers) // 2 + 1]  # 2 of 3, 3 of 5
-    for server in down:
-        server.stop()
-    urls = [server.url for server in servers]
-    assert not RedisLock(urls, name, ttl=5).acquire(blocking=False)
-    with pytest.raises(LockNotAcquired, match="servers failed"), RedisLock(urls, name, ttl=5, timeout=0.2):
-        pass
-    assert holders_of(servers[len(down) :], name) == [None] * (len(servers) - len(down))  # grants undone
+    majority = len(servers) // 2 + 1  # 2 of 3, 3 of 5
+    with down(servers, majority) as urls:
+        assert not RedisLock(urls, name, ttl=5).acquire(blocking=False)
+        with (
+            pytest.raises(LockNotAcquired, match="servers failed"),
+            RedisLock(urls, name, ttl=5, timeout=0.2),
+        ):
+            pass
+    assert holders_of(servers[majority:], name) == [None] * (len(servers) - majority)  # grants undone
 
 
 def test_a_minority_grant_is_given_back(servers: list[RedisServer], prefix: str) -> None:

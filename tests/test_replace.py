@@ -37,10 +37,10 @@ from celery_redislock.busy import Found, policy_for
 from celery_redislock.enqueue import superseded
 from celery_redislock.protocol import HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.run_lock import ExecutionLock
+from tests.interrupts import Arm, Interrupt, on_this_thread
 from tests.invariants import keys_of, stored
+from tests.otel import Otel
 from tests.taskapp import make_app, recorder
-from tests.test_interrupted_calls import Interrupt, interrupt_read, on_this_thread  # noqa: F401 (a fixture)
-from tests.test_telemetry import Otel, otel  # noqa: F401 (a fixture)
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
@@ -316,7 +316,7 @@ def test_a_failed_send_after_the_worker_dropped_the_replaced_message_frees_the_l
     assert [event[0] for event in runs(app, "x")] == ["start@3"]
 
 
-def test_an_interrupted_replace_is_undone(app: Celery, interrupt_read: Any) -> None:  # noqa: F811
+def test_an_interrupted_replace_is_undone(app: Celery, interrupt_read: Arm) -> None:
     """A replacing call interrupted after its REPLACE was sent (a soft time limit, a signal): the
     lock goes back to the queued message, which runs."""
     task = define(app, "interrupted", lock_mode="until_executing", lock_duplicate="replace")
@@ -661,7 +661,7 @@ def test_an_error_giving_the_lock_back_is_logged_and_the_send_error_raised(
 def test_a_message_superseded_after_its_check_counts_one_outcome(
     app: Celery,
     monkeypatch: pytest.MonkeyPatch,
-    otel: Otel,  # noqa: F811
+    otel: Otel,
 ) -> None:
     """until_executed: a replacing call lands between the run's check and its adoption of the lock;
     the run, dropped, counts one outcome (its acquisition's), not also ``superseded``."""

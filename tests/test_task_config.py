@@ -221,12 +221,10 @@ def test_eager_raise_and_wait(app: Celery, client: redis.Redis) -> None:
 
 
 @pytest.fixture
-def unreachable_url() -> str:
-    server = RedisServer()
-    server.start()
-    url = f"redis://:secret@127.0.0.1:{server.port}/0"
-    server.stop()  # a port nothing listens on any more
-    return url
+def unreachable_url(refused_port: int) -> str:
+    """A lock URL, with a password, where connections are refused for the whole test: its port
+    is held (``tests/ports.py``), so no other test process's server answers there meanwhile."""
+    return f"redis://:secret@127.0.0.1:{refused_port}/0"
 
 
 def test_on_error_fail_names_the_url_without_its_password(

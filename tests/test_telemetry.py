@@ -2,8 +2,9 @@
 in-memory metric reader and span exporter; the signals' new keyword arguments; the log fields;
 the Grafana dashboard's queries against the names the Prometheus exporter gives the metrics.
 
-OpenTelemetry's global providers can be set once per process: the ``otel`` fixture sets them
-for the rest of the session (later tests run instrumented), and each test reads what changed.
+OpenTelemetry's global providers can be set once per process: the ``otel`` fixture
+(``tests/conftest.py``, ``tests/otel.py``) sets them for the rest of the session (later tests
+run instrumented), and each test reads what changed.
 """
 
 from __future__ import annotations
@@ -28,14 +29,12 @@ from typing import Any
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun, task_success
-from opentelemetry import metrics, trace
+from opentelemetry import trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY, generate_latest
 
 import celery_redislock.lock
@@ -54,57 +53,11 @@ from celery_redislock.config import app_settings
 from celery_redislock.receivers import install
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
+from tests.otel import Otel
 from tests.taskapp import make_app, recorder
 from tests.workers import threads_worker, wait_for
 
 DASHBOARD = ROOT / "examples" / "grafana_dashboard.json"
-
-
-class Otel:
-    """The session's in-memory metric reader and span exporter."""
-
-    def __init__(self, reader: InMemoryMetricReader | None = None) -> None:
-        self.reader = InMemoryMetricReader() if reader is None else reader
-        self.spans = InMemorySpanExporter()
-
-    def points(self, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
-        """The cumulative data points of metric ``name``, by their sorted attributes."""
-        data = self.reader.get_metrics_data()
-        found: dict[tuple[tuple[str, Any], ...], Any] = {}
-        for resource in data.resource_metrics if data is not None else []:
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        for point in metric.data.data_points:
-                            found[tuple(sorted((point.attributes or {}).items()))] = point
-        return found
-
-    def count(self, name: str, **attributes: str) -> float:
-        """The sum of counter ``name``, or the count of histogram ``name``, at ``attributes``."""
-        point = self.points(name).get(tuple(sorted(attributes.items())))
-        if point is None:
-            return 0
-        return float(getattr(point, "count", None) or point.value)
-
-    def total(self, name: str, **attributes: str) -> float:
-        """The sum of the values of histogram ``name`` at ``attributes``."""
-        point = self.points(name).get(tuple(sorted(attributes.items())))
-        return 0.0 if point is None else float(point.sum)
-
-
-_OTEL: list[Otel] = []
-
-
-@pytest.fixture
-def otel() -> Otel:
-    if not _OTEL:
-        _OTEL.append(Otel())
-        metrics.set_meter_provider(MeterProvider(metric_readers=[_OTEL[0].reader]))
-        tracer_provider = TracerProvider()
-        tracer_provider.add_span_processor(SimpleSpanProcessor(_OTEL[0].spans))
-        trace.set_tracer_provider(tracer_provider)
-    _OTEL[0].spans.clear()
-    return _OTEL[0]
 
 
 @pytest.fixture
@@ -364,14 +317,14 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
 
 
 def test_an_acquisition_that_fails_is_noted_on_the_current_span(
-    otel: Otel, fresh_server: RedisServer, prefix: str
+    otel: Otel, redis_server: RedisServer, prefix: str, refused_port: int
 ) -> None:
     """Redis is down when a run takes its lock: the block raises a ``ConnectionError``, no outcome;
     under ``"auto"`` the run's span gets the acquire event naming the exception's type, and no
     ``exception`` event of ours (Celery's instrumentation records the one that fails a task)."""
-    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    down = f"redis://127.0.0.1:{refused_port}/0"  # refuses, as a stopped server (tests/ports.py)
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_url=down)
     task = app.tasks["taskapp.hold_skip"]
-    fresh_server.stop()
     with trace.get_tracer("test").start_as_current_span("run"):
         failed = task.apply(("x",))
     assert isinstance(failed.result, RedisLockError), failed.result
@@ -385,13 +338,13 @@ def test_an_acquisition_that_fails_is_noted_on_the_current_span(
 
 
 def test_an_acquisition_that_fails_marks_its_span_failed_under_the_run(
-    otel: Otel, fresh_server: RedisServer, prefix: str
+    otel: Otel, redis_server: RedisServer, prefix: str, refused_port: int
 ) -> None:
     """The same with ``redislock_spans="always"``: the acquire span, a child of the run's, records
     the exception and the ERROR status."""
-    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
+    down = f"redis://127.0.0.1:{refused_port}/0"
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_spans="always", redislock_url=down)
     task = app.tasks["taskapp.hold_skip"]
-    fresh_server.stop()
     with trace.get_tracer("test").start_as_current_span("run") as run:
         failed = task.apply(("x",))
     assert isinstance(failed.result, RedisLockError), failed.result

@@ -28,9 +28,15 @@ _CHUNK = 65536
 
 
 class TCPProxy:
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, listener: socket.socket | None = None) -> None:
+        """``listener``: a socket bound to 127.0.0.1 and not listening yet, to listen on (a held
+        port, ``tests/ports.py``: its address refused connections until now); else a new one."""
         self.target = ("127.0.0.1", target_port)
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        if listener is None:
+            listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        else:
+            listener.listen(128)
+        self._listener = listener
         self.port: int = self._listener.getsockname()[1]
         self._mode = "open"
         self._peers: dict[socket.socket, socket.socket] = {}  # each end of a pair -> the other end

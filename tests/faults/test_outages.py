@@ -11,8 +11,11 @@ check what is left in Redis once it is back.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import redis
@@ -26,6 +29,7 @@ from celery_redislock.testing import RedisServer
 from tests import invariants
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.faults.proxy import TCPProxy
+from tests.ports import held_port
 from tests.workers import wait_for
 
 TTL = 1.5
@@ -75,24 +79,73 @@ def test_a_redis_restart_without_persistence_mid_task(stage: Stage, locks: Redis
     assert locks.client().script_exists(ACQUIRE.sha, RELEASE.sha, RENEW.sha, ADOPT.sha) == [True] * 4
 
 
+class Unreachable:
+    """A lock server's address, a port of 127.0.0.1, that refuses connections until ``back()``.
+
+    The port is held by a socket bound there that does not listen (``tests/ports.py``):
+    connections are refused, as at a stopped server's port, and no other test process can
+    start a server there meanwhile, as it could at a stopped server's. ``back()`` starts a
+    redis-server and has the held socket listen, forwarding to it (``TCPProxy``): Redis is
+    back at the same address, which never was free.
+    """
+
+    def __init__(self, held: socket.socket) -> None:
+        self._held = held
+        self.port: int = held.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.server: RedisServer | None = None
+        self.proxy: TCPProxy | None = None
+
+    def back(self) -> RedisServer:
+        """Redis answers at ``url`` from now on; the server behind it (a client of it sees its data)."""
+        self.server = RedisServer().start()
+        self.proxy = TCPProxy(self.server.port, listener=self._held).start()
+        return self.server
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+        if self.server is not None:
+            self.server.close()
+
+
 @pytest.fixture
-def unreachable() -> Iterator[RedisServer]:
-    """A lock server stopped after start: its port refuses connections until ``start()`` again."""
-    with RedisServer() as server:
-        server.stop()
-        yield server
+def unreachable() -> Iterator[Unreachable]:
+    with held_port() as held:
+        address = Unreachable(held)
+        try:
+            yield address
+        finally:
+            address.close()
 
 
-def masked(server: RedisServer) -> tuple[str, str]:
-    """A URL of ``server`` with a password, and how error messages must show it."""
-    return f"redis://:secret@127.0.0.1:{server.port}/0", f"redis://:**@127.0.0.1:{server.port}/0"
+def masked(address: Unreachable) -> tuple[str, str]:
+    """A URL of ``address`` with a password, and how error messages must show it."""
+    return f"redis://:secret@127.0.0.1:{address.port}/0", f"redis://:**@127.0.0.1:{address.port}/0"
+
+
+@contextmanager
+def connections_to(port: int) -> Iterator[list[float | None]]:
+    """Every connection this process opens to ``127.0.0.1:port`` in the block, as the timeout
+    its socket had (the client's connect timeout), whether it connected or not."""
+    attempts: list[float | None] = []
+    connect = socket.socket.connect
+
+    def counted(sock: socket.socket, address: Any) -> None:
+        if address[:2] == ("127.0.0.1", port):
+            attempts.append(sock.gettimeout())
+        connect(sock, address)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "connect", counted)
+        yield attempts
 
 
 @pytest.mark.parametrize("how", ["refused", "stalled"])
 @pytest.mark.parametrize("on_error", ["fail", "run"])
 def test_redis_unreachable_at_enqueue(
     stage: Stage,
-    unreachable: RedisServer,
+    unreachable: Unreachable,
     how: str,
     on_error: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -102,35 +155,43 @@ def test_redis_unreachable_at_enqueue(
     with TCPProxy(stage.server.port) as proxy:
         if how == "refused":
             url, shown = masked(unreachable)
+            port = unreachable.port
         else:
             proxy.stall()
             url = shown = proxy.url()
+            port = proxy.port
         app = stage.app_with(redislock_url=url, redislock_on_error=on_error)
         x, task = fresh(), app.tasks["taskapp.until_executed"]
-        began = time.monotonic()
-        if on_error == "fail":
-            with pytest.raises(RedisLockError) as raised:
-                task.delay(x)
-            message = str(raised.value)
-            assert "task 'taskapp.until_executed'" in message and shown in message
-            assert task_lock_key(task, (x,)) in message and "secret" not in message
-            assert stage.client.llen(stage.queue) == 0  # nothing was sent
-        else:
-            with caplog.at_level(logging.WARNING, logger="celery_redislock"):
-                task.delay(x)
-            assert "sending it unlocked (redislock_on_error='run')" in caplog.text
-            assert shown in caplog.text and "secret" not in caplog.text
-            assert stage.client.llen(stage.queue) == 1
-        assert time.monotonic() - began < 5  # bounded by the client's timeouts, not hanging
+        with connections_to(port) as attempts:
+            if on_error == "fail":
+                with pytest.raises(RedisLockError) as raised:
+                    task.delay(x)
+                message = str(raised.value)
+                assert "task 'taskapp.until_executed'" in message and shown in message
+                assert task_lock_key(task, (x,)) in message and "secret" not in message
+                assert stage.client.llen(stage.queue) == 0  # nothing was sent
+            else:
+                with caplog.at_level(logging.WARNING, logger="celery_redislock"):
+                    task.delay(x)
+                assert "sending it unlocked (redislock_on_error='run')" in caplog.text
+                assert shown in caplog.text and "secret" not in caplog.text
+                assert stage.client.llen(stage.queue) == 1
+        # Bounded by the client's timeouts, not hanging on retries: the enqueue gives up after one
+        # attempt to take the lock and one to clean up, each a connection the 0.5 s timeouts bound
+        # (refused at once, or a stalled reply waited for once), not retrying against the outage.
+        assert 1 <= len(attempts) <= 2 and set(attempts) == {0.5}, (
+            f"{len(attempts)} connection(s) to the unreachable lock server in one enqueue, with "
+            f"timeouts {attempts}: expected 1 or 2, each with the client's 0.5 s timeout"
+        )
         proxy.heal()
-    unreachable.start()
-    assert invariants.keys_of(unreachable.client(), stage.prefix) == []
+    server = unreachable.back()
+    assert invariants.keys_of(server.client(), stage.prefix) == []
     stage.client.delete(stage.queue)  # the unlocked message nobody consumes
 
 
 @pytest.mark.parametrize("on_error", ["fail", "run"])
 def test_redis_unreachable_at_execution_then_back(
-    stage: Stage, unreachable: RedisServer, on_error: str
+    stage: Stage, unreachable: Unreachable, on_error: str
 ) -> None:
     url = shown = unreachable.url  # (the password is masked in messages: see the enqueue test)
     worker = stage.worker("w", redislock_url=url, redislock_on_error=on_error, redislock_ttl=TTL)
@@ -145,12 +206,12 @@ def test_redis_unreachable_at_execution_then_back(
         assert result.get(timeout=RESULT_TIMEOUT) == x
         assert stage.events("start", x)[0][5] == "None"  # ran unlocked: no fence
         assert "running unlocked (redislock_on_error='run')" in worker.output()
-    # Redis is back (on the same port, as the worker knows it): the next run locks again.
-    unreachable.start()
+    # Redis is back (at the same address, as the worker knows it): the next run locks again.
+    server = unreachable.back()
     again = task.delay(x)
     assert again.get(timeout=RESULT_TIMEOUT) == x
     assert stage.events("start", x)[-1][5] != "None"
-    assert invariants.keys_of(unreachable.client(), stage.prefix) == []  # nothing stays locked
+    assert invariants.keys_of(server.client(), stage.prefix) == []  # nothing stays locked
 
 
 def test_a_release_that_cannot_reach_redis_leaves_a_lock_that_expires_within_lock_ttl(stage: Stage) -> None:
