@@ -15,9 +15,9 @@ counters. With the OpenTelemetry Python SDK, whose collection runs every
 callback (under one lock) before it reads the histograms, a collection of
 any of its readers sees every value recorded before it began, the same
 buckets, sums, counts, minimum and maximum; the values carry no exemplars.
-Until a real provider is set, each full buffer is dropped, as the API's
-proxies would drop its values; the values still buffered (fewer than
-``BATCH``) when the application sets one go to it. A process that exits
+Until the application sets a ``MeterProvider`` the hooks record nothing (as
+the API's proxies would drop it), and until it sets a ``TracerProvider`` they
+trace nothing (no span records): see ``_METER_SET``. A process that exits
 without a last collection (a prefork pool child, which the SDK does not shut
 down) loses what it recorded since its last one, buffered or not, as the SDK
 would. A forked child hands over only the values it recorded itself.
@@ -75,8 +75,9 @@ from .exceptions import LockNotAcquired
 
 try:
     from opentelemetry import context, metrics, trace
+    from opentelemetry.metrics import _internal as _metrics_api
 except ImportError:  # the [otel] extra is not installed: every hook is a no-op
-    context = metrics = trace = None  # type: ignore[assignment]
+    context = metrics = trace = _metrics_api = None  # type: ignore[assignment]
 
 __all__ = [
     "OUTCOMES",
@@ -283,10 +284,33 @@ def _counter(
     return counts
 
 
+class _AlwaysSet:
+    """Stands for a set-once flag the API does not have (a later version): the hooks work always."""
+
+    _done = True
+
+
+def _set_once_flag(module: Any, name: str) -> Any:
+    """The API's ``Once`` of ``module.name``, whose ``_done`` turns true, once in a process, when
+    its global provider is set; ``_AlwaysSet`` if it has none (see ``_METER_SET``)."""
+    flag = getattr(module, name, None)
+    return flag if isinstance(getattr(flag, "_done", None), bool) else _AlwaysSet
+
+
 # The API's proxies, which forward once the app sets providers, and the counters' sums.
 if metrics is not None:
     _on = Instruments(metrics.get_meter("celery_redislock"))
     _tracer = trace.get_tracer("celery_redislock")
+    #: Whether the app has set a ``MeterProvider`` (``set_meter_provider``, or the environment's
+    #: ``OTEL_PYTHON_METER_PROVIDER``, loaded by ``get_meter`` above) and a ``TracerProvider``:
+    #: the API sets each once per process. Until then its proxies drop what is recorded, and no
+    #: span records, so the hooks record and trace nothing: a run with the API installed and no
+    #: SDK set up pays for none of it (about 50,000 instructions, ``bench/tracer_run.py``). The
+    #: API's own test, ``get_meter_provider()``, reads ``os.environ`` each time and costs more
+    #: than the hooks (docs/benchmarks.md): its set-once flags are read instead. Should they
+    #: move upstream, the hooks work always (a cost, no harm; tests/test_telemetry.py fails).
+    _METER_SET = _set_once_flag(_metrics_api, "_METER_PROVIDER_SET_ONCE")
+    _TRACER_SET = _set_once_flag(trace, "_TRACER_PROVIDER_SET_ONCE")
 
 
 def log_fields(
@@ -304,25 +328,25 @@ def log_fields(
 
 def counted(task: str, mode: str, outcome: str) -> None:
     """An outcome decided without a wait (a duplicate refused, a slot dropped)."""
-    if metrics is not None:
+    if metrics is not None and _METER_SET._done:
         _on.acquisitions.add(1, _on.attributes(task, mode, outcome)[0])
 
 
 def lost(task: str, reason: str) -> None:
     """A held lock was lost (``task``: ``""`` for a lock of no task)."""
-    if metrics is not None:
+    if metrics is not None and _METER_SET._done:
         _on.lost.add(1, (("task", task), ("reason", reason)))
 
 
 def renewals(count: int, result: str) -> None:
     """``count`` leases were ``renewed``, or their renewal ``failed``."""
-    if metrics is not None and count:
+    if metrics is not None and count and _METER_SET._done:
         _on.renewals.add(count, (("result", result),))
 
 
 def crash_released(task: str) -> None:
     """The worker's main process released the lock of ``task``, whose pool child died."""
-    if metrics is not None:
+    if metrics is not None and _METER_SET._done:
         _on.crash_releases.add(1, (("task", task),))
 
 
@@ -337,6 +361,8 @@ class _Step(abc.ABC):
 
     The trace goes to the span current when the step is entered (``parent``), wherever it is
     exited: a release may be over later, once the task's span is no longer current, or ended.
+    Nothing is traced while the app has set no ``TracerProvider`` (no span records), and no
+    metric is recorded while it has set no ``MeterProvider`` (the API's proxies would drop it).
     ``"auto"``: the event ``NAME`` on that span if it still records (the task's, when Celery is
     instrumented), cheaper than a span; not for an outcome in
     ``PLAIN`` (a release that simply freed the lock: the task's span ending says as much), so
@@ -360,8 +386,8 @@ class _Step(abc.ABC):
 
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
-        if trace is not None and self.spans != "never":
-            self.parent = trace.get_current_span()
+        traced = trace is not None and self.spans != "never" and _TRACER_SET._done
+        self.parent = trace.get_current_span() if traced else None
         return self
 
     def __exit__(
@@ -373,13 +399,15 @@ class _Step(abc.ABC):
         failed = exc if outcome is None else None
         if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
             return
-        seconds, spans = self._seconds(), self.spans
-        if spans == "auto":
-            if outcome not in self.PLAIN and self.parent.is_recording():
-                self._note(outcome, seconds, failed)
-        elif spans == "always":
-            self._trace(outcome, failed)
-        if outcome is not None:
+        seconds, parent = self._seconds(), self.parent
+        if parent is None:  # not traced: turned off, or no TracerProvider set when it began
+            pass
+        elif self.spans == "auto":
+            if outcome not in self.PLAIN and parent.is_recording():
+                self._note(parent, outcome, seconds, failed)
+        else:  # "always"
+            self._trace(parent, outcome, failed)
+        if outcome is not None and _METER_SET._done:
             self._record(outcome, seconds)
 
     def _fence(self) -> int | None:
@@ -387,11 +415,11 @@ class _Step(abc.ABC):
         fence: int | None = self.lock.fence
         return self.fence if fence is None else fence
 
-    def _note(self, outcome: str | None, seconds: float, failed: BaseException | None) -> None:
-        """Add the step's event to ``parent``, timed now: the task's name (the span may be another
-        run's, or the caller's), the step's outcome, or ``error.type``, the type of the exception
-        ``failed`` (not recorded here: where it fails the task, Celery's instrumentation records
-        it on the task's span), its fence and its ``SECONDS``."""
+    def _note(self, parent: Any, outcome: str | None, seconds: float, failed: BaseException | None) -> None:
+        """Add the step's event to ``parent`` (the span it began in), timed now: the task's name (the span
+        may be another run's, or the caller's), the step's outcome, or ``error.type``, the type of the
+        exception ``failed`` (not recorded here: where it fails the task, Celery's instrumentation
+        records it on the task's span), its fence and its ``SECONDS``."""
         attributes: dict[str, Any] = {"task": self.task, self.SECONDS: seconds}
         if outcome is not None:
             attributes["outcome"] = outcome
@@ -400,11 +428,11 @@ class _Step(abc.ABC):
         fence = self._fence()
         if fence is not None:
             attributes["fence"] = fence
-        self.parent.add_event(self.NAME, attributes)
+        parent.add_event(self.NAME, attributes)
 
-    def _trace(self, outcome: str | None, failed: BaseException | None) -> None:
-        """Make the step's span, a child of ``parent``, from ``started`` to now; the exception
-        ``failed`` fails it."""
+    def _trace(self, parent: Any, outcome: str | None, failed: BaseException | None) -> None:
+        """Make the step's span, a child of ``parent`` (the span it began in), from ``started``
+        to now; the exception ``failed`` fails it."""
         attributes: dict[str, Any] = {"task": self.task, "mode": self.mode}
         if outcome is not None:
             attributes["outcome"] = outcome
@@ -415,7 +443,7 @@ class _Step(abc.ABC):
         started = ended - int((time.monotonic() - self.started) * 1e9)
         span = _tracer.start_span(
             self.NAME,
-            context=trace.set_span_in_context(self.parent),
+            context=trace.set_span_in_context(parent),
             attributes=attributes,
             start_time=started,
         )

@@ -915,3 +915,62 @@ def test_values_are_dropped_a_batch_at_a_time_until_a_provider_is_set() -> None:
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split() == ["5", "False", "6", "5.5"], done.stderr
+
+
+def test_nothing_is_recorded_or_traced_until_the_app_sets_providers() -> None:
+    """In a fresh process with the API installed and no SDK set up (the API's proxies would drop
+    it all): a run's steps neither look up the current span nor record a metric. Once the app
+    sets a ``MeterProvider`` and a ``TracerProvider``, they do both.
+    Also an internals check: the hooks read the API's set-once flags of its global providers
+    (``telemetry._METER_SET``, ``_TRACER_SET``); should those move upstream, the hooks work
+    always (a cost, no harm) and this fails."""
+    script = textwrap.dedent(
+        """
+        from opentelemetry import metrics, trace
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from celery_redislock import telemetry
+
+        looked_up = []
+        current_span = trace.get_current_span
+        trace.get_current_span = lambda *a: looked_up.append(1) or current_span(*a)
+
+        class Lock:
+            fence = 7
+
+        def run():
+            with telemetry.Acquisition("t", "while_executing", Lock(), "auto") as step:
+                step.busy, step.taken = True, True  # a wait noted as an event under "auto"
+            telemetry.counted("t", "until_executed", "duplicate-refused")
+
+        run()
+        print(len(looked_up), len(telemetry._on.wait._values), len(telemetry._on.acquisitions._sums))
+        reader, spans = InMemoryMetricReader(), InMemorySpanExporter()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        tracing = TracerProvider()
+        tracing.add_span_processor(SimpleSpanProcessor(spans))
+        trace.set_tracer_provider(tracing)
+        with trace.get_tracer("test").start_as_current_span("task"):
+            run()
+        [scope] = reader.get_metrics_data().resource_metrics[0].scope_metrics
+        points = {m.name: list(m.data.data_points) for m in scope.metrics}
+        [task] = spans.get_finished_spans()
+        print(
+            len(looked_up) > 0,  # the SDK looks it up too
+            [p.count for p in points["redislock.lock.wait"]],
+            sorted(p.value for p in points["redislock.lock.acquisitions"]),
+            [event.name for event in task.events],
+        )
+        print(getattr(telemetry, "_METER_SET", None), getattr(telemetry, "_TRACER_SET", None))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    before, after, flags = done.stdout.splitlines()
+    assert (before, after) == ("0 0 0", "True [1] [1, 1] ['redislock.acquire']"), done.stderr
+    assert "opentelemetry.util._once.Once object" in flags and "None" not in flags, flags
