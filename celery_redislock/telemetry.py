@@ -305,7 +305,7 @@ if metrics is not None:
     #: ``OTEL_PYTHON_METER_PROVIDER``, loaded by ``get_meter`` above) and a ``TracerProvider``:
     #: the API sets each once per process. Until then its proxies drop what is recorded, and no
     #: span records, so the hooks record and trace nothing: a run with the API installed and no
-    #: SDK set up pays for none of it (about 50,000 instructions, ``bench/tracer_run.py``). The
+    #: SDK set up pays for none of it (some 240 bytecodes, docs/operations.md). The
     #: API's own test, ``get_meter_provider()``, reads ``os.environ`` each time and costs more
     #: than the hooks (docs/benchmarks.md): its set-once flags are read instead. Should they
     #: move upstream, the hooks work always (a cost, no harm; tests/test_telemetry.py fails).
@@ -400,13 +400,11 @@ class _Step(abc.ABC):
         if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
             return
         seconds, parent = self._seconds(), self.parent
-        if parent is None:  # not traced: turned off, or no TracerProvider set when it began
-            pass
-        elif self.spans == "auto":
-            if outcome not in self.PLAIN and parent.is_recording():
+        if parent is not None:  # traced: spans on, and a TracerProvider set when the step began
+            if self.spans == "always":
+                self._trace(parent, outcome, failed)
+            elif outcome not in self.PLAIN and parent.is_recording():  # "auto"
                 self._note(parent, outcome, seconds, failed)
-        else:  # "always"
-            self._trace(parent, outcome, failed)
         if outcome is not None and _METER_SET._done:
             self._record(outcome, seconds)
 
