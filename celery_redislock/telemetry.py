@@ -393,8 +393,8 @@ class _Step(abc.ABC):
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if trace is None:
-            return
+        if trace is None or (self.parent is None and not _METER_SET._done):
+            return  # nothing to trace or record (no provider set, spans off)
         outcome = self._outcome_of(kind)
         failed = exc if outcome is None else None
         if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
