@@ -84,6 +84,19 @@ def counted_server(out: Path) -> Any:
     return RedisServer(wrapper=valgrind(str(out), *(f"--toggle-collect={f}" for f in SERVER_FUNCTIONS)))
 
 
+def check_counted(server: Any, out: Path) -> None:
+    """Raise unless ``SERVER_FUNCTIONS`` all run in ``server`` (a ``counted_server`` writing to
+    ``out``) when it answers a PING: in a redis-server that lacks one (not exported, renamed),
+    callgrind would count less, or nothing, and say nothing."""
+    with server_count(server, out), server.client() as client:
+        client.ping()
+    dump = max(out.parent.glob(f"{out.name}.*"), key=lambda path: int(path.suffix[1:]))
+    text = dump.read_bytes()
+    missing = [function for function in SERVER_FUNCTIONS if function.encode() not in text]
+    if missing:
+        raise RuntimeError(f"{server.binary}: {', '.join(missing)} did not run (see SERVER_FUNCTIONS)")
+
+
 @contextlib.contextmanager
 def server_count(server: Any, out: Path) -> Iterator[dict[str, int]]:
     """The instructions ``server`` (a ``counted_server`` writing to ``out``) processes commands
@@ -236,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             RedisServer() as producer_locks,
             ThreadPoolExecutor(1) as producers,
         ):
+            check_counted(locks, lock_out)
             for variant in args.variants:
                 # The producer's two runs go on beside the worker's (a count does not depend on what else
                 # runs), on servers of their own.

@@ -17,7 +17,7 @@ any of its readers sees every value recorded before it began, the same
 buckets, sums, counts, minimum and maximum; the values carry no exemplars.
 Until the application sets a ``MeterProvider`` the hooks record nothing (as
 the API's proxies would drop it), and until it sets a ``TracerProvider`` they
-trace nothing (no span records): see ``_METER_SET``. A process that exits
+make no span (``"always"``): see ``_METER_SET``. A process that exits
 without a last collection (a prefork pool child, which the SDK does not shut
 down) loses what it recorded since its last one, buffered or not, as the SDK
 would. A forked child hands over only the values it recorded itself.
@@ -75,9 +75,8 @@ from .exceptions import LockNotAcquired
 
 try:
     from opentelemetry import context, metrics, trace
-    from opentelemetry.metrics import _internal as _metrics_api
 except ImportError:  # the [otel] extra is not installed: every hook is a no-op
-    context = metrics = trace = _metrics_api = None  # type: ignore[assignment]
+    context = metrics = trace = None  # type: ignore[assignment]
 
 __all__ = [
     "OUTCOMES",
@@ -212,7 +211,10 @@ class Samples:
 
 def _records(histogram: Any) -> bool:
     """Whether ``histogram`` records: not the API's own (its proxy or no-op), or a proxy
-    that forwards now, a real ``MeterProvider`` being set (a provider is set once per process)."""
+    that forwards now, a real ``MeterProvider`` being set (a provider is set once per process).
+    The hooks record nothing before a provider is set (``_METER_SET``); this guards what is
+    buffered otherwise: instruments of a meter not the global one's, the API's no-op provider
+    set, or flags ``_METER_SET`` cannot read (``_AlwaysSet``)."""
     api = metrics.__name__ + "."
     return not type(histogram).__module__.startswith(api) or not type(
         metrics.get_meter_provider()
@@ -303,13 +305,16 @@ if metrics is not None:
     _tracer = trace.get_tracer("celery_redislock")
     #: Whether the app has set a ``MeterProvider`` (``set_meter_provider``, or the environment's
     #: ``OTEL_PYTHON_METER_PROVIDER``, loaded by ``get_meter`` above) and a ``TracerProvider``:
-    #: the API sets each once per process. Until then its proxies drop what is recorded, and no
-    #: span records, so the hooks record and trace nothing: a run with the API installed and no
-    #: SDK set up pays for none of it (some 240 bytecodes, docs/operations.md). The
-    #: API's own test, ``get_meter_provider()``, reads ``os.environ`` each time and costs more
-    #: than the hooks (docs/benchmarks.md): its set-once flags are read instead. Should they
-    #: move upstream, the hooks work always (a cost, no harm; tests/test_telemetry.py fails).
-    _METER_SET = _set_once_flag(_metrics_api, "_METER_PROVIDER_SET_ONCE")
+    #: the API sets each once per process. Until then its proxies drop what is recorded, and
+    #: ``_tracer``'s spans do not record, so the hooks record nothing, and make no span under
+    #: ``"always"``. (``"auto"`` still looks at the current span: an instrumentation given a
+    #: provider of its own, ``CeleryInstrumentor().instrument(tracer_provider=...)``, makes
+    #: recording task spans with no global provider set.) A run with the API installed and no
+    #: SDK set up pays for none of the metrics (docs/operations.md). The API's own test,
+    #: ``get_meter_provider()``, reads ``os.environ`` each time and costs more than the hooks
+    #: (docs/benchmarks.md): its set-once flags are read instead. Should they move upstream,
+    #: the hooks work always (a cost, no harm; tests/test_telemetry.py fails).
+    _METER_SET = _set_once_flag(getattr(metrics, "_internal", None), "_METER_PROVIDER_SET_ONCE")
     _TRACER_SET = _set_once_flag(trace, "_TRACER_PROVIDER_SET_ONCE")
 
 
@@ -361,8 +366,8 @@ class _Step(abc.ABC):
 
     The trace goes to the span current when the step is entered (``parent``), wherever it is
     exited: a release may be over later, once the task's span is no longer current, or ended.
-    Nothing is traced while the app has set no ``TracerProvider`` (no span records), and no
-    metric is recorded while it has set no ``MeterProvider`` (the API's proxies would drop it).
+    No span is made (``"always"``) while the app has set no ``TracerProvider``, and no metric
+    is recorded while it has set no ``MeterProvider`` (the API's proxies would drop them).
     ``"auto"``: the event ``NAME`` on that span if it still records (the task's, when Celery is
     instrumented), cheaper than a span; not for an outcome in
     ``PLAIN`` (a release that simply freed the lock: the task's span ending says as much), so
@@ -386,7 +391,8 @@ class _Step(abc.ABC):
 
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
-        traced = trace is not None and self.spans != "never" and _TRACER_SET._done
+        spans = self.spans
+        traced = trace is not None and (spans == "auto" or (spans == "always" and _TRACER_SET._done))
         self.parent = trace.get_current_span() if traced else None
         return self
 
@@ -400,7 +406,7 @@ class _Step(abc.ABC):
         if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
             return
         seconds, parent = self._seconds(), self.parent
-        if parent is not None:  # traced: spans on, and a TracerProvider set when the step began
+        if parent is not None:  # traced: "auto", or "always" with a TracerProvider set when it began
             if self.spans == "always":
                 self._trace(parent, outcome, failed)
             elif outcome not in self.PLAIN and parent.is_recording():  # "auto"
