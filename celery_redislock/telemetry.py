@@ -17,7 +17,7 @@ any of its readers sees every value recorded before it began, the same
 buckets, sums, counts, minimum and maximum; the values carry no exemplars.
 Until the application sets a ``MeterProvider`` the hooks record nothing (as
 the API's proxies would drop it), and until it sets a ``TracerProvider`` they
-make no span (``"always"``): see ``_METER_SET``. A process that exits
+make no span (``"always"``): see ``_meter_provider_set``. A process that exits
 without a last collection (a prefork pool child, which the SDK does not shut
 down) loses what it recorded since its last one, buffered or not, as the SDK
 would. A forked child hands over only the values it recorded itself.
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import functools
 import os
 import threading
 import time
@@ -212,9 +213,9 @@ class Samples:
 def _records(histogram: Any) -> bool:
     """Whether ``histogram`` records: not the API's own (its proxy or no-op), or a proxy
     that forwards now, a real ``MeterProvider`` being set (a provider is set once per process).
-    The hooks record nothing before a provider is set (``_METER_SET``); this guards what is
-    buffered otherwise: instruments of a meter not the global one's, the API's no-op provider
-    set, or flags ``_METER_SET`` cannot read (``_AlwaysSet``)."""
+    The hooks record nothing before a provider is set (``_meter_provider_set``); this guards
+    what is buffered otherwise: instruments of a meter not the global one's, the API's no-op
+    provider set, or an API whose flag ``_provider_set`` cannot read (then always true)."""
     api = metrics.__name__ + "."
     return not type(histogram).__module__.startswith(api) or not type(
         metrics.get_meter_provider()
@@ -286,17 +287,14 @@ def _counter(
     return counts
 
 
-class _AlwaysSet:
-    """Stands for a set-once flag the API does not have (a later version): the hooks work always."""
-
-    _done = True
-
-
-def _set_once_flag(module: Any, name: str) -> Any:
-    """The API's ``Once`` of ``module.name``, whose ``_done`` turns true, once in a process, when
-    its global provider is set; ``_AlwaysSet`` if it has none (see ``_METER_SET``)."""
+def _provider_set(module: Any, name: str) -> Callable[[], bool]:
+    """Whether the API's global provider guarded by its ``Once`` ``module.name`` is set: that
+    object's ``_done``, read by ``getattr`` (it is the API's private); always true if the API
+    has no such flag (a later version: see ``_meter_provider_set``)."""
     flag = getattr(module, name, None)
-    return flag if isinstance(getattr(flag, "_done", None), bool) else _AlwaysSet
+    if not isinstance(getattr(flag, "_done", None), bool):
+        return lambda: True
+    return functools.partial(getattr, flag, "_done")
 
 
 # The API's proxies, which forward once the app sets providers, and the counters' sums.
@@ -314,8 +312,8 @@ if metrics is not None:
     #: ``get_meter_provider()``, reads ``os.environ`` each time and costs more than the hooks
     #: (docs/benchmarks.md): its set-once flags are read instead. Should they move upstream,
     #: the hooks work always (a cost, no harm; tests/test_telemetry.py fails).
-    _METER_SET = _set_once_flag(getattr(metrics, "_internal", None), "_METER_PROVIDER_SET_ONCE")
-    _TRACER_SET = _set_once_flag(trace, "_TRACER_PROVIDER_SET_ONCE")
+    _meter_provider_set = _provider_set(getattr(metrics, "_internal", None), "_METER_PROVIDER_SET_ONCE")
+    _tracer_provider_set = _provider_set(trace, "_TRACER_PROVIDER_SET_ONCE")
 
 
 def log_fields(
@@ -333,25 +331,25 @@ def log_fields(
 
 def counted(task: str, mode: str, outcome: str) -> None:
     """An outcome decided without a wait (a duplicate refused, a slot dropped)."""
-    if metrics is not None and _METER_SET._done:
+    if metrics is not None and _meter_provider_set():
         _on.acquisitions.add(1, _on.attributes(task, mode, outcome)[0])
 
 
 def lost(task: str, reason: str) -> None:
     """A held lock was lost (``task``: ``""`` for a lock of no task)."""
-    if metrics is not None and _METER_SET._done:
+    if metrics is not None and _meter_provider_set():
         _on.lost.add(1, (("task", task), ("reason", reason)))
 
 
 def renewals(count: int, result: str) -> None:
     """``count`` leases were ``renewed``, or their renewal ``failed``."""
-    if metrics is not None and count and _METER_SET._done:
+    if metrics is not None and count and _meter_provider_set():
         _on.renewals.add(count, (("result", result),))
 
 
 def crash_released(task: str) -> None:
     """The worker's main process released the lock of ``task``, whose pool child died."""
-    if metrics is not None and _METER_SET._done:
+    if metrics is not None and _meter_provider_set():
         _on.crash_releases.add(1, (("task", task),))
 
 
@@ -392,14 +390,14 @@ class _Step(abc.ABC):
     def __enter__(self: _Step_) -> _Step_:
         self.started, self.fence = time.monotonic(), self.lock.fence
         spans = self.spans
-        traced = trace is not None and (spans == "auto" or (spans == "always" and _TRACER_SET._done))
+        traced = trace is not None and (spans == "auto" or (spans == "always" and _tracer_provider_set()))
         self.parent = trace.get_current_span() if traced else None
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if trace is None or (self.parent is None and not _METER_SET._done):
+        if trace is None or (self.parent is None and not _meter_provider_set()):
             return  # nothing to trace or record (no provider set, spans off)
         outcome = self._outcome_of(kind)
         failed = exc if outcome is None else None
@@ -411,7 +409,7 @@ class _Step(abc.ABC):
                 self._trace(parent, outcome, failed)
             elif outcome not in self.PLAIN and parent.is_recording():  # "auto"
                 self._note(parent, outcome, seconds, failed)
-        if outcome is not None and _METER_SET._done:
+        if outcome is not None and _meter_provider_set():
             self._record(outcome, seconds)
 
     def _fence(self) -> int | None:

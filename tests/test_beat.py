@@ -133,7 +133,8 @@ def test_three_beats_clocks_2s_apart_and_one_worker_run_each_1s_slot_once(
     assert beat_logs.count("entry 'claimed' slot") >= 10  # duplicates dropped by the beats
     assert "not sent: a duplicate, the slot went to" in beat_logs
     assert worker.output().count("not run, a duplicate: slot") >= 10  # the fallback's, dropped by the worker
-    assert len({run["beat"] for run in claimed + fallback}) >= 2  # whichever beat came first sent the slot
+    # Which beat sends a slot is whichever reaches it first: its clock's skew and how busy the
+    # machine is decide, and one may send them all (the refusals above show the others tried).
 
 
 def test_three_redbeat_beats_run_each_slot_once(
