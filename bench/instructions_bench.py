@@ -88,10 +88,10 @@ def check_counted(server: Any, out: Path) -> None:
     """Raise unless ``SERVER_FUNCTIONS`` all run in ``server`` (a ``counted_server`` writing to
     ``out``) when it answers a PING: in a redis-server that lacks one (not exported, renamed),
     callgrind would count less, or nothing, and say nothing."""
-    with server_count(server, out), server.client() as client:
+    with server.client() as client:
+        _callgrind_control(server, "--zero")
         client.ping()
-    dump = max(out.parent.glob(f"{out.name}.*"), key=lambda path: int(path.suffix[1:]))
-    text = dump.read_bytes()
+        text = _dump(server, out).read_bytes()
     missing = [function for function in SERVER_FUNCTIONS if function.encode() not in text]
     if missing:
         raise RuntimeError(f"{server.binary}: {', '.join(missing)} did not run (see SERVER_FUNCTIONS)")
@@ -102,13 +102,23 @@ def server_count(server: Any, out: Path) -> Iterator[dict[str, int]]:
     """The instructions ``server`` (a ``counted_server`` writing to ``out``) processes commands
     with during the block: its counts are zeroed as it begins, and dumped as it ends into the
     dict's ``"lock server"``."""
-    subprocess.run(["callgrind_control", "--zero", str(server.pid)], check=True, capture_output=True)
+    _callgrind_control(server, "--zero")
     counted: dict[str, int] = {}
     yield counted
+    counted["lock server"] = callgrind_total(_dump(server, out))
+
+
+def _callgrind_control(server: Any, option: str) -> None:
+    subprocess.run(["callgrind_control", option, str(server.pid)], check=True, capture_output=True)
+
+
+def _dump(server: Any, out: Path) -> Path:
+    """Dump the counts of ``server`` (a ``counted_server`` writing to ``out``) since they were last
+    zeroed or dumped: the new file ``out.<n>``."""
     before = set(out.parent.glob(f"{out.name}.*"))
-    subprocess.run(["callgrind_control", "--dump", str(server.pid)], check=True, capture_output=True)
+    _callgrind_control(server, "--dump")
     [dump] = set(out.parent.glob(f"{out.name}.*")) - before
-    counted["lock server"] = callgrind_total(dump)
+    return dump
 
 
 def worker_run(variant: str, tasks: int, broker: Any, locks: Any, locks_out: Path) -> dict[str, float]:

@@ -69,15 +69,18 @@ def test_per_task_figures_are_the_difference_of_two_runs_and_locks_exclude_the_m
     assert found["celery-once lock instructions/task"].verdict == "INFO"
 
 
-@pytest.mark.skipif(
+#: The lock server's counts need valgrind's callgrind and its control program.
+needs_valgrind = pytest.mark.skipif(
     shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
     reason="needs valgrind and callgrind_control (apt-get install valgrind)",
 )
+
+
+@needs_valgrind
 def test_a_counted_server_counts_each_block_on_its_own(tmp_path: Path) -> None:
     """The lock server under callgrind counts what it processes in each ``server_count`` block
     only: its counts are zeroed as a block begins (here: after 300 commands outside any block)
-    and dumped as it ends, so a block of 200 commands counts twice one of 100. A function of
-    ``SERVER_FUNCTIONS`` that does not run is an error naming it."""
+    and dumped as it ends, so a block of 200 commands counts twice one of 100."""
     out = tmp_path / "lock-server.out"
     with instructions_bench.counted_server(out) as server, server.client() as client:
         instructions_bench.check_counted(server, out)  # both functions run in this redis-server
@@ -93,13 +96,12 @@ def test_a_counted_server_counts_each_block_on_its_own(tmp_path: Path) -> None:
     assert 1.8 < two_hundred["lock server"] / hundred["lock server"] < 2.2
 
 
-@pytest.mark.skipif(
-    shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
-    reason="needs valgrind and callgrind_control (apt-get install valgrind)",
-)
+@needs_valgrind
 def test_a_server_function_that_does_not_run_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A function of ``SERVER_FUNCTIONS`` that does not run in the redis-server (not exported,
+    renamed) is an error naming it, not a count that quietly leaves its work out."""
     out = tmp_path / "lock-server.out"
     monkeypatch.setattr(instructions_bench, "SERVER_FUNCTIONS", ("readQueryFromClient", "noSuchFunction"))
     with (
