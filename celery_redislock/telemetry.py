@@ -211,15 +211,9 @@ class Samples:
 
 
 def _records(histogram: Any) -> bool:
-    """Whether ``histogram`` records: not the API's own (its proxy or no-op), or a proxy
-    that forwards now, a real ``MeterProvider`` being set (a provider is set once per process).
-    The hooks record nothing before a provider is set (``_meter_provider_set``); this guards
-    what is buffered otherwise: instruments of a meter not the global one's, the API's no-op
-    provider set, or an API whose flag ``_provider_set`` cannot read (then always true)."""
-    api = metrics.__name__ + "."
-    return not type(histogram).__module__.startswith(api) or not type(
-        metrics.get_meter_provider()
-    ).__module__.startswith(api)
+    """Whether ``histogram`` records: not the API's own (its proxy or no-op), or a proxy that
+    forwards now, a ``MeterProvider`` being set (``_meter_provider_set``, as the hooks ask)."""
+    return not type(histogram).__module__.startswith(metrics.__name__ + ".") or _meter_provider_set()
 
 
 class Instruments:
@@ -397,7 +391,10 @@ class _Step(abc.ABC):
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if trace is None or (self.parent is None and not _meter_provider_set()):
+        if trace is None:
+            return
+        metered = _meter_provider_set()
+        if self.parent is None and not metered:
             return  # nothing to trace or record (no provider set, spans off)
         outcome = self._outcome_of(kind)
         failed = exc if outcome is None else None
@@ -409,7 +406,7 @@ class _Step(abc.ABC):
                 self._trace(parent, outcome, failed)
             elif outcome not in self.PLAIN and parent.is_recording():  # "auto"
                 self._note(parent, outcome, seconds, failed)
-        if outcome is not None and _meter_provider_set():
+        if outcome is not None and metered:
             self._record(outcome, seconds)
 
     def _fence(self) -> int | None:
