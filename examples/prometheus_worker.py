@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import urllib.request
 from typing import Any
@@ -31,6 +32,8 @@ from prometheus_client import start_http_server
 
 #: The main process's port; pool child ``i`` serves ``PORT + 1 + i``.
 PORT = int(os.environ.get("METRICS_PORT", "9464"))
+#: Where Linux says which ports a bind to port 0 takes.
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 @worker_init.connect
@@ -48,16 +51,22 @@ def _export_from_a_pool_child(**_: Any) -> None:
 
 
 def free_ports(count: int) -> int:
-    """A port P such that P to P + count - 1 are all free on 127.0.0.1 now."""
+    """A port P such that P to P + count - 1 are all free on 127.0.0.1 now, below the kernel's
+    ephemeral range (``ip_local_port_range``): the worker binds them only later, and meanwhile
+    a bind to port 0 (any other program's, a parallel test's server) takes its port from that
+    range, never one of these."""
+    try:
+        with open(EPHEMERAL_PORTS) as ranges:  # Linux: "32768 60999" by default
+            ephemeral = int(ranges.read().split()[0])
+    except OSError:
+        ephemeral = 49152  # elsewhere (macOS, the BSDs): IANA's dynamic ports
     while True:
+        port = random.randrange(10_000, ephemeral - count)
         with contextlib.ExitStack() as probes:
-            first = probes.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            port: int = first.getsockname()[1]
             try:
-                for next_port in range(port + 1, port + count):
-                    probes.enter_context(socket.socket()).bind(("127.0.0.1", next_port))
-            except (OSError, OverflowError):  # one of the next is taken, or past 65535: try another
+                for each in range(port, port + count):
+                    probes.enter_context(socket.socket()).bind(("127.0.0.1", each))
+            except OSError:  # one of them is taken: try others
                 continue
             return port
 

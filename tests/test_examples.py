@@ -171,3 +171,14 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:  # the process ended meanwhile
         return b""
+
+
+def test_the_prometheus_example_picks_its_ports_below_the_ephemeral_range() -> None:
+    """The example picks its worker's three metrics ports before the worker binds them: below
+    the range a bind to port 0 draws from, so that no other process (a parallel test's
+    redis-server) takes one meanwhile, as once happened in CI ("Address already in use")."""
+    from examples.prometheus_worker import free_ports
+
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_ports(3) for _ in range(50)]
+    assert all(port >= 1024 and port + 2 < ephemeral for port in ports), ports
