@@ -18,7 +18,9 @@ else the machine does (``docs/benchmarks.md``). For each variant of ``task_bench
   and writing its reply), not its event loop and cron, whose work follows the run's length
   rather than its commands. Its counts are zeroed as a worker run begins and dumped as it ends
   (``callgrind_control``): every lock command of the run, the sends' and the worker's (the
-  producer runs' own lock server is not counted: its commands are those of the sends).
+  producer runs' own lock server is not counted: its commands are those of the sends). Before
+  the runs, the same server counts what it takes per call of each script on a task's path
+  (``script_counts``): where its share goes.
 
 **Lock instructions per task** are the pool's, the producer's and the lock server's less
 plain's: the work a lock adds, wherever it runs. The worker's main process is shown apart: its
@@ -119,6 +121,55 @@ def _dump(server: Any, out: Path) -> Path:
     _callgrind_control(server, "--dump")
     [dump] = set(out.parent.glob(f"{out.name}.*")) - before
     return dump
+
+
+#: How many calls of each script ``script_counts`` counts.
+SCRIPT_CALLS = 1000
+
+
+def script_counts(server: Any, out: Path, calls: int = SCRIPT_CALLS) -> dict[str, float]:
+    """The instructions ``server`` (a ``counted_server`` writing to ``out``) takes per call of the
+    package's scripts on a task's path, each counted in a block of ``calls`` calls on one
+    connection of a plain client, what sets each call up left out: a free lock's ``ACQUIRE``, the
+    ``RELEASE`` of such a hold (no waiters), a watchdog's ``RENEW``, ``until_executed``'s
+    ``ADOPT`` of an enqueue lock; and, for scale, a plain ``SET NX PX``."""
+    from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
+    from celery_redislock._task_scripts import ADOPT
+    from celery_redislock.attempt import waiter_member
+
+    holder = f"task={secrets.token_hex(16)} try=0 state=running node=celery@bench pid=4242"
+    keys = [f"redislock:bench.noop:{secrets.token_hex(32)}" for _ in range(calls)]
+    tokens = [secrets.token_hex(16) for _ in range(calls)]
+    counts: dict[str, float] = {}
+
+    def count(step: str, call: Any, expected: Any) -> None:
+        with server_count(server, out) as counted:
+            replies = [call(i) for i in range(calls)]
+        wrong = [reply for reply in replies if not expected(reply)]
+        if wrong:  # a script that failed counts instructions too
+            raise RuntimeError(f"{step}: {len(wrong)} unexpected replies, e.g. {wrong[0]!r}")
+        counts[step] = counted["lock server"] / calls
+
+    def fence(reply: Any) -> bool:
+        return isinstance(reply, int) and reply > 1
+
+    with server.client() as client:
+        for script in (ACQUIRE, RELEASE, RENEW, ADOPT):
+            client.script_load(script.source)
+        member = [waiter_member(30_000, token, False, holder) for token in tokens]
+        count("ACQUIRE (a free lock)", lambda i: ACQUIRE(client, [keys[i]], [member[i], "try"]), fence)
+        count("RELEASE (no waiters)", lambda i: RELEASE(client, [keys[i]], [tokens[i]]), lambda r: r == 1)
+        ACQUIRE(client, [keys[0]], [member[0], "try"])
+        count("RENEW", lambda i: RENEW(client, [keys[0]], [30_000, tokens[0]]), lambda r: r == [])
+        client.delete(keys[0])
+        for key, token in zip(keys, tokens, strict=True):
+            client.set(key, f"{token}:1:{holder}", px=60_000)  # an enqueue lock for ``token``
+        adopted = [secrets.token_hex(16) for _ in range(calls)]
+        count("ADOPT", lambda i: ADOPT(client, [keys[i]], [tokens[i], adopted[i], 30_000, holder]), fence)
+        client.delete(*keys)
+        count("SET NX PX (for scale)", lambda i: client.set(keys[i], holder, nx=True, px=30_000), bool)
+        client.delete(*keys)
+    return counts
 
 
 def worker_run(variant: str, tasks: int, broker: Any, locks: Any, locks_out: Path) -> dict[str, float]:
@@ -260,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             ThreadPoolExecutor(1) as producers,
         ):
             check_counted(locks, lock_out)
+            scripts = script_counts(locks, lock_out)
+            for step, instructions in scripts.items():
+                print(f"  lock server per call of {step:<22} {instructions:>9,.0f} instructions", flush=True)
             for variant in args.variants:
                 # The producer's two runs go on beside the worker's (a count does not depend on what else
                 # runs), on servers of their own.
@@ -309,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             "versions": versions,
             "duration_s": time.monotonic() - started,
             "summary": summary,
+            "lock server per script call": scripts,
             "checks": [check.line() for check in found],
         },
     )

@@ -9,8 +9,8 @@ that every key of one semaphore is in one Redis Cluster hash slot. A permit
 is a lock value (``_scripts``: ``"<token>:<fence>:<holder>"``) with the TTL of
 its holder's lease: the watchdog renews it with ``RENEW`` like any lock, and
 a permit nobody renews (its holder died) frees itself when its TTL runs out,
-within its lease. Waiters queue and are woken as a lock's (the prelude's
-queue, deadlines and wake lists): a release wakes the first waiter; a fair
+within its lease. Waiters queue and are woken as a lock's (the shared
+pieces' queue, deadlines and wake lists): a release wakes the first waiter; a fair
 one is granted the freed permit and woken with ``"<fence>:<i>"``.
 
 A permit's fence is the server clock in microseconds, raised above every

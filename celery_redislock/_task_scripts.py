@@ -15,8 +15,8 @@ lock over from the queued message (``REPLACE``), marking it superseded, and give
 back if its own message could not be sent (``UNREPLACE``); the worker that meets a
 superseded message drops it (``DROP``, which also frees a message's lock where the mode
 frees it, in the same step). Lock values are as in
-``_scripts``: ``"<token>:<fence>:<holder>"``, read and written by the prelude every
-script opens with (``owns``, ``fence_of``, ``holder_of``, ``hold``).
+``_scripts``: ``"<token>:<fence>:<holder>"``, read and written by the shared pieces
+of ``_scripts`` (``owns``, ``fence_of``, ``holder_of``, ``hold``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
   the token is the owner's 128-bit random token (32 hex digits), the fence is
   the fencing token of the hold (decimal) and the holder a free-form
   description of the owner. Ownership is the token prefix. The Lua side of the
-  same format is ``_scripts``' prelude (``owns``, ``fence_of``, ``holder_of``,
+  same format is in ``_scripts``' shared pieces (``owns``, ``fence_of``, ``holder_of``,
   ``hold``).
 * A task's lock names its holder with ``holder_for`` (fields ``task``, ``try``,
   ``state``, ``node``, ``pid``); a ``RedisLock`` by default as ``"<host>:<pid>"``.

@@ -109,3 +109,35 @@ def test_a_server_function_that_does_not_run_is_named(
         pytest.raises(RuntimeError, match="noSuchFunction did not run"),
     ):
         instructions_bench.check_counted(server, out)
+
+
+@needs_valgrind
+def test_the_scripts_of_a_tasks_path_are_counted_per_call_and_leave_no_key(tmp_path: Path) -> None:
+    """``script_counts``: the lock server's instructions per call of each script, each call's reply
+    checked (a failing script counts instructions too), and nothing left in Redis."""
+    out = tmp_path / "lock-server.out"
+    with instructions_bench.counted_server(out) as server, server.client() as client:
+        counts = instructions_bench.script_counts(server, out, calls=50)
+        assert client.dbsize() == 0
+    assert set(counts) == {
+        "ACQUIRE (a free lock)",
+        "RELEASE (no waiters)",
+        "RENEW",
+        "ADOPT",
+        "SET NX PX (for scale)",
+    }
+    # a script's call runs the Lua interpreter besides its commands: costlier than one plain SET
+    assert all(counts[step] > counts["SET NX PX (for scale)"] > 0 for step in counts if "SET" not in step)
+
+
+@needs_valgrind
+def test_a_script_that_fails_is_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_redislock import _scripts
+
+    out = tmp_path / "lock-server.out"
+    monkeypatch.setattr(_scripts, "RENEW", _scripts.Script("return {1}"))  # reports the lock lost
+    with (
+        instructions_bench.counted_server(out) as server,
+        pytest.raises(RuntimeError, match=r"RENEW: 50 unexpected replies, e\.g\. \[1\]"),
+    ):
+        instructions_bench.script_counts(server, out, calls=50)
