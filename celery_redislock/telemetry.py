@@ -414,30 +414,30 @@ class _Step(abc.ABC):
         fence: int | None = self.lock.fence
         return self.fence if fence is None else fence
 
+    def _attributes(self, outcome: str | None, more: dict[str, Any]) -> dict[str, Any]:
+        """The step's attributes: the task's name, ``more``, its outcome and the hold's fence where known."""
+        attributes: dict[str, Any] = {"task": self.task, **more}
+        if outcome is not None:
+            attributes["outcome"] = outcome
+        fence = self._fence()
+        if fence is not None:
+            attributes["fence"] = fence
+        return attributes
+
     def _note(self, parent: Any, outcome: str | None, seconds: float, failed: BaseException | None) -> None:
         """Add the step's event to ``parent`` (the span it began in), timed now: the task's name (the span
         may be another run's, or the caller's), the step's outcome, or ``error.type``, the type of the
         exception ``failed`` (not recorded here: where it fails the task, Celery's instrumentation
         records it on the task's span), its fence and its ``SECONDS``."""
-        attributes: dict[str, Any] = {"task": self.task, self.SECONDS: seconds}
-        if outcome is not None:
-            attributes["outcome"] = outcome
-        elif failed is not None:
-            attributes["error.type"] = _type_name(failed)
-        fence = self._fence()
-        if fence is not None:
-            attributes["fence"] = fence
-        parent.add_event(self.NAME, attributes)
+        more: dict[str, Any] = {self.SECONDS: seconds}
+        if outcome is None and failed is not None:
+            more["error.type"] = _type_name(failed)
+        parent.add_event(self.NAME, self._attributes(outcome, more))
 
     def _trace(self, parent: Any, outcome: str | None, failed: BaseException | None) -> None:
         """Make the step's span, a child of ``parent`` (the span it began in), from ``started``
         to now; the exception ``failed`` fails it."""
-        attributes: dict[str, Any] = {"task": self.task, "mode": self.mode}
-        if outcome is not None:
-            attributes["outcome"] = outcome
-        fence = self._fence()
-        if fence is not None:
-            attributes["fence"] = fence
+        attributes = self._attributes(outcome, {"mode": self.mode})
         ended = time.time_ns()
         started = ended - int((time.monotonic() - self.started) * 1e9)
         span = _tracer.start_span(
