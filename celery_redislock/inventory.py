@@ -27,7 +27,7 @@ from redis.crc import key_slot
 
 from ._permit_scripts import RELEASE_PERMIT
 from ._redis import PooledConnection
-from ._scripts import RELEASE, Script, bulk, plain_client
+from ._scripts import RELEASE, Script, bulks, plain_client
 from .attempt import companion_key
 from .connection import Client
 from .exceptions import LockConfigurationError
@@ -274,15 +274,11 @@ def _reads(client: Client, batches: Iterator[list[str]]) -> Iterator[tuple[list[
             yield batch, READ(client, batch, _waited_as(batch))
         return
     with PooledConnection(client) as connection:
-        encoding, errors = connection.encoder.encoding, connection.encoder.encoding_errors
         sent: collections.deque[list[str]] = collections.deque()
 
         def send(calls: int) -> None:
             for batch in itertools.islice(batches, calls):
-                keys, names = (
-                    [bulk(item.encode(encoding, errors)) for item in items]
-                    for items in (batch, _waited_as(batch))
-                )
+                keys, names = bulks(connection.encoder, batch), bulks(connection.encoder, _waited_as(batch))
                 call = READ.pack(keys, names)
                 connection.send_packed_command([call])
                 sent.append(batch)

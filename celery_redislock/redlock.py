@@ -40,7 +40,7 @@ from typing import Any
 import redis
 
 from ._durations import Duration, to_ms
-from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulk, read_replies
+from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks, read_replies
 from .attempt import Attempt, lease_seconds, owns
 from .exceptions import LockConfigurationError
 from .primitive import LeaseLock
@@ -237,8 +237,8 @@ class Quorum:
                     continue
                 sent.append((pool, connection, b""))  # released by the finally, whatever happens next
                 try:
-                    encode = connection.encoder.encode
-                    packed = script.pack([bulk(encode(self.name))], [bulk(encode(arg)) for arg in args])
+                    encoder = connection.encoder
+                    packed = script.pack(bulks(encoder, [self.name]), bulks(encoder, args))
                     connection.send_packed_command([packed])
                     sent[-1] = (pool, connection, packed)
                 except Exception as exc:
