@@ -123,7 +123,9 @@ if fair == '1' then
   end
 end
 if free then
-  if mode == 'again' or mode == 'last' then leave(member, wake_prefix .. token) end
+  -- a waiter leaves the queue; so does a first 'wait' sent again after a lost reply, which its
+  -- first run may have queued
+  if mode ~= 'try' then leave(member, wake_prefix .. token) end
   return grant(free, values, 0, token, holder, ttl_ms, now_us)
 end
 if mode == 'wait' or mode == 'again' then

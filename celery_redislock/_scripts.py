@@ -138,8 +138,9 @@ _PIECE_NAMES = {piece: _defined_by(piece) for piece in _PIECES}
 
 
 def lua_code(text: str) -> str:
-    """Lua ``text`` without its comments and string literals: the names it uses, as code."""
-    return re.sub(r"--[^\n]*|'[^'\n]*'|\"[^\"\n]*\"", "", text)
+    """Lua ``text`` without its comments and its quoted strings (escapes within them read as
+    Lua reads them): the names it uses, as code. (The scripts write no long brackets.)"""
+    return re.sub(r"--[^\n]*|'(?:\\.|[^'\\\n])*'|\"(?:\\.|[^\"\\\n])*\"", "", text)
 
 
 def _pieces_for(text: str, defined: frozenset[str] = frozenset()) -> tuple[str, frozenset[str]]:
@@ -170,11 +171,26 @@ local queued = mode == 'again' or mode == 'last'
 local time = redis.call('TIME')
 -- An unqueued first-come attempt: the fence is TIME's seconds and zero-padded
 -- microseconds, written out.
+local granted = nil
 if fair == '0' and not queued then
   local fence = time[1] .. string.rep('0', 6 - #time[2]) .. time[2]
   if redis.call('SET', lock, token .. ':' .. fence .. ':' .. holder, 'NX', 'PX', ttl_ms) then
-    return tonumber(fence)
+    if mode == 'try' then return tonumber(fence) end
+    granted = fence
   end
+end
+"""
+
+_ACQUIRE_GRANTED = """
+-- A first 'wait' granted at once. If this is its call sent again after a lost reply, its
+-- first run may have queued the caller: it leaves the queue (else a release would wake, or
+-- hand the lock to, the call that is over).
+if granted then
+  if redis.call('ZREM', queue, member) == 1 then
+    redis.call('ZREM', deadlines, member)
+    redis.call('DEL', wake_prefix .. token)
+  end
+  return tonumber(granted)
 end
 """
 
@@ -188,7 +204,7 @@ if fair == '1' then
 end
 if (fair == '1' or queued) and (not head or head == member)
     and redis.call('SET', lock, hold(token, now_us, holder), 'NX', 'PX', ttl_ms) then
-  if queued then leave(member, wake_list) end
+  if mode ~= 'try' then leave(member, wake_list) end  -- also a first 'wait' sent again (above)
   return now_us
 end
 local current = redis.call('GET', lock)
@@ -265,18 +281,19 @@ return lost
 class Script:
     """A Lua script run by EVALSHA, loaded again after NOSCRIPT (a restarted or new server).
 
-    Its source names the lock (``lock``), then holds the shared pieces ``fast`` uses (``_PIECES``),
-    ``fast`` (the common cases, which end before the pieces only the others use are set up),
-    the pieces ``body`` uses besides, then ``body``. The script's KEYS/ARGV/return contract
-    opens its own text (``fast`` where it has one).
+    Its source names the lock (``lock``), then holds each of ``stages`` in turn, each after the
+    shared pieces (``_PIECES``) it uses that no stage before it did: a stage that ends a common
+    case ends it before the pieces only the later stages use are set up. The script's
+    KEYS/ARGV/return contract opens its first stage.
     """
 
     __slots__ = ("idempotent", "packed_sha", "sha", "source")
 
-    def __init__(self, body: str, fast: str = "", idempotent: bool = False) -> None:
-        fast_pieces, defined = _pieces_for(fast)
-        body_pieces, _ = _pieces_for(body, defined)
-        self.source = "local lock = KEYS[1]\n" + fast_pieces + fast + body_pieces + body
+    def __init__(self, *stages: str, idempotent: bool = False) -> None:
+        self.source, defined = "local lock = KEYS[1]\n", frozenset[str]()
+        for stage in stages:
+            pieces, defined = _pieces_for(stage, defined)
+            self.source += pieces + stage
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
         #: a second run of a call answers as the first did (``ACQUIRE``: the caller's own hold is
         #: found and granted again): sent on a fresh connection unpolled (``_call_pooled``)
@@ -509,6 +526,6 @@ def bulks(encoder: Any, values: Iterable[str | int]) -> list[bytes]:
     ]
 
 
-ACQUIRE = Script(_ACQUIRE, fast=_ACQUIRE_FAST, idempotent=True)
-RELEASE = Script(_RELEASE, fast=_RELEASE_FAST)
+ACQUIRE = Script(_ACQUIRE_FAST, _ACQUIRE_GRANTED, _ACQUIRE, idempotent=True)
+RELEASE = Script(_RELEASE_FAST, _RELEASE)
 RENEW = Script(_RENEW)

@@ -65,12 +65,19 @@ def companion_key(name: str, suffix: str) -> str:
 
     Raises ``LockConfigurationError`` for a name whose slot no companion can
     share: one with a ``}`` but no hash tag (Redis hashes the first non-empty
-    ``{...}``).
+    ``{...}``); and for a name that is a hash tag alone, ``{x}``, whose companions
+    would be the lock ``x``'s (``{x}:<suffix>``), so that the two locks would share
+    their waiters.
     """
     start = name.find("{")
     if start != -1:
         end = name.find("}", start + 1)
         if end > start + 1:  # ``name`` has a hash tag: the companion reuses it
+            if start == 0 and end == len(name) - 1:
+                raise LockConfigurationError(
+                    f"name {name!r} is a hash tag alone, whose waiters would be those of the lock "
+                    f"{name[1:-1]!r}; add to it, e.g. {name + ':lock'!r}"
+                )
             return f"{name}:{suffix}"
     if "}" in name:
         raise LockConfigurationError(

@@ -144,8 +144,8 @@ class HeldLock:
 def permit_of(key: str) -> tuple[str, int] | None:
     """The semaphore name and the permit number of the permit key ``key`` (a task's with a
     ``lock_limit`` above 1, or a ``RedisSemaphore``'s); ``None``: ``key`` is no permit key.
-    A key that is the permit of two names (``{x}:permit:1``, of ``x`` and of ``{x}``) is
-    taken for the name without braces."""
+    ``{x}:permit:1`` is the permit of ``x`` (a name that is a hash tag alone, ``{x}``, is
+    refused: ``attempt.companion_key``)."""
     match = _PERMIT.fullmatch(key) if ":permit:" in key else None
     if match is None:
         return None

@@ -453,6 +453,7 @@ def test_decode_responses_client(redis_server: RedisServer, name: str) -> None:
         ({"client": "redis://127.0.0.1"}, "client must be a redis.Redis"),
         ({"client": object()}, "client must be a redis.Redis"),
         ({"holder": 7}, "holder must be a str"),
+        ({"name": "{k}"}, "name '{k}' is a hash tag alone, whose waiters would be those of the lock 'k'"),
     ],
 )
 def test_bad_input_names_the_culprit(

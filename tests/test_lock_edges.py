@@ -5,6 +5,7 @@ held or queued, and a lost hold fails loudly but does not hide the error of the 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 import time
@@ -16,10 +17,11 @@ import redis
 import celery_redislock.lock as lock_module
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock
 from celery_redislock._redis import call_with_timeout
-from celery_redislock._scripts import ACQUIRE
+from celery_redislock._scripts import ACQUIRE, RELEASE
+from celery_redislock.attempt import waiter_member
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
-from tests.taskapp import LEASE
+from tests.taskapp import LEASE, text
 from tests.workers import renewed
 
 
@@ -198,3 +200,32 @@ def test_reentry_after_loss_raises_only_for_the_lost_hold(client: redis.Redis, p
     assert lock.acquire(blocking=False)  # a new hold starts clean
     assert not lock.lost.is_set()
     lock.release()
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_first_wait_sent_again_and_granted_leaves_the_queue(
+    client: redis.Redis, prefix: str, fair: bool
+) -> None:
+    """``ACQUIRE`` answers a call sent again (``idempotent``, and redis-py's retries) as the
+    first send would have: a first ``'wait'`` whose first run queued the caller (its reply
+    lost), granted the lock when sent again (the holder's lease ran out meanwhile), leaves the
+    queue. Else its own release would hand the lock (fair) to the call that is over, held by
+    no one for a lease, or wake it (unfair) instead of the waiter queued behind it."""
+    name = f"{prefix}:k"
+    holder, waiter, other = (secrets.token_hex(16) for _ in range(3))
+    member = waiter_member(5000, waiter, fair, "w")
+    assert isinstance(ACQUIRE(client, [name], [waiter_member(5000, holder, fair, "h"), "try"]), int)
+    assert not isinstance(ACQUIRE(client, [name], [member, "wait"]), int)  # queued; the reply lost
+    other_member = waiter_member(5000, other, fair, "o")
+    assert not isinstance(ACQUIRE(client, [name], [other_member, "wait"]), int)
+    client.delete(name)  # the holder's lease runs out, before the other waiter calls again
+    assert isinstance(ACQUIRE(client, [name], [member, "wait"]), int)  # the call sent again
+    assert client.zrange(companion_key(name, "queue"), 0, -1) == [other_member.encode()]
+    assert RELEASE(client, [name], [waiter]) == 1
+    woken = client.lrange(companion_key(name, f"wake:{other}"), 0, -1)
+    if fair:  # handed to the waiter queued behind, woken with the hold's fence
+        value = text(client.get(name))
+        assert value.startswith(other) and woken == [value.split(":")[1].encode()]
+    else:
+        assert client.get(name) is None and woken == [b"retry"]
+    client.delete(name, companion_key(name, f"wake:{other}"))  # what the waiter behind would do

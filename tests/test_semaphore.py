@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -188,6 +189,8 @@ def test_bad_arguments_are_refused_as_a_locks_are(client: redis.Redis, prefix: s
         RedisSemaphore(client, f"{prefix}:s", 2, ttl=0)
     with pytest.raises(LockConfigurationError, match="name must be"):
         RedisSemaphore(client, "", 2)
+    with pytest.raises(LockConfigurationError, match="is a hash tag alone"):
+        RedisSemaphore(client, "{" + prefix + "}", 2)  # its permits would be the semaphore prefix's
     assert invariants.keys_of(client, prefix) == []
 
 
@@ -427,3 +430,27 @@ def test_on_a_cluster_every_key_of_a_semaphore_is_in_its_names_slot(
         assert not any(node.redis_connection.exists(key) for key in keys)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_first_wait_sent_again_and_granted_leaves_the_queue(
+    client: redis.Redis, prefix: str, fair: bool
+) -> None:
+    """``ACQUIRE_PERMIT`` answers a call sent again as the first send would have: a first
+    ``'wait'`` whose first run queued the caller (its reply lost), granted a permit when sent
+    again (the holder's lease ran out meanwhile), leaves the queue, so that its release does
+    not grant the permit back to the call that is over, nor wake it in another's stead."""
+    from celery_redislock._permit_scripts import ACQUIRE_PERMIT, RELEASE_PERMIT
+    from celery_redislock.attempt import waiter_member
+
+    name = f"{prefix}:s"
+    holder, waiter = secrets.token_hex(16), secrets.token_hex(16)
+    member = waiter_member(5000, waiter, fair, "w")
+    first = waiter_member(5000, holder, fair, "h")
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [first, "try", 1]), bytes)
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member, "wait", 1]), list)  # queued; the reply lost
+    client.delete(companion_key(name, "permit:1"))  # the holder's lease runs out
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member, "wait", 1]), bytes)  # the call sent again
+    assert client.zcard(companion_key(name, "queue")) == 0
+    assert RELEASE_PERMIT(client, [name], [waiter, "", 1]) == 1
+    assert invariants.keys_of(client, prefix) == []  # not granted again, nobody woken

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from celery_redislock import LockConfigurationError
 from celery_redislock.attempt import companion_key
 from celery_redislock.inventory import permit_of, task_of
 
@@ -35,8 +36,12 @@ def test_other_keys_are_no_permit_keys(key: str) -> None:
     assert permit_of(key) is None
 
 
-def test_a_key_that_is_the_permit_of_two_names_is_taken_for_the_one_without_braces() -> None:
-    assert companion_key("x", "permit:1") == companion_key("{x}", "permit:1") == "{x}:permit:1"
+def test_a_name_that_is_a_hash_tag_alone_is_refused_so_a_permit_key_has_one_name() -> None:
+    """``{x}``'s companions would be ``x``'s (``{x}:<suffix>``): such a name is refused."""
+    with pytest.raises(LockConfigurationError, match=r"name '\{x\}' is a hash tag alone"):
+        companion_key("{x}", "permit:1")
+    assert companion_key("x", "permit:1") == "{x}:permit:1"
+    assert companion_key("{x}:s", "permit:1") == "{x}:s:permit:1"
     assert permit_of("{x}:permit:1") == ("x", 1)
 
 

@@ -76,3 +76,16 @@ def test_a_piece_brings_the_pieces_it_uses() -> None:
         "wake",
         "wake_next",
     }
+
+
+def test_a_name_used_after_an_escaped_quote_is_seen() -> None:
+    """A quoted string ends where Lua ends it, not at an escaped quote within it."""
+    script = Script("return 'it\\'s ' .. clock(redis.call('TIME')) .. \"a \\\" b\"")
+    assert "local function clock" in script.source
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_no_script_writes_a_long_bracket(name: str) -> None:
+    """``lua_code`` reads comments and strings of one line only: a ``--[[`` comment or a
+    ``[[`` string spanning lines could hide a name from it (or show one that is not code)."""
+    assert "[[" not in SCRIPTS[name].source
