@@ -13,15 +13,17 @@ worker. A call that finds the lock held gets what ``lock_duplicate`` says:
   run's hold, and one parked for a retry, are never taken over: a replacing
   call that finds one gets its ``AsyncResult``, as with ``"return"``.
 
-Failure timeline: the lock is taken before the message is sent. If sending
-fails, a lock taken afresh is released. With ``"replace"``, any exception
-out of the take or the send (a failed send, a lost reply, an interrupt)
-undoes the take (``UNREPLACE``, owner-checked by the call's own token): the
-lock goes back to the message it was taken from, no longer superseded, unless
-a worker dropped that message already; then it is freed. If a later call took
-the lock over meanwhile, that call's message stands, and its own undo would
-give the lock back past the unsent message. A superseded message is marked
-until a worker meets it, for as long as either lock could live: a copy of it
+Failure timeline: the lock is taken before the message is sent, for the
+token the message carries, drawn before the take. Any exception from the
+take to the end of the send (a failed send, a lost reply, an interrupt such
+as the soft time limit of a task calling ``apply_async``) undoes the take,
+owner-checked by that token, so also a take whose reply never came: a lock
+taken afresh is released. With ``"replace"`` (``UNREPLACE``) the lock goes
+back to the message it was taken from, no longer superseded, unless a worker
+dropped that message already; then it is freed. If a later call took the
+lock over meanwhile, that call's message stands, and its own undo would give
+the lock back past the unsent message. A superseded message is marked until
+a worker meets it, for as long as either lock could live: a copy of it
 delivered again is dropped too.
 """
 
@@ -29,8 +31,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -56,20 +58,11 @@ from .protocol import (
     seconds_until,
     text,
 )
-from .run_lock import release
 from .telemetry import counted, log_fields
 
 __all__ = ["duplicate", "enqueue", "superseded"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Held:
-    """An enqueue lock taken for a message: its token, and how to give the lock back unsent."""
-
-    token: str
-    undo: Callable[[], object]
 
 
 #: (holder, seconds left) of an enqueue lock found held and not taken over.
@@ -84,7 +77,10 @@ def enqueue(
     headers: dict[str, Any],
     send: Callable[[str | None], Any],
 ) -> Any:
-    """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock."""
+    """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock.
+
+    Whatever exception comes between the take and the end of the send, the lock is given back:
+    it never names a message that was not sent."""
     lock_options: LockOptions = task.lock_options
     settings: AppSettings = task.lock_settings
     holder = holder_for(task_id, options.get("retries") or 0, hostname(), current_pid(), "queued")
@@ -95,25 +91,30 @@ def enqueue(
             "group or chord member would leave its chord waiting forever"
         )
     take = _replace if lock_options.duplicate == "replace" else _acquire
-    url = GIVEN_CLIENT
+    token = secrets.token_hex(16)  # the message's, drawn first: a take cut off after it ran is undone too
+    url, undo, sending = GIVEN_CLIENT, None, False
     try:
         client, url = client_for(task.app)
-        held = take(task, client, key, ttl, holder, task_id)
-    except (redis.RedisError, LockNotReplicated) as exc:  # not replicated: as unreachable
+        undo = _undo_for(lock_options, client, key, token)
+        busy = take(task, client, key, ttl, holder, task_id, token)
+        if busy is None:
+            headers[HEADER] = {"key": key, "token": token}
+            sending = True
+            return send(task_id)
+    except BaseException as exc:
+        failed = not sending and isinstance(exc, (redis.RedisError, LockNotReplicated))
+        if undo is not None and not failed:  # a failed take gave back what it may have taken itself
+            _undo(task, key, task_id, undo)  # nothing was sent: the lock must not name it
+        if not failed:
+            raise
+        # the take failed (not replicated: as unreachable): as ``redislock_on_error`` says
         where = f"task {task.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
         if settings.on_error == "fail":
             raise RedisLockError(where) from exc
         unlocked = log_fields(key, task_id, outcome="unlocked")
         logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
         return send(task_id)
-    if not isinstance(held, _Held):
-        return duplicate(task, key, *held)
-    headers[HEADER] = {"key": key, "token": held.token}
-    try:
-        return send(task_id)
-    except BaseException:
-        _undo(task, key, task_id, held.undo)  # nothing was sent: the lock must not name it
-        raise
+    return duplicate(task, key, *busy)
 
 
 def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None:
@@ -142,23 +143,39 @@ def _queue_ttl(lock_options: LockOptions, options: Mapping[str, Any]) -> float:
     return ttl
 
 
-def _acquire(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str) -> _Held | _Busy:
-    """Take ``key`` if it is free (``lock_duplicate`` ``"return"`` or ``"raise"``)."""
+def _undo_for(lock_options: LockOptions, client: Any, key: str, token: str) -> Callable[[], object]:
+    """How to give back the lock ``key`` taken, or maybe taken, for ``token``'s unsent message:
+    owner-checked by ``token``, so a no-op if the take did nothing."""
+    if lock_options.duplicate == "replace":
+        return partial(UNREPLACE, client, [key], [token])
+    return partial(release_token, client, key, token)
+
+
+def _acquire(
+    task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str, token: str
+) -> _Busy | None:
+    """Take ``key`` for ``token`` if it is free (``lock_duplicate`` ``"return"`` or ``"raise"``):
+    ``None`` once taken, else who holds it. A take that raises a Redis error or
+    ``LockNotReplicated`` was given back (by ``RedisLock``)."""
     lock = RedisLock(client, key, ttl, watchdog=False, holder=holder, **task.lock_settings.replication)
-    if not lock.acquire(blocking=False):
+    sent_at = time.monotonic()
+    fence = lock.try_as(token)
+    if fence is None:
         return lock.busy
-    assert lock.token is not None
-    return _Held(lock.token, partial(release, task, lock, task_id))
+    lock.take_hold(token, fence, sent_at)  # acknowledged by replicas where set, else LockNotReplicated
+    return None
 
 
-def _replace(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str) -> _Held | _Busy:
-    """Take ``key``, free or from the queued message holding it (``lock_duplicate="replace"``)."""
-    token = secrets.token_hex(16)
-    undo = partial(UNREPLACE, client, [key], [token])  # owner-checked: a no-op if REPLACE did nothing
+def _replace(
+    task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str, token: str
+) -> _Busy | None:
+    """Take ``key`` for ``token``, free or from the queued message holding it
+    (``lock_duplicate="replace"``): ``None`` once taken, else who holds it. A take that raises a
+    Redis error was given back."""
     try:
         reply = REPLACE(client, [key], [token, holder, to_ms(ttl), task_id])
-    except BaseException:  # the script may have run (a lost reply, an interrupt): undo it
-        _undo(task, key, task_id, undo)
+    except redis.RedisError:  # the script may have run (a lost reply): undo it
+        _undo(task, key, task_id, partial(UNREPLACE, client, [key], [token]))
         raise
     status = text(reply[0])
     if status == "busy":
@@ -176,7 +193,7 @@ def _replace(task: Any, client: Any, key: str, ttl: float, holder: str, task_id:
             extra=log_fields(key, task_id, old_holder, outcome="duplicate-replaced"),
         )
         counted(task.name, task.lock_options.mode, "duplicate-replaced")
-    return _Held(token, undo)
+    return None
 
 
 def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:

@@ -6,14 +6,17 @@ Where each outcome is handled:
   lets go (``Execution.let_go``) in a ``finally``, before Celery stores the
   result (a worker's run sends its release there and ``receivers.after_run``
   reads the reply: ``run_lock.release_later``); the ``task_postrun`` receiver also
-  releases a lock an asynchronous exception (a soft time limit) kept that
-  ``finally`` from releasing;
+  lets go of a lock an asynchronous exception (a soft time limit) kept that
+  ``finally`` from letting go, as the mode says: kept (``Execution.keep``) or released;
 * a step between taking the lock and running the body fails (a Redis error
   freeing the message's enqueue lock): the lock is released on the way out;
+* the run fails before its body (refused, a timed-out or interrupted wait, a failed
+  republish): the message's enqueue lock is freed where the mode frees it;
 * the lock is lost while the body runs: see ``run_lock.ExecutionLock``;
 * the pool child dies (SIGKILL, OOM, hard time limit, ``revoke(terminate=True)``,
-  ``lock_on_lost="terminate"``): the worker's main process releases the lock
-  once the child is gone, owner-checked (``celery_redislock.request.LockedRequest``);
+  ``lock_on_lost="terminate"``): the worker's main process releases the lock, and
+  the message's enqueue lock if still there, once the child is gone, owner-checked
+  (``celery_redislock.request.LockedRequest``);
 * the whole worker dies: nothing renews the lease, and it expires within
   ``lock_ttl``.
 """
@@ -26,6 +29,7 @@ from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 import redis
+from celery.exceptions import Ignore, Retry
 
 from . import signals, telemetry
 from ._durations import to_ms
@@ -36,7 +40,7 @@ from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
 from .connection import ClientCallableFailed, client_for
 from .enqueue import superseded
-from .exceptions import LockNotAcquired, LockNotReplicated, RedisLockError
+from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
 from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release, release_later
@@ -116,7 +120,9 @@ class Execution:
                 limit=options.limit,
             )
             self.lock.request = request
-            # From here on, what an asynchronous exception leaves held is task_postrun's to release.
+            if options.rules.parks_for_retry or options.rules.settles:  # the modes that keep it
+                self.lock.keep = self.keep  # also task_postrun's way (``run_lock.finish_release``)
+            # From here on, what an asynchronous exception leaves held is task_postrun's to let go.
             if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
                 self.running = app_state(task.app).running
                 self.running[threading.get_ident(), self.task_id] = self.lock
@@ -159,14 +165,17 @@ class Execution:
                 release_token(self.client, *self.ticket)
             return False
         # Where the mode frees it, the message's enqueue lock goes once the message is dealt with
-        # here: run, skipped or failed; not when it is republished (Retry) or ignored as a twin.
+        # here: run, skipped or failed (refused, a failed wait or republish, an interrupt such as a
+        # soft time limit while waiting); not when it is republished (Retry) or ignored as a twin.
         ticket_to_free = self.ticket if self.options.rules.frees_ticket else None
         try:
             taken = self.lock is None or self.take(self.lock)
-        except LockNotAcquired:
+        except (Retry, Ignore):
+            raise
+        except BaseException:
             if ticket_to_free is not None:
-                # Refused is the outcome: an error freeing the enqueue lock must not turn it into
-                # an unlocked run beside the holder (redislock_on_error="run").
+                # The failure is the outcome: an error freeing the enqueue lock must not turn it
+                # into an unlocked run beside the holder (redislock_on_error="run").
                 with suppress(redis.RedisError):
                     self._free_message_lock(ticket_to_free, None)
             raise
@@ -219,30 +228,47 @@ class Execution:
         }
 
     def let_go(self) -> None:
-        """After the body: release, or keep the lock as the mode says (a retry on its way; a period).
-
-        An attempt that sent its retry (``apply_async``) parks its hold for the token
-        the retry's message carries, whether the body then raised the ``Retry`` or not.
-        """
+        """After the body: release, or keep the lock as the mode says (``keep``)."""
         lock = self.lock
         if lock is None:
             return
-        retry = getattr(lock.request, "lock_retry", None)
-        rules = self.options.rules
-        park = retry if rules.parks_for_retry and retry is not None and retry[0] == lock.name else None
-        settles = rules.settles and self.options.period is not None
-        spans = self.settings.spans
-        if park is None and not settles and self._released_later(lock):
+        if self._parked_for(lock) is None and not self._settles() and self._released_later(lock):
             return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply
-        with telemetry.Release(self.task.name, self.options.mode, lock, spans) as ending:
-            if park is not None and lock.held():
-                ending.outcome = self._park(lock, park[1], park[2])
-            elif settles and lock.held() and self._settle(lock):
-                ending.outcome = "settled"
-            else:
-                ending.outcome = release(self.task, lock, self.task_id)
-        if self.task_id is not None:  # only once let go: an interrupted release is task_postrun's
+        with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
+            ending.outcome = self.keep() or release(self.task, lock, self.task_id)
+        if self.task_id is not None:  # only once let go: an interrupted let-go is task_postrun's
             self.running.pop((threading.get_ident(), self.task_id), None)
+
+    def keep(self) -> str | None:
+        """Keep the lock, still held, where the mode says: parked for the retry on its way, or kept
+        for ``lock_period``. The outcome (``"parked"``, ``"taken-over"``, ``"settled"``,
+        ``"error"``), or ``None``: not kept, the caller releases it.
+
+        An attempt that sent its retry (``apply_async``) parks its hold for the token the
+        retry's message carries, whether the body then raised the ``Retry`` or not. Also
+        ``task_postrun``'s (``run_lock.finish_release``), for a hold an asynchronous exception
+        kept ``let_go`` from letting go: a lock the mode keeps is never released there.
+        """
+        lock = self.lock
+        if lock is None or not lock.held():
+            return None
+        park = self._parked_for(lock)
+        if park is not None:
+            return self._park(lock, park[1], park[2])
+        if self._settles() and self._settle(lock):
+            return "settled"
+        return None
+
+    def _parked_for(self, lock: ExecutionLock) -> tuple[str, str, float] | None:
+        """The retry (key, token, delay) sent by this attempt that ``lock`` is parked for, if any."""
+        retry: tuple[str, str, float] | None = getattr(lock.request, "lock_retry", None)
+        if self.options.rules.parks_for_retry and retry is not None and retry[0] == lock.name:
+            return retry
+        return None
+
+    def _settles(self) -> bool:
+        """Whether the mode keeps the lock for ``lock_period`` after the run."""
+        return self.options.rules.settles and self.options.period is not None
 
     def _released_later(self, lock: ExecutionLock) -> bool:
         """Send the release without waiting for its reply, where a worker's trace follows whose
@@ -262,10 +288,9 @@ class Execution:
         ttl = self.options.queue_ttl + delay
         queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
         current, fence = lock.holder or "", lock.fence
-        try:
-            parked = PARK(
-                lock.client, [lock.name], [lock.stop_renewing(), current, token, queued, to_ms(ttl)]
-            )
+        running = lock.stop_renewing()
+        try:  # once PARK is sent, the hold is forgotten, whatever its outcome
+            parked = PARK(lock.client, [lock.name], [running, current, token, queued, to_ms(ttl)])
         except redis.RedisError as exc:
             logger.warning(
                 "task %s[%s]: could not keep lock %s for its retry: %s",

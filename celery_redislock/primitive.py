@@ -2,8 +2,8 @@
 
 ``LeaseLock`` takes, keeps and gives back a hold: the acquire loop (driving
 ``attempt.Attempt``), re-entry, release, extend, the watchdog's leases and
-the doors the task layer uses (``busy``, ``held()``, ``wait_as()``,
-``take_hold()``, ``stop_renewing()``, ``forget()``, ``renewals_on_time()``,
+the doors the task layer uses (``busy``, ``held()``, ``try_as()``, ``wait_as()``,
+``take_hold()``, ``give_back()``, ``stop_renewing()``, ``forget()``, ``renewals_on_time()``,
 ``lease_lost()``). Where the key lives is its ``servers`` (a ``Servers``):
 the one server (``lock.OneServer``) or a quorum of several
 (``redlock.Quorum``), which run the scripts and read their replies.
@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from ._durations import Duration
 from .attempt import Attempt, LockCore, ending_block, lease_seconds
-from .exceptions import LockNotAcquired, LockNotOwned
+from .exceptions import LockNotAcquired, LockNotOwned, LockNotReplicated
 from .telemetry import log_fields
 from .watchdog import Lease, get_watchdog
 
@@ -90,6 +90,8 @@ class LeaseLock(LockCore):
         #: monotonic time the current hold was taken (its ``held`` time counts from it)
         self.taken_at = 0.0
         self._leases: list[Lease] = []
+        #: the token of the hold whose release raised (maybe after Redis freed the key), if any
+        self._released_maybe: str | None = None
         self._state = threading.Lock()
 
     @property
@@ -118,8 +120,20 @@ class LeaseLock(LockCore):
         fence = self._attempts(attempt)
         if fence is None:
             return False
-        self.take_hold(token, fence, attempt.sent_at)
+        try:
+            self.take_hold(token, fence, attempt.sent_at)
+        except LockNotReplicated:  # given back already
+            raise
+        except BaseException:  # an interrupt (a soft time limit): nothing else knows the token
+            self.give_back(token)
+            raise
         return True
+
+    def try_as(self, token: str) -> int | None:
+        """One attempt at the lock as ``token``, never queued: the fence once granted (the caller
+        records the hold, ``take_hold``), else ``None`` and ``busy`` names the holder. For a hold
+        whose token the caller drew first, to give it back owner-checked whatever cuts it short."""
+        return self._attempts(self.new_attempt(token, False, None, self.servers.queues))
 
     def wait_as(self, token: str, deadline: float) -> int | None:
         """Queue for the lock as ``token`` until it is granted or handed over to ``token`` (the
@@ -146,6 +160,19 @@ class LeaseLock(LockCore):
                 self._leases = self.servers.leases(token, self.ttl, weakref.ref(self))
                 for lease in self._leases:
                     get_watchdog().add(lease, sent_at)
+
+    def give_back(self, token: str) -> None:
+        """Free the hold just granted to ``token`` whose recording (``take_hold``) an exception cut
+        short, before anything else knows the token. Owner-checked (a no-op if already freed); a
+        failure is logged, and the key, unrenewed, expires within ``ttl``, as it does if this is
+        interrupted too."""
+        with self._state:
+            recorded = self.held() and self.token == token
+            leases = list(self._leases) if recorded else []
+        _discard(leases)
+        if recorded:
+            self.forget()
+        self.servers.abandon(token, self.member(token))
 
     def _attempts(self, attempt: Attempt) -> int | None:
         """Drives ``attempt`` until granted (the fence) or past its deadline (None).
@@ -187,6 +214,7 @@ class LeaseLock(LockCore):
         with self._state:
             self.clear_hold()
             self._leases = []
+            self._released_maybe = None
 
     def renewals_on_time(self) -> bool:
         """Whether the watchdog renews the hold and its last renewal is less than one interval
@@ -200,16 +228,24 @@ class LeaseLock(LockCore):
 
         Raises ``LockNotOwned`` (changing nothing in Redis) when this object
         does not hold the lock, or no longer does (expired or taken over).
-        Renewal stops before the release is sent. On a Redis error the outcome
-        is unknown: the error propagates and the hold is kept, so ``release()``
-        can be retried; unrenewed, the key expires within ``ttl`` anyway.
+        Renewal stops before the release is sent. On a Redis error, or an
+        interrupt (a soft time limit), the outcome is unknown: the exception
+        propagates and the hold is kept, so ``release()`` can be retried; a retry
+        that finds the key gone counts it as released (the first may have freed
+        it), as ``OneServer.free`` counts its client's resends. Unrenewed, the
+        key expires within ``ttl`` anyway.
         """
         with self._state:
             if not self.drop_hold():
                 return
             token, leases = self.token or "", list(self._leases)
         _discard(leases)
-        released = self._free(token)
+        try:
+            released = self._free(token)
+        except BaseException:  # maybe sent: a retry finding the key gone counts it as released
+            self._released_maybe = token
+            raise
+        released = released or self._released_maybe == token
         self.forget()
         if not released:
             raise LockNotOwned(self.name)

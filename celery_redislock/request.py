@@ -6,7 +6,10 @@ release its lock; the main process learns of the death through the task's
 ``Request`` and releases the lock at once, so the next duplicate does not
 wait for the lease to expire. The release is owner-checked against the
 holder the child wrote (task id, node name and child pid), so a lock taken
-over meanwhile is left alone.
+over meanwhile is left alone. The enqueue lock the message carries goes too
+(owner-checked by its token: a no-op once the child adopted or freed it),
+so that a message that died waiting for its execution lock is not kept as
+the one every later ``delay()`` is a duplicate of.
 
 Never while the child still runs: billiard reports a hard time limit
 (``on_timeout``) *before* it stops the child (SIGTERM, then SIGKILL 0.1 s
@@ -30,8 +33,8 @@ from celery.worker.request import Request
 from ._process import current_pid
 from .config import bound_options
 from .connection import client_for
-from .inventory import release_held_by
-from .protocol import holder_for
+from .inventory import release_held_by, release_token
+from .protocol import holder_for, message_ticket
 from .semaphore import release_permit_held_by
 from .task import task_lock_key
 from .telemetry import crash_released, log_fields
@@ -126,6 +129,9 @@ class LockedRequest(Request):
             )
 
     def _release_orphaned_lock(self, why: str) -> None:
+        """Release the execution lock the dead child held for the task, and the enqueue lock its
+        message carries if the child died before freeing or adopting it (waiting for the execution
+        lock, say). Both owner-checked: a hold taken over meanwhile, or adopted, is left alone."""
         pid = self._locking_pid()
         if pid is None:
             return
@@ -142,6 +148,17 @@ class LockedRequest(Request):
                 if limit == 1
                 else release_permit_held_by(client, key, limit, holder)
             )
+            ticket = message_ticket(self.request_dict)  # the message's headers
+            if ticket is not None and release_token(client, *ticket):
+                logger.info(
+                    "task %s[%s]: pool child %s gone (%s); released its enqueue lock %s",
+                    self.name,
+                    self.id,
+                    self.worker_pid,
+                    why,
+                    ticket[0],
+                    extra=log_fields(ticket[0], self.id, outcome="released"),
+                )
         except Exception:  # the main process's event loop must go on
             logger.exception(
                 "task %s[%s]: could not release its dead pool child's lock",

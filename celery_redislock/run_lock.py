@@ -26,7 +26,7 @@ from ._task_scripts import ADOPT
 from .attempt import busy_reply
 from .config import AppSettings
 from .connection import Client
-from .exceptions import LockLost, LockNotOwned
+from .exceptions import LockLost, LockNotOwned, LockNotReplicated
 from .lock import OneServer, RedisLock
 from .semaphore import PermitBook, Permits
 from .watchdog import Lease
@@ -84,6 +84,9 @@ class ExecutionLock(RedisLock):
         #: the task whose run holds it (the ``task`` of its metrics)
         self.task_name = task_name
         self.request: Any = None  # the request the body sees, once pushed
+        #: where the mode keeps the lock after the run (``Execution.keep``): keeps the hold, still
+        #: held, and returns the outcome, or ``None`` (not kept: to be released)
+        self.keep: Callable[[], str | None] | None = None
         self.raise_on_lost = raise_on_lost
         self._stop_child = stop_child
         self._body_running = False
@@ -153,15 +156,23 @@ def adopt(lock: RedisLock, token: str) -> tuple[str | None, int] | None:
     token of the run's own; ``None`` once held (acknowledged by ``replicas`` replicas where set,
     as every acquisition), else (the holder, its PTTL in ms; -2: gone).
 
-    Raises ``LockNotReplicated`` (the hold released) when too few replicas acknowledge it.
+    Raises ``LockNotReplicated`` (the hold released) when too few replicas acknowledge it. An
+    exception from ``ADOPT`` on (a lost reply, an interrupt such as a soft time limit) frees what
+    ``own`` may hold, owner-checked: nothing else knows it.
     """
     own = secrets.token_hex(16)
     sent_at = time.monotonic()
-    reply = ADOPT(lock.client, [lock.name], [token, own, to_ms(lock.ttl), lock.holder or ""])
-    if not isinstance(reply, int):
-        holder, pttl_ms = busy_reply(reply)
-        return holder, -2 if pttl_ms is None else pttl_ms
-    lock.take_hold(own, reply, sent_at)
+    try:
+        reply = ADOPT(lock.client, [lock.name], [token, own, to_ms(lock.ttl), lock.holder or ""])
+        if not isinstance(reply, int):
+            holder, pttl_ms = busy_reply(reply)
+            return holder, -2 if pttl_ms is None else pttl_ms
+        lock.take_hold(own, reply, sent_at)
+    except LockNotReplicated:  # given back already
+        raise
+    except BaseException:
+        lock.give_back(own)
+        raise
     return None
 
 
@@ -285,9 +296,11 @@ def _free_again(servers: OneServer, token: str) -> bool | redis.RedisError:
 
 def finish_release(task: Any, lock: RedisLock, task_id: str | None) -> None:
     """After a run (``receivers.after_run``): read and report the reply of its release left to read
-    (``release_later``), if still unread; release what an asynchronous exception kept it from
-    releasing."""
+    (``release_later``), if still unread; let go of what an asynchronous exception kept the run
+    from letting go: kept where its mode keeps it (``ExecutionLock.keep``), else released."""
     settle_later(lock.client)
+    if isinstance(lock, ExecutionLock) and lock.keep is not None and lock.keep() is not None:
+        return
     release(task, lock, task_id)
 
 

@@ -37,8 +37,10 @@ Contract:
   gone when none is left), so that a slow receiver or log handler never holds
   up the renewal of other locks, nor the ``lost`` event of later losses.
 * The threads never raise; the renewing thread exits when nothing is left to renew and starts
-  again with the next lease. After ``fork()`` the child starts with no leases
-  and its own thread: a lease is renewed only by the process that took it.
+  again with the next lease, also after a start that raised (no thread could be made, or an
+  interrupt such as a soft time limit landed in it); one renews at a time. After ``fork()``
+  the child starts with no leases and its own thread: a lease is renewed only by the process
+  that took it.
 * A lease whose lock object was garbage-collected is dropped (left to expire),
   so renewal never outlives what it guards.
 """
@@ -229,14 +231,15 @@ class Watchdog(LeaseSet):
         self._connections: dict[tuple[int, float], tuple[Any, Any, float]] = {}
 
     def add(self, lease: Lease, sent_at: float) -> None:
-        """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``."""
+        """Renew ``lease``, acquired by a request sent at monotonic ``sent_at``.
+
+        Raises what starting the renewing thread raised (``RuntimeError``: no thread could be
+        made; an interrupt such as a soft time limit): the lease is kept, and renewed once a
+        later ``add`` starts the thread."""
         with self._cond:
             late = self.track(lease, sent_at)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-redislock-watchdog", daemon=True
-                )
-                self._thread.start()
+            if self._thread is None:  # recorded once started: after a start that raised, none is
+                self._thread = _started(self._run, "celery-redislock-watchdog")
             elif late:  # wake the thread only when it would be late
                 self._cond.notify_all()
 
@@ -276,6 +279,13 @@ class Watchdog(LeaseSet):
             landing_late(lease)
 
     def _run(self) -> None:
+        with self._cond:
+            # ``add`` records the thread once started: one whose start raised after it began (an
+            # interrupt) finds none recorded and renews, unless ``add`` started another since
+            if self._thread is None:
+                self._thread = threading.current_thread()
+            if self._thread is not threading.current_thread():
+                return
         while True:
             try:
                 batch = self._next_batch()
@@ -426,11 +436,8 @@ class Watchdog(LeaseSet):
             return
         with self._cond:
             self._reports.append((lock, lease, reason))
-            if self._reporter is None:
-                self._reporter = threading.Thread(
-                    target=self._announce, name="celery-redislock-loss-reports", daemon=True
-                )
-                self._reporter.start()
+            if self._reporter is None:  # as in ``add``: none recorded if it could not start
+                self._reporter = _started(self._announce, "celery-redislock-loss-reports")
 
     def _announce(self) -> None:
         """The reporting thread: logs and signals the losses in order, until none is left."""
@@ -513,6 +520,13 @@ def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[
         commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
     connection.send_packed_command(commands)
     return read_replies(connection, RENEW, commands)
+
+
+def _started(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread running ``target``, started."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def _node(client: Any, slot: int) -> Any:

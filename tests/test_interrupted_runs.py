@@ -1,0 +1,359 @@
+"""A run's exit paths under an asynchronous exception: a Celery soft time limit, raised by a signal
+handler at any bytecode of the pool child, lands inside the package's own code. It is simulated
+here by raising at the entry of a function the package calls (where CPython checks for pending
+signals), or right after one returns.
+
+What must hold whatever lands where: a lock the mode keeps after the run (parked for a retry,
+kept for ``lock_period``) is never deleted; a hold nothing knows the token of is given back at
+once, not left for its lease; a message dealt with (failed, or its pool child dead) frees its
+enqueue lock; a release whose outcome is unknown is never reported as a loss.
+
+Each test runs a real worker on the suite's Redis: in-process (threads pool), or a prefork
+subprocess where a pool child is killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.canvas import Signature
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import task_postrun
+from kombu.exceptions import OperationalError
+
+import celery_redislock._task_scripts
+import celery_redislock.execution
+import celery_redislock.lock
+import celery_redislock.primitive
+from celery_redislock import LockedTask, task_lock_key
+from celery_redislock.lock import RedisLock
+from celery_redislock.protocol import parse_holder, parse_value
+from celery_redislock.testing import RedisServer
+from tests.taskapp import recorder as recorder_for
+from tests.workers import WorkerProcess, threads_worker, wait_for
+
+RESULT_TIMEOUT = 30
+
+
+def define(app: Celery, name: str, body: Any = None, **options: Any) -> Any:
+    """A ``LockedTask`` ``interrupted.{name}`` of ``x``, returning ``x`` after ``body(self, x)``."""
+
+    def run(self: Any, x: int) -> int:
+        if body is not None:
+            body(self, x)
+        return x
+
+    return app.task(
+        **{"base": LockedTask, "bind": True, "shared": False, "name": f"interrupted.{name}", **options}
+    )(run)
+
+
+@contextmanager
+def postruns(task: Any) -> Iterator[list[str]]:
+    """The ids of ``task``'s runs whose ``task_postrun`` (after the package's receiver) is over."""
+    seen: list[str] = []
+
+    def record(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        if sender is not None and sender.name == task.name and task_id is not None:
+            seen.append(task_id)
+
+    task_postrun.connect(record, weak=False)
+    try:
+        yield seen
+    finally:
+        task_postrun.disconnect(record)
+
+
+def interrupt_first_call(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, key: str) -> list[int]:
+    """Make the first call of the method ``owner.name`` on the lock ``key`` in a worker's thread
+    (not the test's: it sends the messages) raise ``SoftTimeLimitExceeded`` at its entry; the
+    returned list gets an item when it did."""
+    method = getattr(owner, name)
+    fired: list[int] = []
+
+    def interrupted(self: Any, *args: Any) -> Any:
+        if not fired and self.name == key and threading.current_thread() is not threading.main_thread():
+            fired.append(1)
+            raise SoftTimeLimitExceeded()
+        return method(self, *args)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return fired
+
+
+def run_interrupted(app: Celery, task: Any, x: int) -> None:
+    """Run ``task(x)`` on an in-process worker: it fails with the soft time limit; returns once
+    its ``task_postrun`` is over."""
+    with postruns(task) as done, threads_worker(app, concurrency=1):
+        result = task.delay(x)
+        with pytest.raises(SoftTimeLimitExceeded):
+            result.get(timeout=RESULT_TIMEOUT)
+        wait_for(lambda: result.id in done, what="task_postrun")
+
+
+def events(app: Celery, kind: str, x: object) -> list[list[str]]:
+    """The events ``kind`` the bodies of ``tests.taskapp`` recorded for ``x`` (``[kind, task, x,
+    task id, pid, ...]``)."""
+    return [event for event in recorder_for(app).events() if event[0] == kind and event[2] == str(x)]
+
+
+@contextmanager
+def recorder_of(app: Celery) -> Iterator[redis.Redis]:
+    """A client of the locks' Redis, closed at the end."""
+    client = redis.Redis.from_url(app.conf.redislock_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+# -- a lock the mode keeps after the run ---------------------------------------------------------
+
+
+@pytest.mark.locks_may_remain("an until_expired period")
+def test_a_soft_time_limit_right_after_settle_keeps_the_until_expired_period(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_expired: the soft time limit lands in ``Execution._settle`` just after SETTLE kept
+    the key for ``lock_period``. The hold is forgotten once SETTLE is sent, so ``task_postrun``
+    does not release it: the key stays for the period that keeps the next run out."""
+    task = define(app, "settled", lock_mode="until_expired", lock_period=60)
+    settle = celery_redislock._task_scripts.SETTLE
+
+    def settled_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+        settle(*args, **kwargs)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(celery_redislock.execution, "SETTLE", settled_then_interrupted)
+    key = task_lock_key(task, (1,))
+    with recorder_of(app) as recorder:
+        try:
+            run_interrupted(app, task, 1)
+            assert recorder.pttl(key) > 50_000, "the until_expired lock was released before its period"
+        finally:
+            recorder.delete(key)
+
+
+@pytest.mark.locks_may_remain("an until_expired period")
+def test_a_soft_time_limit_before_settle_is_sent_keeps_the_until_expired_period(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_expired: the soft time limit lands as ``let_go`` stops renewing the hold, before
+    SETTLE is sent. ``task_postrun``'s safety net lets go as the mode does (settles), never
+    with a release: the key stays for ``lock_period``."""
+    task = define(app, "unsettled", lock_mode="until_expired", lock_period=60)
+    key = task_lock_key(task, (2,))
+    fired = interrupt_first_call(monkeypatch, celery_redislock.primitive.LeaseLock, "stop_renewing", key)
+    with recorder_of(app) as recorder:
+        try:
+            run_interrupted(app, task, 2)
+            assert fired == [1]
+            assert recorder.pttl(key) > 50_000, "the until_expired lock was released before its period"
+        finally:
+            recorder.delete(key)
+
+
+def test_a_soft_time_limit_before_park_is_sent_keeps_the_lock_for_the_retry(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executed: an attempt sent its retry (due in 60 s), and the soft time limit lands as
+    ``let_go`` stops renewing the hold, before PARK is sent. ``task_postrun``'s safety net parks
+    the hold for the retry (``state=queued try=1``, for ``lock_queue_ttl`` plus the countdown)
+    instead of releasing it, which would let a duplicate in until the retry runs."""
+
+    def retry_later(self: Any, x: int) -> None:
+        raise self.retry(countdown=60)
+
+    task = define(app, "parked", retry_later, lock_mode="until_executed")
+    key = task_lock_key(task, (3,))
+    fired = interrupt_first_call(monkeypatch, celery_redislock.primitive.LeaseLock, "stop_renewing", key)
+    with recorder_of(app) as recorder:
+        try:
+            run_interrupted(app, task, 3)
+            assert fired == [1]
+            value = parse_value(recorder.get(key))
+            held = parse_holder(None if value is None else value.holder)
+            assert (held.get("state"), held.get("try")) == ("queued", "1"), value
+            assert recorder.pttl(key) > 60_000
+        finally:
+            recorder.delete(key)
+
+
+# -- a hold granted, not yet recorded ----------------------------------------------------------
+
+
+def test_a_soft_time_limit_as_the_hold_is_recorded_leaves_no_lock_until_its_ttl(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soft time limit lands as ``acquire`` records the hold ACQUIRE just granted (the entry
+    of ``take_hold``), when nothing else knows its token: ``acquire`` gives it back at once,
+    rather than leaving the key held for its whole lease."""
+    task = define(app, "taken", lock_ttl=20)
+    key = task_lock_key(task, (4,))
+    fired = interrupt_first_call(monkeypatch, celery_redislock.primitive.LeaseLock, "take_hold", key)
+    with recorder_of(app) as recorder:
+        run_interrupted(app, task, 4)
+        assert fired == [1]
+        assert not recorder.exists(key), f"left held for its lease: ttl {recorder.pttl(key)} ms"
+
+
+def test_a_soft_time_limit_as_an_adopted_hold_is_recorded_leaves_no_lock_until_its_ttl(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executed: ADOPT re-tokened the message's enqueue lock to a token of the run's own,
+    and the soft time limit lands as ``adopt`` records it (the entry of ``take_hold``): that
+    token is known to nothing else, so ``adopt`` gives the hold back at once, rather than
+    leaving the key, and every ``delay()`` refused, for its whole lease."""
+    task = define(app, "adopted", lock_mode="until_executed", lock_ttl=20)
+    key = task_lock_key(task, (5,))
+    fired = interrupt_first_call(monkeypatch, celery_redislock.primitive.LeaseLock, "take_hold", key)
+    with recorder_of(app) as recorder:
+        run_interrupted(app, task, 5)
+        assert fired == [1]
+        assert not recorder.exists(key), f"left held for its lease: ttl {recorder.pttl(key)} ms"
+
+
+# -- a message dealt with frees its enqueue lock -----------------------------------------------
+
+
+def test_a_soft_time_limit_while_waiting_for_the_lock_frees_the_messages_enqueue_lock(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_and_while_executing with ``lock_busy="wait"`` (as every group or chord member): the
+    run waits for the execution lock another run holds, and its soft time limit lands in that
+    wait. The message is dealt with (FAILURE), so its enqueue lock (``...:queued``) goes: a
+    later ``delay()`` is not refused as a duplicate of a task that is over."""
+    task = define(
+        app, "waiting", lock_mode="until_and_while_executing", lock_busy="wait", lock_wait_timeout=20
+    )
+    key = task_lock_key(task, (6,))
+    queued = key + ":queued"
+    fired = interrupt_first_call(monkeypatch, celery_redislock.lock.OneServer, "sleep", key)
+    with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=30)  # another run holds the execution lock
+        assert holder.acquire(blocking=False)
+        try:
+            run_interrupted(app, task, 6)
+            assert fired == [1]
+            assert not recorder.exists(queued), f"left: {recorder.get(queued)!r}, {recorder.pttl(queued)} ms"
+        finally:
+            holder.release()
+            recorder.delete(queued)
+
+
+def test_a_failed_republish_of_a_busy_retry_frees_the_messages_enqueue_lock(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_and_while_executing with ``lock_busy="retry"``: the run finds the execution lock held
+    and republishes its message, and the broker refuses it. Nothing will run the message any
+    more (FAILURE), so its enqueue lock, renewed for the republish, goes."""
+    task = define(app, "republished", lock_mode="until_and_while_executing", lock_busy="retry")
+    key = task_lock_key(task, (7,))
+    queued = key + ":queued"
+    apply_async = Signature.apply_async
+
+    def refused(self: Signature, *args: Any, **kwargs: Any) -> Any:
+        if self.task == task.name:
+            raise OperationalError("the broker refused the republish")
+        return apply_async(self, *args, **kwargs)
+
+    monkeypatch.setattr(Signature, "apply_async", refused)
+    with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=30)
+        assert holder.acquire(blocking=False)
+        try:
+            with postruns(task) as done, threads_worker(app, concurrency=1):
+                result = task.delay(7)
+                wait_for(lambda: result.id in done, what="task_postrun")
+            assert result.state == "FAILURE"
+            assert not recorder.exists(queued), f"left: {recorder.get(queued)!r}, {recorder.pttl(queued)} ms"
+        finally:
+            holder.release()
+            recorder.delete(queued)
+
+
+@pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
+def test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enqueue_lock(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    """until_and_while_executing, a group member (it waits for a busy execution lock) sent with
+    ``lock_in_canvas=True``, so that it has an enqueue lock: its pool child is killed while it
+    waits. The worker's main process frees the message's enqueue lock with the child's
+    execution lock (owner-checked), so the next ``delay()`` is sent, not refused as a
+    duplicate of the dead message."""
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork")
+    worker.start()
+    task: Any = app.tasks["taskapp.until_and_while_executing"]
+    x = uuid.uuid4().hex[:10]
+    queued = task_lock_key(task, (x,), {"gate": True}) + ":queued"
+    with recorder_of(app) as recorder:
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            first = task.delay(x, gate=True)
+            wait_for(lambda: events(app, "start", x), what="the first run")
+            member = task.apply_async((x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True)
+            [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
+            assert recorder.exists(queued)
+            os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
+            wait_for(lambda: not recorder.exists(queued), what="the main process to free the enqueue lock")
+            member.get(timeout=RESULT_TIMEOUT, propagate=False)
+            assert member.state == "FAILURE"
+            recorder_for(app).open_gate(x, times=2)
+            assert first.get(timeout=RESULT_TIMEOUT) == x
+            again = task.delay(x, gate=True)
+            assert again.id != member.id
+            assert again.get(timeout=RESULT_TIMEOUT) == x
+        finally:
+            worker.stop()
+
+
+# -- a release whose outcome is unknown --------------------------------------------------------
+
+
+def test_a_soft_time_limit_after_a_synchronous_release_ran_is_not_reported_as_a_loss(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that releases before returning (``lock_on_lost="raise"``) is interrupted just after
+    its RELEASE freed the key, before ``release()`` forgot the hold. ``task_postrun`` releases
+    it again and finds the key gone: that is the interrupted release's doing (its outcome was
+    unknown), not a loss to report ("no longer held", ``lost``, the lost metric)."""
+    task = define(app, "released", lock_on_lost="raise")
+    key = task_lock_key(task, (8,))
+    free = celery_redislock.lock.OneServer.free
+    fired: list[int] = []
+
+    def freed_then_interrupted(self: Any, token: str) -> bool:
+        freed = free(self, token)
+        if not fired and self.name == key:
+            fired.append(1)
+            raise SoftTimeLimitExceeded()
+        return freed
+
+    monkeypatch.setattr(celery_redislock.lock.OneServer, "free", freed_then_interrupted)
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    package = logging.getLogger("celery_redislock")
+    handler, level = Collect(logging.WARNING), package.level
+    package.addHandler(handler)
+    package.setLevel(logging.WARNING)
+    try:
+        run_interrupted(app, task, 8)
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(level)
+    assert fired == [1]
+    assert not [w for w in warnings if "no longer held" in w], warnings
