@@ -163,6 +163,9 @@ def _retry(found: Found) -> bool:
         # Queued again, with the same enqueue lock: it lives as long as at enqueue (owner-checked).
         RENEW(lock.client, [ticket[0]], [to_ms(options.queue_ttl + delay), ticket[1]])
     signature.apply_async()
+    # Queued again: whatever ends this run now (the Retry below, or a soft time limit landing
+    # before it), the message's enqueue lock is the queued copy's (``Execution._begin``).
+    request.lock_republished = True
     raise Retry(f"lock {lock.name} is held by {found.holder}", when=cast(Any, delay), sig=signature)
 
 

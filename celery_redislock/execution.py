@@ -173,7 +173,7 @@ class Execution:
         except (Retry, Ignore):
             raise
         except BaseException:
-            if ticket_to_free is not None:
+            if ticket_to_free is not None and not getattr(self.request, "lock_republished", False):
                 # The failure is the outcome: an error freeing the enqueue lock must not turn it
                 # into an unlocked run beside the holder (redislock_on_error="run").
                 with suppress(redis.RedisError):
@@ -233,9 +233,11 @@ class Execution:
         if lock is None:
             return
         if self._parked_for(lock) is None and not self._settles() and self._released_later(lock):
+            lock.keep = None  # let go (sent): nothing left to keep
             return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply
         with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
             ending.outcome = self.keep() or release(self.task, lock, self.task_id)
+        lock.keep = None  # let go: the lock no longer refers to this run (no cycle for the collector)
         if self.task_id is not None:  # only once let go: an interrupted let-go is task_postrun's
             self.running.pop((threading.get_ident(), self.task_id), None)
 

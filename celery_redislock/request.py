@@ -128,6 +128,16 @@ class LockedRequest(Request):
                 extra=log_fields(task_id=self.id, outcome="left-to-lease"),
             )
 
+    def _delivered_for_good(self) -> bool:
+        """Whether the message will not be delivered again, as Celery dealt with it: acknowledged,
+        or rejected without requeue, and no retry sent in its stead (``retry_on_worker_lost``);
+        not requeued (``acks_late`` with ``reject_on_worker_lost``, a time limit without
+        ``acks_on_timeout``), nor left unacknowledged for redelivery. Read from kombu's message
+        state, its private ``_state`` (none there: taken as coming back, the enqueue lock left to
+        its ttl)."""
+        state = getattr(self.message, "_state", None)
+        return state in ("ACK", "REJECTED") and not getattr(self.task, "retry_on_worker_lost", False)
+
     def _release_orphaned_lock(self, why: str) -> None:
         """Release the execution lock the dead child held for the task, and the enqueue lock its
         message carries if the child died before freeing or adopting it (waiting for the execution
@@ -149,7 +159,7 @@ class LockedRequest(Request):
                 else release_permit_held_by(client, key, limit, holder)
             )
             ticket = message_ticket(self.request_dict)  # the message's headers
-            if ticket is not None and release_token(client, *ticket):
+            if ticket is not None and self._delivered_for_good() and release_token(client, *ticket):
                 logger.info(
                     "task %s[%s]: pool child %s gone (%s); released its enqueue lock %s",
                     self.name,

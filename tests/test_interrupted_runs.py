@@ -14,6 +14,7 @@ subprocess where a pool child is killed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ from celery.signals import task_postrun
 from kombu.exceptions import OperationalError
 
 import celery_redislock._task_scripts
+import celery_redislock.busy
 import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.primitive
@@ -295,12 +297,13 @@ def test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enque
     worker.start()
     task: Any = app.tasks["taskapp.until_and_while_executing"]
     x = uuid.uuid4().hex[:10]
-    queued = task_lock_key(task, (x,), {"gate": True}) + ":queued"
+    key = task_lock_key(task, (x,), {"gate": True})
+    queued = key + ":queued"
     with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
         try:
             wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
-            first = task.delay(x, gate=True)
-            wait_for(lambda: events(app, "start", x), what="the first run")
+            assert holder.acquire(blocking=False)
             member = task.apply_async((x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True)
             [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
             assert recorder.exists(queued)
@@ -308,12 +311,14 @@ def test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enque
             wait_for(lambda: not recorder.exists(queued), what="the main process to free the enqueue lock")
             member.get(timeout=RESULT_TIMEOUT, propagate=False)
             assert member.state == "FAILURE"
-            recorder_for(app).open_gate(x, times=2)
-            assert first.get(timeout=RESULT_TIMEOUT) == x
+            holder.release()
+            recorder_for(app).open_gate(x)
             again = task.delay(x, gate=True)
             assert again.id != member.id
             assert again.get(timeout=RESULT_TIMEOUT) == x
         finally:
+            if holder.held():
+                holder.release()
             worker.stop()
 
 
@@ -357,3 +362,91 @@ def test_a_soft_time_limit_after_a_synchronous_release_ran_is_not_reported_as_a_
         package.setLevel(level)
     assert fired == [1]
     assert not [w for w in warnings if "no longer held" in w], warnings
+
+
+@pytest.mark.locks_may_remain("the republished message's enqueue lock, deleted at the end")
+def test_a_soft_time_limit_after_a_busy_retry_republished_keeps_its_enqueue_lock(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_and_while_executing, ``lock_busy="retry"``: the run finds the execution lock held,
+    renews its enqueue lock and republishes the message (same ticket), and a soft time limit
+    lands once the republish returned, as the ``Retry`` is made (a function's entry, where
+    CPython runs signal handlers). The message is queued again, so its enqueue lock stays (a run
+    failing before its body frees it otherwise), and a ``delay()`` meanwhile is its duplicate,
+    not sent. (A republish that raises may or may not have reached the broker: as a failed
+    send at enqueue, the lock is freed then: ``test_a_failed_republish_...``.)"""
+    task = define(
+        app,
+        "republished-then-interrupted",
+        lock_mode="until_and_while_executing",
+        lock_busy="retry",
+        lock_retry_delay=120,
+    )
+    key = task_lock_key(task, (9,))
+    queued = key + ":queued"
+    fired: list[int] = []
+    retry = celery_redislock.busy.Retry
+
+    def interrupted_as_made(*args: Any, **kwargs: Any) -> Any:
+        if not fired:
+            fired.append(1)
+            raise SoftTimeLimitExceeded()
+        return retry(*args, **kwargs)
+
+    monkeypatch.setattr(celery_redislock.busy, "Retry", interrupted_as_made)
+    with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=30)  # another run holds the execution lock
+        assert holder.acquire(blocking=False)
+        try:
+            with postruns(task) as done, threads_worker(app, concurrency=1):
+                result = task.delay(9)
+                wait_for(lambda: result.id in done, what="task_postrun")
+                assert fired == [1]
+                # the republished message (countdown 60-180 s) is waiting: its lock stays
+                assert recorder.exists(queued), "the enqueue lock of a republished, queued message was freed"
+                again = task.delay(9)
+                assert again.id == result.id, "a duplicate was sent beside the queued message"
+        finally:
+            holder.release()
+            recorder.delete(queued)
+
+
+@pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
+def test_a_pool_child_killed_while_waiting_keeps_the_enqueue_lock_of_its_requeued_message(
+    app: Celery, redis_server: Any, prefix: str
+) -> None:
+    """As ``test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enqueue_lock``,
+    but with ``task_acks_late`` and ``task_reject_on_worker_lost``: Celery requeues the message
+    of the dead child (``Request.on_failure``: ``reject(requeue=True)``), and it is delivered and
+    waits again: its enqueue lock stays with it (``LockedRequest`` frees it only for a message
+    delivered for good), and a ``delay()`` meanwhile is its duplicate, not sent."""
+    conf = json.dumps({"task_acks_late": True, "task_reject_on_worker_lost": True})
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", conf)
+    worker.start()
+    task: Any = app.tasks["taskapp.until_and_while_executing"]
+    x = uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    queued = key + ":queued"
+    with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            assert holder.acquire(blocking=False)
+            member = task.apply_async((x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True)
+            [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
+            assert recorder.exists(queued)
+            os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
+            # requeued (reject_on_worker_lost) and delivered again: it waits in another child
+            wait_for(
+                lambda: len(events(app, "busy", x)) >= 2,
+                what=lambda: f"the requeued member to wait again:\n{worker.output()}",
+            )
+            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
+            again = task.delay(x, gate=True)
+            assert again.id == member.id, "a duplicate was sent beside the requeued message"
+        finally:
+            recorder_for(app).open_gate(x)
+            if holder.held():
+                holder.release()
+            worker.stop()
+            recorder.delete(queued)
