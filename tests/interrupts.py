@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import redis.connection
 
+from celery_redislock import LockedTask
+
 __all__ = ["Arm", "Interrupt", "arm_read_interrupts", "on_this_thread"]
 
 
@@ -51,3 +53,17 @@ def arm_read_interrupts(monkeypatch: pytest.MonkeyPatch) -> Arm:
 def on_this_thread() -> Callable[[], bool]:
     thread = threading.current_thread()
     return lambda: threading.current_thread() is thread
+
+
+def define(app: Any, name: str, body: Any = None, **options: Any) -> Any:
+    """A ``LockedTask`` ``interrupted.{name}`` of ``x`` on ``app``, returning ``x`` after
+    ``body(self, x)``: a task the interrupt tests define with the options they need."""
+
+    def run(self: Any, x: int) -> int:
+        if body is not None:
+            body(self, x)
+        return x
+
+    return app.task(
+        **{"base": LockedTask, "bind": True, "shared": False, "name": f"interrupted.{name}", **options}
+    )(run)

@@ -37,27 +37,15 @@ import celery_redislock.busy
 import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.primitive
-from celery_redislock import LockedTask, task_lock_key
+from celery_redislock import task_lock_key
 from celery_redislock.lock import RedisLock
 from celery_redislock.protocol import parse_holder, parse_value
 from celery_redislock.testing import RedisServer
+from tests.interrupts import define
 from tests.taskapp import recorder as recorder_for
 from tests.workers import WorkerProcess, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
-
-
-def define(app: Celery, name: str, body: Any = None, **options: Any) -> Any:
-    """A ``LockedTask`` ``interrupted.{name}`` of ``x``, returning ``x`` after ``body(self, x)``."""
-
-    def run(self: Any, x: int) -> int:
-        if body is not None:
-            body(self, x)
-        return x
-
-    return app.task(
-        **{"base": LockedTask, "bind": True, "shared": False, "name": f"interrupted.{name}", **options}
-    )(run)
 
 
 @contextmanager
@@ -285,15 +273,19 @@ def test_a_failed_republish_of_a_busy_retry_frees_the_messages_enqueue_lock(
 
 
 @pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
-def test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enqueue_lock(
-    app: Celery, redis_server: RedisServer, prefix: str
+@pytest.mark.parametrize("requeued", [False, True], ids=["acked", "requeued"])
+def test_a_pool_child_killed_while_waiting_frees_its_messages_enqueue_lock_unless_requeued(
+    app: Celery, redis_server: RedisServer, prefix: str, requeued: bool
 ) -> None:
     """until_and_while_executing, a group member (it waits for a busy execution lock) sent with
     ``lock_in_canvas=True``, so that it has an enqueue lock: its pool child is killed while it
     waits. The worker's main process frees the message's enqueue lock with the child's
     execution lock (owner-checked), so the next ``delay()`` is sent, not refused as a
-    duplicate of the dead message."""
-    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork")
+    duplicate of the dead message; unless Celery requeues the message (``task_acks_late`` with
+    ``task_reject_on_worker_lost``: ``Request.on_failure`` rejects it with requeue), which is
+    delivered and waits again with its enqueue lock, a ``delay()`` meanwhile its duplicate."""
+    conf = json.dumps({"task_acks_late": True, "task_reject_on_worker_lost": True} if requeued else {})
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", conf)
     worker.start()
     task: Any = app.tasks["taskapp.until_and_while_executing"]
     x = uuid.uuid4().hex[:10]
@@ -308,6 +300,14 @@ def test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enque
             [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
             assert recorder.exists(queued)
             os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
+            if requeued:  # delivered again, it waits in another child, with its enqueue lock
+                wait_for(
+                    lambda: len(events(app, "busy", x)) >= 2,
+                    what=lambda: f"the requeued member to wait again:\n{worker.output()}",
+                )
+                assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
+                assert task.delay(x, gate=True).id == member.id, "a duplicate was sent beside it"
+                return
             wait_for(lambda: not recorder.exists(queued), what="the main process to free the enqueue lock")
             member.get(timeout=RESULT_TIMEOUT, propagate=False)
             assert member.state == "FAILURE"
@@ -317,9 +317,11 @@ def test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enque
             assert again.id != member.id
             assert again.get(timeout=RESULT_TIMEOUT) == x
         finally:
+            recorder_for(app).open_gate(x)
             if holder.held():
                 holder.release()
             worker.stop()
+            recorder.delete(queued)
 
 
 # -- a release whose outcome is unknown --------------------------------------------------------
@@ -408,45 +410,4 @@ def test_a_soft_time_limit_after_a_busy_retry_republished_keeps_its_enqueue_lock
                 assert again.id == result.id, "a duplicate was sent beside the queued message"
         finally:
             holder.release()
-            recorder.delete(queued)
-
-
-@pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
-def test_a_pool_child_killed_while_waiting_keeps_the_enqueue_lock_of_its_requeued_message(
-    app: Celery, redis_server: Any, prefix: str
-) -> None:
-    """As ``test_a_pool_child_killed_while_waiting_for_the_lock_frees_the_messages_enqueue_lock``,
-    but with ``task_acks_late`` and ``task_reject_on_worker_lost``: Celery requeues the message
-    of the dead child (``Request.on_failure``: ``reject(requeue=True)``), and it is delivered and
-    waits again: its enqueue lock stays with it (``LockedRequest`` frees it only for a message
-    delivered for good), and a ``delay()`` meanwhile is its duplicate, not sent."""
-    conf = json.dumps({"task_acks_late": True, "task_reject_on_worker_lost": True})
-    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", conf)
-    worker.start()
-    task: Any = app.tasks["taskapp.until_and_while_executing"]
-    x = uuid.uuid4().hex[:10]
-    key = task_lock_key(task, (x,), {"gate": True})
-    queued = key + ":queued"
-    with recorder_of(app) as recorder:
-        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
-        try:
-            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
-            assert holder.acquire(blocking=False)
-            member = task.apply_async((x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True)
-            [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
-            assert recorder.exists(queued)
-            os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
-            # requeued (reject_on_worker_lost) and delivered again: it waits in another child
-            wait_for(
-                lambda: len(events(app, "busy", x)) >= 2,
-                what=lambda: f"the requeued member to wait again:\n{worker.output()}",
-            )
-            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
-            again = task.delay(x, gate=True)
-            assert again.id == member.id, "a duplicate was sent beside the requeued message"
-        finally:
-            recorder_for(app).open_gate(x)
-            if holder.held():
-                holder.release()
-            worker.stop()
             recorder.delete(queued)

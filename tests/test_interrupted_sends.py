@@ -21,7 +21,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 import celery_redislock.enqueue
 import celery_redislock.watchdog
-from celery_redislock import LockedTask, task_lock_key
+from celery_redislock import task_lock_key
 from celery_redislock._scripts import ACQUIRE
 from celery_redislock.attempt import companion_key
 from celery_redislock.connection import client_for
@@ -29,7 +29,7 @@ from celery_redislock.lock import RedisLock
 from celery_redislock.protocol import parse_value, text
 from celery_redislock.signals import lock_lost
 from celery_redislock.watchdog import Lease, Watchdog, get_watchdog
-from tests.interrupts import Arm, Interrupt, on_this_thread
+from tests.interrupts import Arm, Interrupt, define, on_this_thread
 from tests.invariants import stored
 from tests.workers import renewed, threads_worker, wait_for
 
@@ -38,19 +38,6 @@ RESULT_TIMEOUT = 30
 FROZEN = 10
 WATCHDOG = "celery-redislock-watchdog"
 REPORTER = "celery-redislock-loss-reports"
-
-
-def define(app: Celery, name: str, body: Any = None, **options: Any) -> Any:
-    """A locked task ``name`` keyed by ``x``, returning it, running ``body(self, x)`` first."""
-
-    def run(self: Any, x: int) -> int:
-        if body is not None:
-            body(self, x)
-        return x
-
-    return app.task(
-        **{"base": LockedTask, "bind": True, "shared": False, "name": f"interrupted.{name}", **options}
-    )(run)
 
 
 def failing_start(
