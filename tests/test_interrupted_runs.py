@@ -28,7 +28,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.canvas import Signature
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.signals import task_postrun
 from kombu.exceptions import OperationalError
 
@@ -387,13 +387,12 @@ def test_a_soft_time_limit_after_a_busy_retry_republished_keeps_its_enqueue_lock
     key = task_lock_key(task, (9,))
     queued = key + ":queued"
     fired: list[int] = []
-    retry = celery_redislock.busy.Retry
 
     def interrupted_as_made(*args: Any, **kwargs: Any) -> Any:
         if not fired:
             fired.append(1)
             raise SoftTimeLimitExceeded()
-        return retry(*args, **kwargs)
+        return Retry(*args, **kwargs)
 
     monkeypatch.setattr(celery_redislock.busy, "Retry", interrupted_as_made)
     with recorder_of(app) as recorder:

@@ -224,7 +224,9 @@ def test_a_first_wait_sent_again_and_granted_leaves_the_queue(
     assert RELEASE(client, [name], [waiter]) == 1
     woken = client.lrange(companion_key(name, f"wake:{other}"), 0, -1)
     if fair:  # handed to the waiter queued behind, woken with the hold's fence
-        value = text(client.get(name))
+        held = client.get(name)
+        assert held is not None
+        value = text(held)
         assert value.startswith(other) and woken == [value.split(":")[1].encode()]
     else:
         assert client.get(name) is None and woken == [b"retry"]
