@@ -8,8 +8,9 @@ wait for the lease to expire. The release is owner-checked against the
 holder the child wrote (task id, node name and child pid), so a lock taken
 over meanwhile is left alone. The enqueue lock the message carries goes too
 (owner-checked by its token: a no-op once the child adopted or freed it),
-so that a message that died waiting for its execution lock is not kept as
-the one every later ``delay()`` is a duplicate of.
+where the message was acknowledged and will not come back, so that a message
+that died waiting for its execution lock is not kept as the one every later
+``delay()`` is a duplicate of.
 
 Never while the child still runs: billiard reports a hard time limit
 (``on_timeout``) *before* it stops the child (SIGTERM, then SIGKILL 0.1 s
@@ -129,14 +130,15 @@ class LockedRequest(Request):
             )
 
     def _delivered_for_good(self) -> bool:
-        """Whether the message will not be delivered again, as Celery dealt with it: acknowledged,
-        or rejected without requeue, and no retry sent in its stead (``retry_on_worker_lost``);
-        not requeued (``acks_late`` with ``reject_on_worker_lost``, a time limit without
-        ``acks_on_timeout``), nor left unacknowledged for redelivery. Read from kombu's message
-        state, its private ``_state`` (none there: taken as coming back, the enqueue lock left to
-        its ttl)."""
-        state = getattr(self.message, "_state", None)
-        return state in ("ACK", "REJECTED") and not getattr(self.task, "retry_on_worker_lost", False)
+        """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery
+        after the failure: ``acks_on_failure``), and no retry sent in its stead
+        (``retry_on_worker_lost``). Not a message Celery rejects, which may be a requeue
+        (``acks_late`` with ``reject_on_worker_lost``, a time limit without ``acks_on_timeout``:
+        kombu marks both ``REJECTED``), nor one left unacknowledged for redelivery: those keep
+        their enqueue lock, until its ttl. Read from kombu's message state, its private
+        ``_state`` (``tests/unit/test_kombu_internals.py``; none there: taken as coming back)."""
+        acknowledged = getattr(self.message, "_state", None) == "ACK"
+        return acknowledged and not getattr(self.task, "retry_on_worker_lost", False)
 
     def _release_orphaned_lock(self, why: str) -> None:
         """Release the execution lock the dead child held for the task, and the enqueue lock its
