@@ -257,8 +257,8 @@ class Execution:
         park = self._parked_for(lock)
         if park is not None:
             return self._park(lock, park[1], park[2])
-        if self._settles() and self._settle(lock):
-            return "settled"
+        if self._settles():
+            return self._settle(lock)
         return None
 
     def _parked_for(self, lock: ExecutionLock) -> tuple[str, str, float] | None:
@@ -316,8 +316,10 @@ class Execution:
         )
         return "taken-over"
 
-    def _settle(self, lock: ExecutionLock) -> bool:
-        """Keep ``lock`` for ``lock_period`` after it was taken; ``False``: it is to be released now."""
+    def _settle(self, lock: ExecutionLock) -> str | None:
+        """Keep ``lock`` for ``lock_period`` after it was taken: ``"settled"``, ``"error"`` (a Redis
+        error: the hold, forgotten, runs out within its lease), or ``None``: the period is over (or
+        the hold lost), it is to be released now."""
         assert self.options.period is not None
         try:
             left = int(SETTLE(lock.client, [lock.name], [lock.stop_renewing(), to_ms(self.options.period)]))
@@ -331,11 +333,11 @@ class Execution:
                 extra=telemetry.log_fields(lock.name, self.task_id, lock.holder, lock.fence, "error"),
             )
             lock.forget()
-            return True
+            return "error"
         if left > 0:
             lock.forget()
-            return True
-        return False
+            return "settled"
+        return None
 
     def _stops_child(self) -> bool:
         """With ``lock_on_lost="terminate"``: whether a lost lock stops this process (a prefork pool child).

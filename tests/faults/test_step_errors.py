@@ -147,3 +147,32 @@ def test_a_redis_error_freeing_the_enqueue_lock_of_a_refused_run_never_runs_it_u
             holder.release()
         client.close()
         app.close()
+
+
+@pytest.mark.locks_may_remain("none: the hold whose SETTLE failed runs out within its lease")
+def test_a_redis_error_keeping_a_period_is_reported_as_an_error_not_settled(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``until_expired``: SETTLE fails once after the run. What the run's let-go reports (its
+    release step's outcome, in spans and events) is ``"error"``, not ``"settled"``: the period
+    was not kept; the hold, forgotten, runs out within its lease."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL)
+    task = app.tasks["taskapp.until_expired"]
+    x = fresh()
+    failed = fail_once(monkeypatch, "settle")
+    keep = celery_redislock.execution.Execution.keep
+    outcomes: list[str | None] = []
+
+    def kept(self: Any) -> str | None:
+        outcome = keep(self)
+        outcomes.append(outcome)
+        return outcome
+
+    monkeypatch.setattr(celery_redislock.execution.Execution, "keep", kept)
+    try:
+        with threads_worker(app):
+            assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
+            wait_for(lambda: outcomes, what="the run to let go")
+        assert len(failed) == 1 and outcomes == ["error"]
+    finally:
+        app.close()
