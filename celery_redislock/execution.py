@@ -7,7 +7,7 @@ Where each outcome is handled:
   result (a worker's run sends its release there and ``receivers.after_run``
   reads the reply: ``run_lock.release_later``); the ``task_postrun`` receiver also
   lets go of a lock an asynchronous exception (a soft time limit) kept that
-  ``finally`` from letting go, as the mode says: kept (``Execution.keep``) or released;
+  ``finally`` from letting go, as the mode says (``Execution.finish``): kept or released;
 * a step between taking the lock and running the body fails (a Redis error
   freeing the message's enqueue lock): the lock is released on the way out;
 * the run fails before its body (refused, a timed-out or interrupted wait, a failed
@@ -43,7 +43,7 @@ from .enqueue import superseded
 from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
-from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, release, release_later
+from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, finish_release, release, release_later
 from .state import app_state
 
 __all__ = ["Execution"]
@@ -120,12 +120,11 @@ class Execution:
                 limit=options.limit,
             )
             self.lock.request = request
-            if options.rules.parks_for_retry or options.rules.settles:  # the modes that keep it
-                self.lock.keep = self.keep  # also task_postrun's way (``run_lock.finish_release``)
-            # From here on, what an asynchronous exception leaves held is task_postrun's to let go.
+            # From here on, what an asynchronous exception leaves held is task_postrun's to let go
+            # (``finish``).
             if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
                 self.running = app_state(task.app).running
-                self.running[threading.get_ident(), self.task_id] = self.lock
+                self.running[threading.get_ident(), self.task_id] = self
 
     def begin(self) -> bool:
         """Everything before the body: whether it runs (``False``: skipped, or a duplicate).
@@ -233,13 +232,18 @@ class Execution:
         if lock is None:
             return
         if self._parked_for(lock) is None and not self._settles() and self._released_later(lock):
-            lock.keep = None  # let go (sent): nothing left to keep
             return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply
         with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
             ending.outcome = self.keep() or release(self.task, lock, self.task_id)
-        lock.keep = None  # let go: the lock no longer refers to this run (no cycle for the collector)
         if self.task_id is not None:  # only once let go: an interrupted let-go is task_postrun's
             self.running.pop((threading.get_ident(), self.task_id), None)
+
+    def finish(self) -> None:
+        """After the run (``receivers.after_run``, for a run still in ``running``): read and report
+        its release's reply if still unread; let go of what an asynchronous exception kept
+        ``let_go`` from letting go: kept where the mode keeps it (``keep``), else released."""
+        assert self.lock is not None  # only a run with a lock is in ``running``
+        finish_release(self.task, self.lock, self.task_id, self.keep)
 
     def keep(self) -> str | None:
         """Keep the lock, still held, where the mode says: parked for the retry on its way, or kept
@@ -248,7 +252,7 @@ class Execution:
 
         An attempt that sent its retry (``apply_async``) parks its hold for the token the
         retry's message carries, whether the body then raised the ``Retry`` or not. Also
-        ``task_postrun``'s (``run_lock.finish_release``), for a hold an asynchronous exception
+        ``task_postrun``'s (``finish``), for a hold an asynchronous exception
         kept ``let_go`` from letting go: a lock the mode keeps is never released there.
         """
         lock = self.lock

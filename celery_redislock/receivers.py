@@ -4,7 +4,7 @@
   first where Celery calls it): read the reply of a run's release, sent
   without waiting for it (``run_lock.release_later``), and report it; let go
   of what an asynchronous exception (a soft time limit) kept a run's ``finally``
-  from letting go (``run_lock.finish_release``: kept where the mode keeps it);
+  from letting go (``Execution.finish``: kept where the mode keeps it);
 * ``worker_process_init``: note that this process is a prefork pool child
   (``lock_on_lost="terminate"`` stops only those);
 * ``task_revoked``, ``task_unknown``, ``task_rejected`` (the worker's main
@@ -31,7 +31,6 @@ from .config import app_settings, bound_options
 from .connection import client_for
 from .inventory import release_token
 from .protocol import message_ticket, request_ticket
-from .run_lock import finish_release
 from .state import app_state
 from .telemetry import log_fields
 
@@ -95,13 +94,13 @@ def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any)
 def after_run(task: Any, task_id: str) -> None:
     """Once ``task``'s run ``task_id`` is over (its result stored): read and report the reply of
     its release if still unread (``run_lock.release_later``); let go of what an asynchronous
-    exception kept ``__call__`` from letting go (``run_lock.finish_release``). Called by
+    exception kept ``__call__`` from letting go (``Execution.finish``). Called by
     ``LockedTask.after_return``, before any ``task_postrun`` receiver (OpenTelemetry's ends the
     task's span there), and again by this package's ``task_postrun`` receiver, which then finds
     nothing left to do."""
-    lock = app_state(task.app).running.pop((threading.get_ident(), task_id), None)
-    if lock is not None:
-        finish_release(task, lock, task_id)
+    run = app_state(task.app).running.pop((threading.get_ident(), task_id), None)
+    if run is not None:
+        run.finish()
 
 
 def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:

@@ -84,9 +84,6 @@ class ExecutionLock(RedisLock):
         #: the task whose run holds it (the ``task`` of its metrics)
         self.task_name = task_name
         self.request: Any = None  # the request the body sees, once pushed
-        #: where the mode keeps the lock after the run (``Execution.keep``): keeps the hold, still
-        #: held, and returns the outcome, or ``None`` (not kept: to be released)
-        self.keep: Callable[[], str | None] | None = None
         self.raise_on_lost = raise_on_lost
         self._stop_child = stop_child
         self._body_running = False
@@ -294,14 +291,14 @@ def _free_again(servers: OneServer, token: str) -> bool | redis.RedisError:
     return True
 
 
-def finish_release(task: Any, lock: RedisLock, task_id: str | None) -> None:
-    """After a run (``receivers.after_run``): read and report the reply of its release left to read
+def finish_release(task: Any, lock: RedisLock, task_id: str | None, keep: Callable[[], str | None]) -> None:
+    """After a run (``Execution.finish``): read and report the reply of its release left to read
     (``release_later``), if still unread; let go of what an asynchronous exception kept the run
-    from letting go: kept where its mode keeps it (``ExecutionLock.keep``), else released."""
+    from letting go: kept where its mode keeps it (``keep``: the outcome, or ``None``), else
+    released."""
     settle_later(lock.client)
-    if isinstance(lock, ExecutionLock) and lock.keep is not None and lock.keep() is not None:
-        return
-    release(task, lock, task_id)
+    if keep() is None:
+        release(task, lock, task_id)
 
 
 class _Report:

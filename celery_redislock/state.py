@@ -11,14 +11,11 @@ the rest of the state stays.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 from weakref import WeakKeyDictionary
 
 import redis
 import redis.cluster
-
-if TYPE_CHECKING:  # the state module imports no lock machinery at run time
-    from .lock import RedisLock
 
 __all__ = ["AppState", "LockClient", "app_state", "forget_client"]
 
@@ -35,6 +32,13 @@ class LockClient(NamedTuple):
     owned: bool
 
 
+class Run(Protocol):
+    """A run under way (``execution.Execution``), as ``AppState.running`` holds it."""
+
+    def finish(self) -> None:
+        """Let go of what an asynchronous exception kept the run from letting go."""
+
+
 @dataclass
 class AppState:
     """One app's state in this process."""
@@ -47,12 +51,12 @@ class AppState:
     installed: bool = False
     #: the pid of this process if it is a prefork pool child (``worker_process_init``)
     pool_child: int | None = None
-    #: (thread id, task id) -> the run's execution lock, from the body's start to its
-    #: ``task_postrun`` receiver, which runs in the same thread (two attempts of one task, a
-    #: retry starting while its previous attempt finishes, run in different threads); keyed by
-    #: task id too, as a run may start another in its thread (an eager ``apply()``) before either's
-    #: ``task_postrun``
-    running: dict[tuple[int, str], RedisLock] = field(default_factory=dict)
+    #: (thread id, task id) -> the run (an ``Execution`` with an execution lock), from its
+    #: lock's making to its ``task_postrun`` receiver, which runs in the same thread (two
+    #: attempts of one task, a retry starting while its previous attempt finishes, run in
+    #: different threads); keyed by task id too, as a run may start another in its thread (an
+    #: eager ``apply()``) before either's ``task_postrun``
+    running: dict[tuple[int, str], Run] = field(default_factory=dict)
     #: tasks whose WARNING that ``lock_on_lost="terminate"`` acts as ``"raise"`` here was logged
     terminate_warned: set[str] = field(default_factory=set)
 

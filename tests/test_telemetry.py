@@ -628,7 +628,7 @@ def test_a_deferred_release_interrupted_before_its_send_ends_its_step_once_and_k
                 with pytest.raises(SoftTimeLimitExceeded):
                     run_lock.release_later(task, lock, "id-1", ending)
             assert lock.held()
-            run_lock.finish_release(task, lock, "id-1")
+            run_lock.finish_release(task, lock, "id-1", lambda: None)  # a mode that keeps nothing
     finally:
         signals.lock_released.disconnect(on_released, sender=task)
     assert not lock.held() and not lock.client.exists(lock.name)
