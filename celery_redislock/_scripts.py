@@ -37,24 +37,26 @@ from ._redis import PooledConnection, node_client
 
 #: What a script may call or read without defining it, one Lua piece each (its first ``local``
 #: statement at a line's start names what it defines), in an order where each uses only those
-#: before it: the lock's companion keys, in
-#: its cluster hash slot (named as ``attempt.companion_key`` names them), the lock value format
-#: (``protocol.LockValue``), the server clock and the waiter queue. A script's source holds only
-#: the pieces its text uses (``_pieces_for``): Redis runs the whole text on every call, and each
-#: ``local function`` is a closure made anew, about 1,200 server instructions (callgrind).
+#: before it: the lock's companion keys, in its cluster hash slot (named as
+#: ``attempt.companion_key`` names them), the lock value format (``protocol.LockValue``), the
+#: server clock and the waiter queue. A script's source holds only the pieces its text uses
+#: (``_pieces_for``): Redis runs the whole text on every call, and each ``local function`` is a
+#: closure made anew, about 1,200 server instructions, each companion name a string made anew,
+#: about 3,000 (callgrind).
 _PIECES = (
     """
--- The companion keys of lock `name`: the prefix they share (its own hash tag if it has one,
--- else the whole name as the tag), the waiter queue, the waiters' deadlines, and what each
--- wake list's name starts with.
-local function companions(name)
+-- The prefix of lock `name`'s companion keys: its own hash tag if it has one, else the whole
+-- name as the tag.
+local function companion_prefix(name)
   local open = string.find(name, '{', 1, true)
   local close = open and string.find(name, '}', open + 1, true)
-  local shared = (close and close > open + 1) and name .. ':' or '{' .. name .. '}:'
-  return shared, shared .. 'queue', shared .. 'waiters', shared .. 'wake:'
+  return (close and close > open + 1) and name .. ':' or '{' .. name .. '}:'
 end
 """,
-    "local prefix, queue, deadlines, wake_prefix = companions(lock)\n",
+    "local prefix = companion_prefix(lock)\n",
+    "local queue = prefix .. 'queue'\n",
+    "local deadlines = prefix .. 'waiters'\n",
+    "local wake_prefix = prefix .. 'wake:'\n",
     """
 -- The server clock as (ms, us), from a TIME reply.
 local function clock(t)
@@ -238,14 +240,15 @@ _RELEASE_FAST = """
 -- waiter woken, or if fair handed the lock), 0 when the caller did not own it:
 -- then the lock is untouched and the caller, if it was queued, leaves the queue.
 local token, member = ARGV[1], ARGV[2]
+local waited = member and member ~= ''
 local current = redis.call('GET', lock)
 local owned = current and string.sub(current, 1, 32) == token
--- The common cases end here, before the helpers only the others use are set up.
+-- The common cases (a caller that never waited) end here, before the helpers and the
+-- companion names only the others use are set up.
 if owned then
   redis.call('DEL', lock)
-  if member and member ~= '' then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unread
-  if redis.call('EXISTS', queue) == 0 then return 1 end
-elseif not member or member == '' then
+  if not waited and redis.call('EXISTS', queue) == 0 then return 1 end
+elseif not waited then
   return 0
 end
 """
@@ -255,6 +258,7 @@ if not owned then
   leave(member, wake_prefix .. token)
   return 0
 end
+if waited then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unread
 local now_ms, now_us = clock(redis.call('TIME'))
 wake_next(fence_of(current), now_ms, now_us)
 return 1

@@ -71,7 +71,7 @@ _AHEAD = 4
 _READ = """
 -- READ. KEYS[i] a key; ARGV[i] the name whose waiters wait for it: '' for the key itself, a
 -- semaphore's name for one of its permits (the waiters' deadlines are named from it by
--- `companions`, in the key's hash slot). Reads, never writes.
+-- `companion_prefix`, in the key's hash slot). Reads, never writes.
 -- Returns one JSON array (one reply element, however many keys) holding, per key,
 -- [its PTTL in ms, its live waiters, its value]: the value "" unless it is a lock value
 -- (PTTL -2: no such key); a waiter is live until its deadline.
@@ -81,8 +81,7 @@ for i, key in ipairs(KEYS) do
   local value, waiting = redis.pcall('GET', key), 0  -- pcall: a key of another type is no lock
   if type(value) == 'string' and fence_of(value) then
     local waited_as = ARGV[i] ~= '' and ARGV[i] or key
-    local _, _, waiters = companions(waited_as)
-    waiting = redis.call('ZCOUNT', waiters, after, '+inf')
+    waiting = redis.call('ZCOUNT', companion_prefix(waited_as) .. 'waiters', after, '+inf')
   else
     value = ''
   end
