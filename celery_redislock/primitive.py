@@ -29,6 +29,8 @@ __all__ = ["LeaseLock", "Servers"]
 logger = logging.getLogger(__name__)
 
 _Lock = TypeVar("_Lock", bound="LeaseLock")
+#: held only while a lock's ``lost`` event is made, so that two threads asking at once get one
+_MAKING_LOST = threading.Lock()
 
 
 class Servers(Protocol):
@@ -81,18 +83,30 @@ class LeaseLock(LockCore):
     """
 
     servers: Servers
-    lost: threading.Event
 
     def __init__(self, name: str | bytes, ttl: Duration, **settings: Any) -> None:
         """``settings``: ``LockCore``'s (``watchdog``, ``fair``, ``timeout``, ``holder``)."""
         super().__init__(name, ttl, **settings)
-        self.lost = threading.Event()
+        self._lost: threading.Event | None = None
         #: monotonic time the current hold was taken (its ``held`` time counts from it)
         self.taken_at = 0.0
         self._leases: list[Lease] = []
         #: the token of the hold whose release raised (maybe after Redis freed the key), if any
         self._released_maybe: str | None = None
         self._state = threading.Lock()
+
+    @property
+    def lost(self) -> threading.Event:  # type: ignore[override]  # LockCore declares it; read-only here
+        """Set when the hold is found lost (by the watchdog, a release or an extend); cleared
+        when a hold is taken again. Made on first use: a ``threading.Event`` costs 2 µs to make,
+        and a task's run that never asks (nothing was lost) makes none."""
+        lost = self._lost
+        if lost is None:
+            with _MAKING_LOST:
+                lost = self._lost
+                if lost is None:
+                    lost = self._lost = threading.Event()
+        return lost
 
     @property
     def client(self) -> Any:
@@ -154,8 +168,8 @@ class LeaseLock(LockCore):
         with self._state:
             self.record_hold(token, fence)
             self.taken_at = mod_time.monotonic()
-            if self.lost.is_set():
-                self.lost.clear()
+            if self._lost is not None:  # none made yet: none set
+                self._lost.clear()
             if self.watchdog:
                 self._leases = self.servers.leases(token, self.ttl, weakref.ref(self))
                 for lease in self._leases:
