@@ -385,7 +385,9 @@ class _Step(abc.ABC):
         self.started, self.fence = time.monotonic(), self.lock.fence
         spans = self.spans
         traced = trace is not None and (spans == "auto" or (spans == "always" and _tracer_provider_set()))
-        self.parent = trace.get_current_span() if traced else None
+        parent = trace.get_current_span() if traced else None
+        # "auto" notes an event only on a span that records; one that does not now never will
+        self.parent = None if spans == "auto" and parent is not None and not parent.is_recording() else parent
         return self
 
     def __exit__(
@@ -395,7 +397,7 @@ class _Step(abc.ABC):
             return
         metered = _meter_provider_set()
         if self.parent is None and not metered:
-            return  # nothing to trace or record (no provider set, spans off)
+            return  # nothing to trace or record (no provider set, no span that records, spans off)
         outcome = self._outcome_of(kind)
         failed = exc if outcome is None else None
         if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
