@@ -172,17 +172,31 @@ class Execution:
         except (Retry, Ignore):
             raise
         except BaseException:
-            if ticket_to_free is not None and not getattr(self.request, "lock_republished", False):
+            if not getattr(self.request, "lock_republished", False):
                 # The failure is the outcome: an error freeing the enqueue lock must not turn it
                 # into an unlocked run beside the holder (redislock_on_error="run").
                 with suppress(redis.RedisError):
-                    self._free_message_lock(ticket_to_free, None)
+                    if ticket_to_free is not None:
+                        self._free_message_lock(ticket_to_free, None)
+                    else:
+                        self._free_unadopted_hold()
             raise
         if ticket_to_free is not None and self._free_message_lock(ticket_to_free, self.lock):
             if taken and self.lock is not None:  # superseded since the check above: dropped
                 release(self.task, self.lock, self.task_id)
             return False
         return taken
+
+    def _free_unadopted_hold(self) -> None:
+        """Where the mode adopts the message's enqueue lock (or the hold parked for a retry's
+        message), and the run failed before adopting it (an interrupt before or as ``ADOPT`` was
+        sent, a failed or timed-out wait for the previous attempt to park it): free the hold still
+        queued for the message, owner-checked by its token, never one a run adopted. Nothing will
+        adopt it any more: left, it would refuse every ``delay()`` for ``lock_queue_ttl``."""
+        ticket, lock = self.ticket, self.lock
+        adopted_here = self.options.rules.adopts_ticket and lock is not None
+        if adopted_here and ticket is not None and ticket[0] == self.key:
+            release_token(self.client, *ticket)
 
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):

@@ -37,6 +37,7 @@ import celery_redislock.busy
 import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.primitive
+import celery_redislock.run_lock
 from celery_redislock import task_lock_key
 from celery_redislock.lock import RedisLock
 from celery_redislock.protocol import parse_holder, parse_value
@@ -239,6 +240,63 @@ def test_a_soft_time_limit_while_waiting_for_the_lock_frees_the_messages_enqueue
         finally:
             holder.release()
             recorder.delete(queued)
+
+
+def test_a_soft_time_limit_before_adopt_is_sent_frees_the_hold_queued_for_the_message(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executed: the soft time limit lands before ``ADOPT`` is sent (the entry of
+    ``adopt``). The message is dealt with (FAILURE) and nothing will adopt its hold any more: the
+    hold still queued for it goes, owner-checked, rather than refusing every ``delay()`` as a
+    duplicate for ``lock_queue_ttl``. (Once ``ADOPT`` is sent, ``adopt`` gives back what it
+    re-tokened: ``test_a_soft_time_limit_as_an_adopted_hold_is_recorded_...``.)"""
+    task = define(app, "adopt_interrupted", lock_mode="until_executed")
+    key = task_lock_key(task, (8,))
+    adopt = celery_redislock.run_lock.adopt
+    fired: list[int] = []
+
+    def interrupted(lock: Any, token: str) -> Any:
+        if fired or lock.name != key:
+            return adopt(lock, token)
+        fired.append(1)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(celery_redislock.execution, "adopt", interrupted)
+    with recorder_of(app) as recorder:
+        try:
+            run_interrupted(app, task, 8)
+            assert fired == [1]
+            assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+        finally:
+            recorder.delete(key)
+
+
+def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_hold(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executed: attempt 1 is published while attempt 0 still runs (``throw=False``), waits
+    for attempt 0 to park the hold for it (``busy.AdoptParked``), is handed it, and the soft time
+    limit lands as it adopts it (the entry of ``adopt``). Attempt 1 fails, and nothing will adopt
+    that hold any more: it goes, rather than refusing every ``delay()`` for ``lock_queue_ttl``."""
+    x, task = uuid.uuid4().hex[:10], app.tasks["taskapp.retry_once"]
+    key = task_lock_key(task, (x,), {"how": "no_throw"})
+    adopt = celery_redislock.run_lock.adopt
+    fired: list[int] = []
+
+    def interrupted(lock: Any, token: str) -> Any:
+        if fired or lock.name != key or "try=1" not in (lock.holder or ""):
+            return adopt(lock, token)
+        fired.append(1)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(celery_redislock.busy, "adopt", interrupted)
+    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
+        result = task.delay(x, how="no_throw")
+        wait_for(lambda: events(app, "busy", x), what="attempt 1 to find attempt 0 running")
+        recorder_for(app).open_gate(x)
+        wait_for(lambda: done.count(result.id) == 2, what="both attempts' task_postrun")
+        assert fired == [1]
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
 def test_a_failed_republish_of_a_busy_retry_frees_the_messages_enqueue_lock(
