@@ -404,12 +404,18 @@ class Script:
         caller sending many can pack each once; the command is sent in one write.
         An error reply is raised.
         """
-        commands = [self.pack(keys, args)]
-        connection.send_packed_command(commands)
+        command = self.pack(keys, args)
+        connection.send_packed_command([command])
+        return self.read_reply(connection, command)
+
+    def read_reply(self, connection: Any, command: bytes) -> Any:
+        """The reply to ``command`` (a call of this script, from ``pack()``) sent on ``connection``,
+        the next to read there; an error reply is raised. After NOSCRIPT (rare), the call is sent
+        again once the script is loaded, by ``read_replies``' rule."""
         try:
             return connection.read_response()
-        except NoScriptError as exc:  # rare: recovered as in every exchange, by read_replies' rule
-            reply = _send_refused_again(connection, self, commands, [exc])[0]
+        except NoScriptError as exc:
+            reply = _send_refused_again(connection, self, [command], [exc])[0]
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
         return reply

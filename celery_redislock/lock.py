@@ -26,7 +26,7 @@ import redis.cluster
 
 from ._durations import Duration, seconds, to_ms
 from ._redis import PooledConnection, call_with_timeout, node_client, send_later
-from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client, read_replies
+from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
 from .primitive import LeaseLock
@@ -182,7 +182,7 @@ class OneServer:
         command = RELEASE.pack(*self._release_operands(token))
 
         def read(connection: Any) -> Any:
-            return read_replies(connection, RELEASE, [command])[0]
+            return RELEASE.read_reply(connection, command)
 
         return send_later(self.client, command, read, then)
 

@@ -40,7 +40,7 @@ from typing import Any
 import redis
 
 from ._durations import Duration, to_ms
-from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks, read_replies
+from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks
 from .attempt import Attempt, lease_seconds, owns
 from .exceptions import LockConfigurationError
 from .primitive import LeaseLock
@@ -250,7 +250,7 @@ class Quorum:
                 try:
                     if not connection.can_read(max(deadline - mod_time.monotonic(), 0.0)):
                         raise redis.exceptions.TimeoutError(f"no reply within {self._node_timeout:.3f}s")
-                    results.append(read_replies(connection, script, [command])[0])
+                    results.append(script.read_reply(connection, command))
                 except redis.exceptions.ResponseError as exc:
                     results.append(exc)  # a complete error reply: the connection is clean
                 except Exception as exc:

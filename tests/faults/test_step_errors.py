@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+import celery_redislock._scripts
 import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.run_lock
@@ -36,13 +37,16 @@ STEPS: dict[str, tuple[Any, str]] = {
     "free_queued": (celery_redislock.execution, "release_token"),
     # a worker's run sends its release, and reads the reply at task_postrun (run_lock.release_later)
     "release": (redis.connection.AbstractConnection, "send_packed_command"),
-    "release_reply": (celery_redislock.lock, "read_replies"),
+    "release_reply": (celery_redislock._scripts.Script, "read_reply"),
     # a run that waits for the reply (lock_on_lost="raise": a loss at release fails it)
     "release_waited": (celery_redislock.lock.RedisLock, "_free"),
     "settle": (celery_redislock.execution, "SETTLE"),
 }
 #: step -> whether the call fails (any, if not here): ``send_later``'s (a release's, not waited for)
-FAILS: dict[str, Callable[[], bool]] = {"release": lambda: sys._getframe(2).f_code.co_name == "send_later"}
+FAILS: dict[str, Callable[[], bool]] = {
+    "release": lambda: sys._getframe(2).f_code.co_name == "send_later",
+    "release_reply": lambda: sys._getframe(2).f_code.co_name == "read",  # the deferred read's (free_later)
+}
 #: task -> the keyword arguments of its call (``fenced``: not gated)
 KWARGS: dict[str, dict[str, Any]] = {"fenced": {"gate": False}}
 
