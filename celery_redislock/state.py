@@ -1,7 +1,7 @@
 """What the package keeps per Celery app in this process, held weakly by the app.
 
-One ``AppState`` per app, in a ``WeakKeyDictionary``: an app that is gone
-takes its state with it, and nothing is set on the app itself.
+One ``AppState`` per app, held by the app's id until the app is gone (a
+``weakref.finalize`` drops it then), and nothing is set on the app itself.
 ``forget_client(app)`` (also ``celery_redislock.testing.forget_client``)
 drops the app's lock client (closing it if the package made it), for tests
 that change an app's ``redislock_url`` or ``redislock_client`` between uses;
@@ -10,9 +10,9 @@ the rest of the state stays.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
-from weakref import WeakKeyDictionary
 
 import redis
 import redis.cluster
@@ -61,21 +61,27 @@ class AppState:
     terminate_warned: set[str] = field(default_factory=set)
 
 
-_STATES: WeakKeyDictionary[Any, AppState] = WeakKeyDictionary()
+#: id(app) -> its state, dropped when the app is (its id is not reused before): a run looks its
+#: app's state up three times, and a ``WeakKeyDictionary`` runs Python code and makes a weak
+#: reference on every lookup.
+_STATES: dict[int, AppState] = {}
 
 
 def app_state(app: Any) -> AppState:
     """``app``'s state in this process (created empty on first use)."""
-    state = _STATES.get(app)
+    state = _STATES.get(id(app))
     if state is None:
-        state = _STATES[app] = AppState()
+        made = AppState()
+        state = _STATES.setdefault(id(app), made)  # two threads asking at once share one
+        if state is made:
+            weakref.finalize(app, _STATES.pop, id(app), None)
     return state
 
 
 def forget_client(app: Any) -> None:
     """Forget ``app``'s lock client (closing it if the package made it, not one given as
     ``redislock_client``): its next use reads the settings again."""
-    state = _STATES.get(app)
+    state = _STATES.get(id(app))
     if state is not None and state.client is not None:
         made, state.client = state.client, None
         if made.owned:
