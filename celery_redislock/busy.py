@@ -300,6 +300,12 @@ class AdoptParked:
             if busy is None:
                 return found.took()
             holder, ttl = busy[0], max(busy[1], 0) / 1000
+            # Gone since it was handed over (a copy of this message that gave it up freed it):
+            # taken afresh, as a run whose message's hold is gone is.
+            if busy[1] == -2:
+                if lock.acquire(blocking=False):
+                    return found.took()
+                holder, ttl = lock.busy
         raise LockNotAcquired(lock.name, holder, ttl)
 
 

@@ -171,7 +171,7 @@ class Execution:
             taken = self.lock is None or self.take(self.lock)
         except (Retry, Ignore):
             raise
-        except BaseException:
+        except BaseException as exc:
             if not getattr(self.request, "lock_republished", False):
                 # The failure is the outcome: an error freeing the enqueue lock must not turn it
                 # into an unlocked run beside the holder (redislock_on_error="run").
@@ -179,7 +179,7 @@ class Execution:
                     if ticket_to_free is not None:
                         self._free_message_lock(ticket_to_free, None)
                     else:
-                        self._free_unadopted_hold()
+                        self._free_unadopted_hold(exc)
             raise
         if ticket_to_free is not None and self._free_message_lock(ticket_to_free, self.lock):
             if taken and self.lock is not None:  # superseded since the check above: dropped
@@ -187,15 +187,24 @@ class Execution:
             return False
         return taken
 
-    def _free_unadopted_hold(self) -> None:
+    def _free_unadopted_hold(self, failure: BaseException) -> None:
         """Where the mode adopts the message's enqueue lock (or the hold parked for a retry's
-        message), and the run failed before adopting it (an interrupt before or as ``ADOPT`` was
-        sent, a failed or timed-out wait for the previous attempt to park it): free the hold still
-        queued for the message, owner-checked by its token, never one a run adopted. Nothing will
-        adopt it any more: left, it would refuse every ``delay()`` for ``lock_queue_ttl``."""
-        ticket, lock = self.ticket, self.lock
-        adopted_here = self.options.rules.adopts_ticket and lock is not None
-        if adopted_here and ticket is not None and ticket[0] == self.key:
+        message), and the run failed (``failure``) before adopting it (an interrupt such as a soft
+        time limit before ``ADOPT`` was sent, or as a retry adopts the hold its previous attempt
+        parked and handed it): free the hold still queued for the message, owner-checked by its
+        token, never one a run adopted. Nothing will adopt it any more: left, it would refuse
+        every ``delay()`` for ``lock_queue_ttl``.
+
+        Kept: after a Redis error that ``redislock_on_error="run"`` turns into an unlocked run
+        (it keeps duplicates out while that runs), and after an exception that is not an
+        ``Exception`` (the worker exiting, a hard time limit in a gevent pool): with
+        ``acks_late`` such a message comes back, and its hold is still its own."""
+        if not isinstance(failure, Exception):
+            return
+        if isinstance(failure, (redis.RedisError, LockNotReplicated)) and self.settings.on_error == "run":
+            return
+        ticket = self.ticket
+        if self.options.rules.adopts_ticket and self.lock is not None and ticket and ticket[0] == self.key:
             release_token(self.client, *ticket)
 
     def take(self, lock: ExecutionLock) -> bool:

@@ -299,6 +299,34 @@ def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_h
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
+def test_a_retry_handed_a_hold_that_is_gone_by_its_adopt_takes_the_lock_afresh(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executed: attempt 1 waited for attempt 0 to park the hold for it and was handed it,
+    and by the time its ``ADOPT`` runs the hold is gone (a copy of its message that gave it up
+    freed it, as the test above frees it). Attempt 1 takes the lock afresh and runs, rather
+    than failing with ``LockNotAcquired`` over a free lock."""
+    x, task = uuid.uuid4().hex[:10], app.tasks["taskapp.retry_once"]
+    key = task_lock_key(task, (x,), {"how": "no_throw"})
+    adopt = celery_redislock.run_lock.adopt
+    gone: list[int] = []
+
+    def freed_first(lock: Any, token: str) -> Any:
+        if not gone and lock.name == key and "try=1" in (lock.holder or ""):
+            gone.append(int(lock.client.delete(key)))
+        return adopt(lock, token)
+
+    monkeypatch.setattr(celery_redislock.busy, "adopt", freed_first)
+    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
+        result = task.delay(x, how="no_throw")
+        wait_for(lambda: events(app, "busy", x), what="attempt 1 to find attempt 0 running")
+        recorder_for(app).open_gate(x)
+        wait_for(lambda: done.count(result.id) == 2, what="both attempts' task_postrun")
+        assert gone == [1]
+        assert [event[6] for event in events(app, "end", x)] == ["0", "1"], "attempt 1 did not run"
+        assert not recorder.exists(key)
+
+
 def test_a_failed_republish_of_a_busy_retry_frees_the_messages_enqueue_lock(
     app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:

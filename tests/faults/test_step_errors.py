@@ -26,6 +26,7 @@ from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
 from tests import invariants
 from tests.faults.conftest import RESULT_TIMEOUT, fresh
+from tests.interrupts import define
 from tests.taskapp import make_app
 from tests.workers import threads_worker, wait_for
 
@@ -119,6 +120,41 @@ def test_a_redis_error_at_any_step_leaves_no_lock_held(
                 what=lambda: f"no lock left: {invariants.leftover_locks(client, prefix)}",
             )
     finally:
+        client.close()
+        app.close()
+
+
+def test_a_redis_error_adopting_its_hold_keeps_it_while_the_run_goes_on_unlocked(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``until_executed`` with ``redislock_on_error="run"``: ``ADOPT`` fails once (a Redis error),
+    so the body runs unlocked. The hold queued for the message is not given up for that failure:
+    it still refuses duplicates while the run goes on (until its ``lock_queue_ttl``)."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL, redislock_on_error="run")
+    client = redis_server.client()
+    seen: list[bool] = []  # whether the hold queued for the message is there as the body runs
+    keys: list[str] = []
+
+    def body(self: Any, x: int) -> None:
+        seen.append(bool(client.exists(keys[0])))
+
+    task = define(app, "adopt_fails", body, lock_mode="until_executed")
+    key = task_lock_key(task, (1,))
+    keys.append(key)
+    adopt = celery_redislock.run_lock.adopt
+
+    def failing(lock: Any, token: str) -> Any:
+        if lock.name == key and not seen:
+            raise redis.ConnectionError("injected: ADOPT failed")
+        return adopt(lock, token)
+
+    monkeypatch.setattr(celery_redislock.execution, "adopt", failing)
+    try:
+        with threads_worker(app):
+            assert task.delay(1).get(timeout=RESULT_TIMEOUT) == 1
+        assert seen == [True]
+    finally:
+        client.delete(key)
         client.close()
         app.close()
 
