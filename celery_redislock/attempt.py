@@ -249,7 +249,7 @@ def ending_block(name: str, exc: BaseException | None) -> Iterator[None]:
 
 class LockCore:
     """A lock's checked settings and its hold count, as every lock (sync, asyncio, Redlock) keeps
-    them; no I/O. A subclass sets ``lost`` (an event the watchdog sets) after ``__init__``."""
+    them; no I/O. A subclass provides ``lost``, the event set when the hold is found lost."""
 
     lost: threading.Event | asyncio.Event
 

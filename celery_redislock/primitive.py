@@ -12,6 +12,7 @@ the one server (``lock.OneServer``) or a quorum of several
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time as mod_time
@@ -31,6 +32,15 @@ logger = logging.getLogger(__name__)
 _Lock = TypeVar("_Lock", bound="LeaseLock")
 #: held only while a lock's ``lost`` event is made, so that two threads asking at once get one
 _MAKING_LOST = threading.Lock()
+
+
+def _forked() -> None:
+    # A thread of the parent may have held it at the fork: the child's first ``lost`` would hang.
+    global _MAKING_LOST
+    _MAKING_LOST = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class Servers(Protocol):
