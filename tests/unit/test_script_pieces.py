@@ -54,9 +54,13 @@ def test_every_function_a_script_calls_is_defined_in_it_or_lua_s_own(name: str) 
     """Redis refuses a script's call of an undefined global only when the call runs (a path
     the suite may not reach): a name called must be a ``local function`` of the script."""
     text = code(SCRIPTS[name].source)
-    called = set(re.findall(r"(?<![.:\w])([A-Za-z_]\w*)\s*\(", text)) - LUA_KEYWORDS
-    defined = set(re.findall(r"^\s*local function (\w+)", text, re.M))
-    assert called - defined - LUA_FUNCTIONS == set(), f"{name} calls a function it does not define"
+    for call in re.finditer(r"(?<![.:\w])([A-Za-z_]\w*)\s*\(", text):
+        called = call.group(1)
+        if called in LUA_KEYWORDS | LUA_FUNCTIONS:
+            continue
+        definition = re.search(rf"^\s*local function {called}\b", text, re.M)
+        assert definition is not None, f"{name} calls {called}, which it does not define"
+        assert definition.start() < call.start(), f"{name} calls {called} before defining it"
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
