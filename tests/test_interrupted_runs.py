@@ -98,6 +98,17 @@ def events(app: Celery, kind: str, x: object) -> list[list[str]]:
     return [event for event in recorder_for(app).events() if event[0] == kind and event[2] == str(x)]
 
 
+def run_retry_handed_its_parked_hold(app: Celery, task: Any, x: str) -> None:
+    """Run ``taskapp.retry_once(x, how="no_throw")`` on an in-process worker: attempt 1 is
+    published while attempt 0 runs, finds it running (``busy.AdoptParked``) and waits for the
+    hold attempt 0 parks for it as it ends; returns once both attempts' ``task_postrun`` is over."""
+    with postruns(task) as done, threads_worker(app):
+        result = task.delay(x, how="no_throw")
+        wait_for(lambda: events(app, "busy", x), what="attempt 1 to find attempt 0 running")
+        recorder_for(app).open_gate(x)
+        wait_for(lambda: done.count(result.id) == 2, what="both attempts' task_postrun")
+
+
 @contextmanager
 def recorder_of(app: Celery) -> Iterator[redis.Redis]:
     """A client of the locks' Redis, closed at the end."""
@@ -290,11 +301,8 @@ def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_h
         raise SoftTimeLimitExceeded()
 
     monkeypatch.setattr(celery_redislock.busy, "adopt", interrupted)
-    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
-        result = task.delay(x, how="no_throw")
-        wait_for(lambda: events(app, "busy", x), what="attempt 1 to find attempt 0 running")
-        recorder_for(app).open_gate(x)
-        wait_for(lambda: done.count(result.id) == 2, what="both attempts' task_postrun")
+    with recorder_of(app) as recorder:
+        run_retry_handed_its_parked_hold(app, task, x)
         assert fired == [1]
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
@@ -317,11 +325,8 @@ def test_a_retry_handed_a_hold_that_is_gone_by_its_adopt_takes_the_lock_afresh(
         return adopt(lock, token)
 
     monkeypatch.setattr(celery_redislock.busy, "adopt", freed_first)
-    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
-        result = task.delay(x, how="no_throw")
-        wait_for(lambda: events(app, "busy", x), what="attempt 1 to find attempt 0 running")
-        recorder_for(app).open_gate(x)
-        wait_for(lambda: done.count(result.id) == 2, what="both attempts' task_postrun")
+    with recorder_of(app) as recorder:
+        run_retry_handed_its_parked_hold(app, task, x)
         assert gone == [1]
         assert [event[6] for event in events(app, "end", x)] == ["0", "1"], "attempt 1 did not run"
         assert not recorder.exists(key)

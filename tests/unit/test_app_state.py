@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import gc
-import threading
 
 from celery import Celery
 
 from celery_redislock import state
+from tests.unit.threads import asked_at_once
 
 
 def test_one_state_per_app_whoever_asks_first() -> None:
     app = Celery(set_as_current=False)
-    start = threading.Barrier(8)
-    seen: list[state.AppState] = []
-
-    def ask() -> None:
-        start.wait()
-        seen.append(state.app_state(app))
-
-    threads = [threading.Thread(target=ask) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    seen = asked_at_once(lambda: state.app_state(app))
     assert len(seen) == 8 and all(found is seen[0] for found in seen)
     assert state.app_state(app) is seen[0]
     assert state.app_state(Celery(set_as_current=False)) is not seen[0]

@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 import redis
 
 from celery_redislock import RedisLock, primitive
+from tests.unit.threads import asked_at_once
 
 
 def test_threads_asking_at_once_share_one_event() -> None:
     lock = RedisLock(redis.Redis(host="127.0.0.1", port=1), "k", ttl=5)  # never connects
-    start = threading.Barrier(8)
-    seen: list[threading.Event] = []
-
-    def ask() -> None:
-        start.wait()
-        seen.append(lock.lost)
-
-    threads = [threading.Thread(target=ask) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    seen = asked_at_once(lambda: lock.lost)
     assert len(seen) == 8 and all(event is seen[0] for event in seen)
     assert lock.lost is seen[0] and not lock.lost.is_set()
 
