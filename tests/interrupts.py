@@ -1,6 +1,7 @@
 """An exception landing between a command's send and its reply's read (``interrupt_read``, the
 fixture in ``tests/conftest.py``): what ``tests/test_interrupted_calls.py`` and
-``tests/test_replace.py`` interrupt exchanges with."""
+``tests/test_replace.py`` interrupt exchanges with; and ``define``, the task the interrupt and
+deferred-release tests run."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def on_this_thread() -> Callable[[], bool]:
 
 def define(app: Any, name: str, body: Any = None, **options: Any) -> Any:
     """A ``LockedTask`` ``interrupted.{name}`` of ``x`` on ``app``, returning ``x`` after
-    ``body(self, x)``: a task the interrupt tests define with the options they need."""
+    ``body(self, x)``: a task the interrupt and deferred-release tests define with the options
+    they need."""
 
     def run(self: Any, x: int) -> int:
         if body is not None:

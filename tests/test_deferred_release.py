@@ -27,11 +27,12 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_postrun, task_prerun, task_success
 
 import celery_redislock.lock
-from celery_redislock import LockedTask, LockLost, RedisLock, run_lock, signals, task_lock_key
+from celery_redislock import LockLost, RedisLock, run_lock, signals, task_lock_key
 from celery_redislock import _redis as pooled
 from celery_redislock._scripts import ACQUIRE, RENEW
 from celery_redislock.connection import client_for
 from celery_redislock.testing import RedisClusterServers, RedisServer
+from tests.interrupts import define
 from tests.invariants import Sampler, stored
 from tests.taskapp import make_app
 from tests.workers import threads_worker, wait_for
@@ -126,17 +127,6 @@ def watching(app: Celery, task: Any, kind: type[Any] = redis.Redis) -> Iterator[
         package.removeHandler(handler)
         for signal, receiver in connected:
             signal.disconnect(receiver)
-
-
-def define(app: Celery, name: str, body: Callable[..., Any] | None = None, **options: Any) -> Any:
-    def record(self: Any, x: int) -> int:
-        if body is not None:
-            body(self, x)
-        return x
-
-    return app.task(
-        **{"base": LockedTask, "bind": True, "shared": False, "name": f"defer.{name}", **options}
-    )(record)
 
 
 def test_the_reply_is_read_at_task_postrun_after_the_result_is_stored(
