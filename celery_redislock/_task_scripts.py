@@ -8,7 +8,10 @@ An enqueue lock is taken by ``apply_async`` (``ACQUIRE``) with a holder
 (header ``redislock``). The worker that runs the message adopts it (``ADOPT``),
 giving it a token of its own and a greater fence. An attempt that retries parks
 its hold (``PARK``) for the token its retry's message carries; the retry adopts
-that. A message's token therefore owns a hold only while it is queued: a copy of
+that. A run that fails before adopting the hold queued for its message (``DECLINE``)
+frees it, or, when its previous attempt has not parked it yet, marks its token
+declined, so that the park frees the hold instead. A message's token therefore
+owns a hold only while it is queued: a copy of
 the message (a redelivery, a stale attempt) can neither adopt a running hold nor
 release it. With ``lock_duplicate="replace"``, ``apply_async`` takes the enqueue
 lock over from the queued message (``REPLACE``), marking it superseded, and gives it
@@ -49,12 +52,19 @@ _PARK = """
 -- Hands a running hold to the retry on its way: re-tokened to ARGV[3] (its fence kept),
 -- so that only that retry can adopt it and the parking attempt can neither release nor
 -- renew it. A retry already waiting for it (queued under ARGV[3]) is woken with the fence.
+-- If the retry declined it already (DECLINE: it failed before adopting), frees the hold instead.
 -- Returns 1 if parked (also when this call, sent again after a lost reply, finds it parked
--- already), 0 if the token or holder no longer matches (left untouched).
+-- already), 2 if freed (declined), 0 if the token or holder no longer matches (left untouched).
 local value = redis.call('GET', lock)
 if owns(value, ARGV[3]) and holder_of(value) == ARGV[4] then return 1 end
 if not owns(value, ARGV[1]) or holder_of(value) ~= ARGV[2] then return 0 end
 local fence = fence_of(value)
+if redis.call('DEL', prefix .. 'declined:' .. ARGV[3]) == 1 then
+  redis.call('DEL', lock)
+  local now_ms, now_us = clock(redis.call('TIME'))
+  wake_next(fence, now_ms, now_us)
+  return 2
+end
 redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
   local ttl_ms, token = member_fields(member)
@@ -64,6 +74,23 @@ for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
     wake(token, string.format('%.0f', fence), ttl_ms)
   end
 end
+return 1
+"""
+
+_DECLINE = """
+-- DECLINE. KEYS[1] lock; ARGV[1] the token a message carries, ARGV[2] ttl in ms.
+-- The message's run failed before adopting the hold queued for it (its enqueue lock, or the
+-- hold its previous attempt parks for it): nothing will adopt that hold any more. Frees it if
+-- ARGV[1] owns it; else marks ARGV[1] declined for ARGV[2] ms, so that a PARK for it frees the
+-- hold rather than park it for no one. Returns 1 if freed, 0 if marked.
+local value = redis.call('GET', lock)
+if not owns(value, ARGV[1]) then
+  redis.call('SET', prefix .. 'declined:' .. ARGV[1], '1', 'PX', ARGV[2])
+  return 0
+end
+redis.call('DEL', lock)
+local now_ms, now_us = clock(redis.call('TIME'))
+wake_next(fence_of(value), now_ms, now_us)
 return 1
 """
 
@@ -212,6 +239,7 @@ return {'freed'}
 
 ADOPT = Script(_ADOPT)
 CLAIM = Script(_CLAIM)
+DECLINE = Script(_DECLINE)
 DROP = Script(_DROP)
 PARK = Script(_PARK)
 REPLACE = Script(_REPLACE)

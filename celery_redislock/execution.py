@@ -34,7 +34,7 @@ from celery.exceptions import Ignore, Retry
 from . import signals, telemetry
 from ._durations import to_ms
 from ._process import current_pid
-from ._task_scripts import CLAIM, PARK, SETTLE
+from ._task_scripts import CLAIM, DECLINE, PARK, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
@@ -191,9 +191,10 @@ class Execution:
         """Where the mode adopts the message's enqueue lock (or the hold parked for a retry's
         message), and the run failed (``failure``) before adopting it (an interrupt such as a soft
         time limit before ``ADOPT`` was sent, or as a retry adopts the hold its previous attempt
-        parked and handed it): free the hold still queued for the message, owner-checked by its
-        token, never one a run adopted. Nothing will adopt it any more: left, it would refuse
-        every ``delay()`` for ``lock_queue_ttl``.
+        parked and handed it, or as a retry gives up waiting for that attempt to park it): free
+        the hold still queued for the message, owner-checked by its token, never one a run
+        adopted; one not parked yet is freed by the park (``DECLINE``). Nothing will adopt it
+        any more: left, it would refuse every ``delay()`` for ``lock_queue_ttl``.
 
         Kept: after a Redis error that ``redislock_on_error="run"`` turns into an unlocked run
         (it keeps duplicates out while that runs), and after an exception that is not an
@@ -205,7 +206,7 @@ class Execution:
             return
         ticket = self.ticket
         if self.options.rules.adopts_ticket and self.lock is not None and ticket and ticket[0] == self.key:
-            release_token(self.client, *ticket)
+            DECLINE(self.client, [ticket[0]], [ticket[1], to_ms(self.options.queue_ttl)])
 
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
@@ -313,7 +314,8 @@ class Execution:
 
     def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
-        ``"parked"``, ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
+        ``"parked"``, ``"released"`` (that retry failed before adopting it: ``DECLINE``),
+        ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
         ttl = self.options.queue_ttl + delay
         queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
         current, fence = lock.holder or "", lock.fence
@@ -332,8 +334,17 @@ class Execution:
             return "error"
         finally:
             lock.forget()
-        if int(parked):
+        if int(parked) == 1:
             return "parked"
+        if int(parked) == 2:
+            logger.info(
+                "task %s[%s]: its retry failed before adopting lock %s; released",
+                self.task.name,
+                self.task_id,
+                lock.name,
+                extra=telemetry.log_fields(lock.name, self.task_id, current, fence, "released"),
+            )
+            return "released"
         logger.info(  # usually the retry already adopted it; else it was lost
             "task %s[%s]: lock %s was already taken over at its retry",
             self.task.name,

@@ -23,7 +23,7 @@ from redis.connection import AbstractConnection
 
 from celery_redislock import RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
-from celery_redislock._task_scripts import ADOPT
+from celery_redislock._task_scripts import ADOPT, DECLINE, PARK
 from celery_redislock.inventory import read_lock
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder
@@ -249,6 +249,38 @@ def test_a_resent_adopt_is_recognised_as_its_own(redis_server: RedisServer, pref
     assert [event[0] for event in events(app, x)] == ["start", "end", "released"]  # no "busy"
     app.close()
     retrying.close()
+
+
+def test_a_hold_is_never_parked_for_a_declined_token(client: redis.Redis, prefix: str) -> None:
+    """A retry that failed before adopting (``DECLINE``) and the park of its previous attempt
+    (``PARK``), in either order: the hold goes, the marker too, and a waiter queued for the lock
+    is woken by the park's free, as by a release."""
+    key, running, retry = f"{prefix}:declined", "a" * 32, "b" * 32
+    holder, queued = "task=t try=0 state=running", "task=t try=1 state=queued"
+    marker = companion_key(key, f"declined:{retry}")
+
+    # declined first: marked, and the park frees the hold instead, waking the waiter
+    client.set(key, f"{running}:1:{holder}", px=30_000)
+    assert DECLINE(client, [key], [retry, 60_000]) == 0
+    assert 0 < client.pttl(marker) <= 60_000
+    waiter = RedisLock(client, key, ttl=5)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    thread.start()
+    wait_for(lambda: client.zcard(companion_key(key, "queue")), what="the waiter to queue")
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000]) == 2
+    thread.join(timeout=10)
+    assert got == [True] and waiter.owned()  # woken by the park, well before its 30 s
+    assert not client.exists(marker)
+    waiter.release()
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000]) == 0  # resent: no-op
+    assert not client.exists(key)
+
+    # parked first: the decline frees the parked hold
+    client.set(key, f"{running}:2:{holder}", px=30_000)
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000]) == 1
+    assert DECLINE(client, [key], [retry, 60_000]) == 1
+    assert not client.exists(key, marker)
 
 
 def test_a_resent_release_does_not_raise_lock_not_owned(client: redis.Redis, prefix: str) -> None:

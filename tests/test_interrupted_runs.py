@@ -307,6 +307,36 @@ def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_h
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
+def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Celery) -> None:
+    """until_executed: attempt 1 is published while attempt 0 still runs (``throw=False``) and
+    gives up waiting for attempt 0 to park the hold for it (``lock_wait_timeout``:
+    ``LockNotAcquired``, attempt 1 fails). When attempt 0 then ends, nothing will ever adopt a
+    hold parked for attempt 1: the lock goes, rather than refusing every ``delay()`` of the
+    signature for ``lock_queue_ttl``."""
+    gates = recorder_for(app)
+    retried: list[str] = []
+
+    def retries_once_and_goes_on(self: Any, x: int) -> None:
+        if not retried:
+            retried.append(self.request.id)
+            self.retry(countdown=0, throw=False)
+            gates.wait_gate(x)
+
+    task = define(
+        app, "impatient_retry", retries_once_and_goes_on, lock_mode="until_executed", lock_wait_timeout=0.2
+    )
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(task, (x,))
+    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
+        result = task.delay(x)
+        wait_for(lambda: done.count(result.id) == 1, what="attempt 1 to give up waiting and fail")
+        assert recorder.exists(key), "attempt 0 let go before attempt 1 gave up"
+        gates.open_gate(x)
+        wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+        assert task.delay(x).get(timeout=30) == x  # the signature is free to run again
+
+
 def test_a_retry_handed_a_hold_that_is_gone_by_its_adopt_takes_the_lock_afresh(
     app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
