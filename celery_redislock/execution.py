@@ -193,8 +193,8 @@ class Execution:
         time limit before ``ADOPT`` was sent, or as a retry adopts the hold its previous attempt
         parked and handed it, or as a retry gives up waiting for that attempt to park it): free
         the hold still queued for the message, owner-checked by its token, never one a run
-        adopted; one not parked yet is freed by the park (``DECLINE``). Nothing will adopt it
-        any more: left, it would refuse every ``delay()`` for ``lock_queue_ttl``.
+        adopted; a retry's hold not parked yet is freed by the park (``DECLINE``). Nothing will
+        adopt it any more: left, it would refuse every ``delay()`` for ``lock_queue_ttl``.
 
         Kept: after a Redis error that ``redislock_on_error="run"`` turns into an unlocked run
         (it keeps duplicates out while that runs), and after an exception that is not an
@@ -204,9 +204,13 @@ class Execution:
             return
         if isinstance(failure, (redis.RedisError, LockNotReplicated)) and self.settings.on_error == "run":
             return
-        ticket = self.ticket
-        if self.options.rules.adopts_ticket and self.lock is not None and ticket and ticket[0] == self.key:
+        ticket, adopts = self.ticket, self.options.rules.adopts_ticket and self.lock is not None
+        if not (adopts and ticket is not None and ticket[0] == self.key):
+            return
+        if self.retries:  # its previous attempt may park the hold for it still: the park frees it
             DECLINE(self.client, [ticket[0]], [ticket[1], to_ms(self.options.queue_ttl)])
+        else:  # an enqueue lock: its token owns it from the start, or never again
+            release_token(self.client, *ticket)
 
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):

@@ -39,6 +39,7 @@ import celery_redislock.lock
 import celery_redislock.primitive
 import celery_redislock.run_lock
 from celery_redislock import task_lock_key
+from celery_redislock.exceptions import LockNotAcquired
 from celery_redislock.lock import RedisLock
 from celery_redislock.protocol import parse_holder, parse_value
 from celery_redislock.testing import RedisServer
@@ -335,6 +336,27 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
         wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
         assert task.delay(x).get(timeout=30) == x  # the signature is free to run again
+
+
+def test_a_refused_first_attempt_leaves_no_declined_mark(app: Celery) -> None:
+    """until_executed, ``lock_busy="raise"``: the run finds its message's hold taken by another
+    (here a hold written over it) and fails with ``LockNotAcquired``. Only a retry's token can
+    still be parked for, so a first attempt marks nothing (no ``declined:`` key for an hour per
+    refusal), and the other's hold is left alone."""
+    task = define(app, "refused_first", lock_mode="until_executed", lock_busy="raise")
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(task, (x,))
+    with recorder_of(app) as recorder:
+        result = task.delay(x)
+        other = "c" * 32 + ":1:task=other try=0 state=running"
+        recorder.set(key, other, px=60_000)
+        try:
+            with threads_worker(app), pytest.raises(LockNotAcquired):
+                result.get(timeout=30)
+            assert recorder.get(key) == other.encode()
+            assert list(recorder.scan_iter(match="*declined:*")) == []
+        finally:
+            recorder.delete(key)
 
 
 def test_a_retry_handed_a_hold_that_is_gone_by_its_adopt_takes_the_lock_afresh(
