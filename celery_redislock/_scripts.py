@@ -125,6 +125,23 @@ local function wake_next(floor, now_ms, now_us)
   wake(token, message, ttl_ms)
 end
 """,
+    """
+-- Lets go of lock's hold `value`, which no run will take on: kept to expire `period_ms` after
+-- its grant (its fence) while that is ahead (as SETTLE keeps it), else freed and the first
+-- waiter woken. Returns the ms it is kept, or 0 when freed.
+local function let_go(value, period_ms)
+  local fence = fence_of(value)
+  local now_ms, now_us = clock(redis.call('TIME'))
+  local left = math.floor(fence / 1000) + period_ms - now_ms
+  if period_ms > 0 and left > 0 then
+    redis.call('PEXPIRE', lock, left)
+    return left
+  end
+  redis.call('DEL', lock)
+  wake_next(fence, now_ms, now_us)
+  return 0
+end
+""",
 )
 
 

@@ -8,9 +8,10 @@ An enqueue lock is taken by ``apply_async`` (``ACQUIRE``) with a holder
 (header ``redislock``). The worker that runs the message adopts it (``ADOPT``),
 giving it a token of its own and a greater fence. An attempt that retries parks
 its hold (``PARK``) for the token its retry's message carries; the retry adopts
-that. A run that fails before adopting the hold queued for its message (``DECLINE``)
-frees it, or, when its previous attempt has not parked it yet, marks its token
-declined, so that the park frees the hold instead. A message's token therefore
+that. A retry that will never adopt its hold (it failed before adopting, was revoked,
+its pool child died) lets go of it (``DECLINE``), or, when its previous attempt has
+not parked it yet, marks its token declined, so that the park lets go of the hold
+instead (kept for what is left of ``lock_period``, else freed). A message's token therefore
 owns a hold only while it is queued: a copy of
 the message (a redelivery, a stale attempt) can neither adopt a running hold nor
 release it. With ``lock_duplicate="replace"``, ``apply_async`` takes the enqueue
@@ -48,23 +49,23 @@ return {redis.call('PTTL', lock), holder_of(value) or false}
 _PARK = """
 -- PARK. KEYS[1] lock; ARGV[1] the running hold's token, ARGV[2] the holder it must still have,
 -- ARGV[3] the token the retry's message carries, ARGV[4] the retry's holder (state=queued),
--- ARGV[5] ttl in ms.
+-- ARGV[5] ttl in ms, ARGV[6] the mode's period in ms ('0': none).
 -- Hands a running hold to the retry on its way: re-tokened to ARGV[3] (its fence kept),
 -- so that only that retry can adopt it and the parking attempt can neither release nor
 -- renew it. A retry already waiting for it (queued under ARGV[3]) is woken with the fence.
--- If the retry declined it already (DECLINE: it failed before adopting), frees the hold instead.
+-- If the retry declined it already (DECLINE: it failed before adopting), lets go of the hold
+-- instead (`let_go`: kept for what is left of the period, else freed).
 -- Returns 1 if parked (also when this call, sent again after a lost reply, finds it parked
--- already), 2 if freed (declined), 0 if the token or holder no longer matches (left untouched).
+-- already), 2 if freed or 3 if kept for its period (declined), 0 if the token or holder no
+-- longer matches (left untouched).
 local value = redis.call('GET', lock)
 if owns(value, ARGV[3]) and holder_of(value) == ARGV[4] then return 1 end
 if not owns(value, ARGV[1]) or holder_of(value) ~= ARGV[2] then return 0 end
-local fence = fence_of(value)
 if redis.call('DEL', prefix .. 'declined:' .. ARGV[3]) == 1 then
-  redis.call('DEL', lock)
-  local now_ms, now_us = clock(redis.call('TIME'))
-  wake_next(fence, now_ms, now_us)
+  if let_go(value, tonumber(ARGV[6])) > 0 then return 3 end
   return 2
 end
+local fence = fence_of(value)
 redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
   local ttl_ms, token = member_fields(member)
@@ -78,19 +79,25 @@ return 1
 """
 
 _DECLINE = """
--- DECLINE. KEYS[1] lock; ARGV[1] the token a message carries, ARGV[2] ttl in ms.
--- The message's run failed before adopting the hold queued for it (its enqueue lock, or the
--- hold its previous attempt parks for it): nothing will adopt that hold any more. Frees it if
--- ARGV[1] owns it; else marks ARGV[1] declined for ARGV[2] ms, so that a PARK for it frees the
--- hold rather than park it for no one. Returns 1 if freed, 0 if marked.
+-- DECLINE. KEYS[1] lock; ARGV[1] the token a retry's message carries, ARGV[2] ttl in ms,
+-- ARGV[3] the mode's period in ms ('0': none).
+-- The retry will never adopt the hold its previous attempt parks for it (it failed before
+-- adopting, was revoked, its pool child died). If ARGV[1] owns it (parked already), lets go
+-- of it (`let_go`: kept for what is left of the period, else freed); else marks ARGV[1]
+-- declined for ARGV[2] ms, so that the PARK for it lets go of the hold rather than park it
+-- for no one. The retry waits no more: its places in the queue and its wake list go.
+-- Returns 1 if let go, 0 if marked.
+for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+  local _, token = member_fields(member)
+  if token == ARGV[1] then leave(member, wake_prefix .. token) end
+end
+redis.call('DEL', wake_prefix .. ARGV[1])
 local value = redis.call('GET', lock)
 if not owns(value, ARGV[1]) then
   redis.call('SET', prefix .. 'declined:' .. ARGV[1], '1', 'PX', ARGV[2])
   return 0
 end
-redis.call('DEL', lock)
-local now_ms, now_us = clock(redis.call('TIME'))
-wake_next(fence_of(value), now_ms, now_us)
+let_go(value, tonumber(ARGV[3]))
 return 1
 """
 

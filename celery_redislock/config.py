@@ -23,7 +23,7 @@ import redis.cluster
 from celery import states
 from redis.connection import parse_url
 
-from ._durations import seconds
+from ._durations import seconds, to_ms
 from ._permit_scripts import MAX_LIMIT
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
@@ -119,6 +119,11 @@ class LockOptions:
     rules: ModeRules
     #: how many runs of one key may run at once, each holding a permit (``semaphore``); 1: the lock
     limit: int = 1
+
+    @property
+    def period_ms(self) -> int:
+        """``lock_period`` in ms where the mode keeps the lock that long after a run; else 0."""
+        return to_ms(self.period) if self.rules.settles and self.period is not None else 0
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import redis
 from . import signals
 from ._durations import to_ms
 from ._process import current_pid
-from ._task_scripts import DROP, REPLACE, UNREPLACE
+from ._task_scripts import DECLINE, DROP, REPLACE, UNREPLACE
 from .attempt import busy_reply, hostname, seconds_left
 from .config import AppSettings, LockOptions
 from .connection import GIVEN_CLIENT, client_for
@@ -194,6 +194,20 @@ def _replace(
         )
         counted(task.name, task.lock_options.mode, "duplicate-replaced")
     return None
+
+
+def give_up_ticket(client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None) -> bool:
+    """A message carrying ``ticket`` (``retries`` retries so far) will never adopt the hold
+    queued for it: it failed before adopting it, was revoked, or its pool child died. Free
+    that hold, owner-checked by the token; whether it was let go of.
+
+    A retry's hold, in a mode that parks one, may not be parked for it yet: ``DECLINE`` then
+    marks its token (for ``lock_queue_ttl``), and the park lets go of the hold instead. A
+    parked hold's previous attempt ran: it is kept for what is left of ``lock_period``, as
+    after any run of an ``until_expired`` task."""
+    if not (retries and options is not None and options.rules.parks_for_retry):
+        return release_token(client, *ticket)
+    return bool(int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms])))
 
 
 def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:

@@ -34,12 +34,12 @@ from celery.exceptions import Ignore, Retry
 from . import signals, telemetry
 from ._durations import to_ms
 from ._process import current_pid
-from ._task_scripts import CLAIM, DECLINE, PARK, SETTLE
+from ._task_scripts import CLAIM, PARK, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
 from .connection import ClientCallableFailed, client_for
-from .enqueue import superseded
+from .enqueue import give_up_ticket, superseded
 from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
@@ -193,8 +193,9 @@ class Execution:
         time limit before ``ADOPT`` was sent, or as a retry adopts the hold its previous attempt
         parked and handed it, or as a retry gives up waiting for that attempt to park it): free
         the hold still queued for the message, owner-checked by its token, never one a run
-        adopted; a retry's hold not parked yet is freed by the park (``DECLINE``). Nothing will
-        adopt it any more: left, it would refuse every ``delay()`` for ``lock_queue_ttl``.
+        adopted; a retry's hold not parked yet is let go of by the park (``give_up_ticket``).
+        Nothing will adopt it any more: left, it would refuse every ``delay()`` for
+        ``lock_queue_ttl``.
 
         Kept: after a Redis error that ``redislock_on_error="run"`` turns into an unlocked run
         (it keeps duplicates out while that runs), and after an exception that is not an
@@ -207,10 +208,7 @@ class Execution:
         ticket, adopts = self.ticket, self.options.rules.adopts_ticket and self.lock is not None
         if not (adopts and ticket is not None and ticket[0] == self.key):
             return
-        if self.retries:  # its previous attempt may park the hold for it still: the park frees it
-            DECLINE(self.client, [ticket[0]], [ticket[1], to_ms(self.options.queue_ttl)])
-        else:  # an enqueue lock: its token owns it from the start, or never again
-            release_token(self.client, *ticket)
+        give_up_ticket(self.client, ticket, self.retries, self.options)
 
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
@@ -318,14 +316,16 @@ class Execution:
 
     def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
-        ``"parked"``, ``"released"`` (that retry failed before adopting it: ``DECLINE``),
-        ``"taken-over"`` (usually adopted by the retry already), ``"error"``."""
+        ``"parked"``, ``"released"`` or ``"settled"`` (that retry will not adopt it:
+        ``enqueue.give_up_ticket``), ``"taken-over"`` (usually adopted by the retry already),
+        ``"error"``."""
         ttl = self.options.queue_ttl + delay
         queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
         current, fence = lock.holder or "", lock.fence
         running = lock.stop_renewing()
         try:  # once PARK is sent, the hold is forgotten, whatever its outcome
-            parked = PARK(lock.client, [lock.name], [running, current, token, queued, to_ms(ttl)])
+            arguments: list[str | int] = [running, current, token, queued, to_ms(ttl), self.options.period_ms]
+            parked = PARK(lock.client, [lock.name], arguments)
         except redis.RedisError as exc:
             logger.warning(
                 "task %s[%s]: could not keep lock %s for its retry: %s",
@@ -340,15 +340,17 @@ class Execution:
             lock.forget()
         if int(parked) == 1:
             return "parked"
-        if int(parked) == 2:
+        if int(parked) > 1:  # let go: freed (2), or kept for what is left of its period (3)
+            outcome = "released" if int(parked) == 2 else "settled"
             logger.info(
-                "task %s[%s]: its retry failed before adopting lock %s; released",
+                "task %s[%s]: its retry will not adopt lock %s; %s",
                 self.task.name,
                 self.task_id,
                 lock.name,
-                extra=telemetry.log_fields(lock.name, self.task_id, current, fence, "released"),
+                outcome,
+                extra=telemetry.log_fields(lock.name, self.task_id, current, fence, outcome),
             )
-            return "released"
+            return outcome
         logger.info(  # usually the retry already adopted it; else it was lost
             "task %s[%s]: lock %s was already taken over at its retry",
             self.task.name,

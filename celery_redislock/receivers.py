@@ -27,9 +27,9 @@ from celery import signals as celery_signals
 
 from ._process import current_pid
 from .beat import connect as connect_beat
-from .config import app_settings, bound_options
+from .config import LockOptions, app_settings, bound_options
 from .connection import client_for
-from .inventory import release_token
+from .enqueue import give_up_ticket
 from .protocol import message_ticket, request_ticket
 from .state import app_state
 from .telemetry import log_fields
@@ -116,12 +116,12 @@ def _free_revoked(
     """``task_revoked`` (worker main process): a message revoked or expired before it ran
     frees its enqueue lock. A terminated run's lock is freed once its child is gone
     (``LockedRequest``)."""
-    ticket = request_ticket(request)
-    if ticket is None or terminated or bound_options(sender) is None:
+    ticket, options = request_ticket(request), bound_options(sender)
+    if ticket is None or terminated or options is None:
         return
-    _release_ticket_logged(
-        sender.app, ticket, f"task {sender.name}[{request.id}] {'expired' if expired else 'revoked'}"
-    )
+    why = f"task {sender.name}[{request.id}] {'expired' if expired else 'revoked'}"
+    retries = getattr(request, "retries", None) or 0  # the signal's request is the task's Context
+    _release_ticket_logged(sender.app, ticket, why, retries, options)
 
 
 def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
@@ -133,14 +133,17 @@ def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None =
         _release_ticket_logged(app, ticket, f"message for {name or 'an invalid task'} dropped")
 
 
-def _release_ticket_logged(app: Any, ticket: tuple[str, str], why: str) -> None:
-    """Free ``ticket`` for ``app``; nothing for an app switched off (``redislock_enabled=False``),
-    whose receivers are off but another app's, connected for every app, are not."""
+def _release_ticket_logged(
+    app: Any, ticket: tuple[str, str], why: str, retries: int = 0, options: LockOptions | None = None
+) -> None:
+    """Free ``ticket`` for ``app`` (``enqueue.give_up_ticket``: a retry's, ``retries`` > 0, with
+    its task's ``options``); nothing for an app switched off (``redislock_enabled=False``), whose
+    receivers are off but another app's, connected for every app, are not."""
     try:
         if not app_settings(app).enabled:  # nothing of it connects
             return
         client, _ = client_for(app)
-        if release_token(client, *ticket):
+        if give_up_ticket(client, ticket, retries, options):
             logger.info(
                 "%s: released its enqueue lock %s",
                 why,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -259,27 +260,51 @@ def test_a_hold_is_never_parked_for_a_declined_token(client: redis.Redis, prefix
     holder, queued = "task=t try=0 state=running", "task=t try=1 state=queued"
     marker = companion_key(key, f"declined:{retry}")
 
-    # declined first: marked, and the park frees the hold instead, waking the waiter
+    # declined first: marked, and the park frees the hold instead, waking the waiter; the
+    # retry's own place in the queue (a waiter that died) and its wake list go at once
     client.set(key, f"{running}:1:{holder}", px=30_000)
-    assert DECLINE(client, [key], [retry, 60_000]) == 0
+    dead = f"30000:{retry}:0:task=t try=1 state=running"
+    client.zadd(companion_key(key, "queue"), {dead: 1})
+    client.zadd(companion_key(key, "waiters"), {dead: time.time() * 1000 + 60_000})
+    client.rpush(companion_key(key, f"wake:{retry}"), "retry")
+    client.pexpire(companion_key(key, f"wake:{retry}"), 60_000)
+    assert DECLINE(client, [key], [retry, 60_000, 0]) == 0
+    assert not client.exists(*(companion_key(key, name) for name in ("queue", "waiters", f"wake:{retry}")))
     assert 0 < client.pttl(marker) <= 60_000
-    waiter = RedisLock(client, key, ttl=5)
-    got: list[bool] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30)))
+    waiter = RedisLock(client, key, ttl=60)  # it would look again only after a third of that
+    got: list[float] = []
+
+    def wait() -> None:
+        if waiter.acquire(timeout=120):
+            got.append(time.monotonic())
+
+    thread = threading.Thread(target=wait)
     thread.start()
     wait_for(lambda: client.zcard(companion_key(key, "queue")), what="the waiter to queue")
-    assert PARK(client, [key], [running, holder, retry, queued, 60_000]) == 2
-    thread.join(timeout=10)
-    assert got == [True] and waiter.owned()  # woken by the park, well before its 30 s
+    parked = time.monotonic()
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000, 0]) == 2
+    thread.join(timeout=60)
+    assert got and got[0] - parked < 10 and waiter.owned()  # woken by the park, not by looking again
     assert not client.exists(marker)
     waiter.release()
-    assert PARK(client, [key], [running, holder, retry, queued, 60_000]) == 0  # resent: no-op
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000, 0]) == 0  # resent: no-op
     assert not client.exists(key)
 
     # parked first: the decline frees the parked hold
     client.set(key, f"{running}:2:{holder}", px=30_000)
-    assert PARK(client, [key], [running, holder, retry, queued, 60_000]) == 1
-    assert DECLINE(client, [key], [retry, 60_000]) == 1
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000, 0]) == 1
+    assert DECLINE(client, [key], [retry, 60_000, 0]) == 1
+    assert not client.exists(key, marker)
+
+    # with a period (until_expired): kept for what is left of it after the grant, then freed
+    now_us = int(client.time()[0]) * 1_000_000
+    client.set(key, f"{running}:{now_us - 20_000_000}:{holder}", px=30_000)  # granted 20 s ago
+    assert DECLINE(client, [key], [retry, 60_000, 0]) == 0
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000, 50_000]) == 3
+    assert 25_000 < client.pttl(key) <= 30_000  # 50 s after the grant
+    client.set(key, f"{running}:{now_us - 20_000_000}:{holder}", px=30_000)
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000, 10_000]) == 1
+    assert DECLINE(client, [key], [retry, 60_000, 10_000]) == 1  # the period is over: freed
     assert not client.exists(key, marker)
 
 

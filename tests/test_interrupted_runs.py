@@ -29,7 +29,7 @@ import redis
 from celery import Celery
 from celery.canvas import Signature
 from celery.exceptions import Retry, SoftTimeLimitExceeded
-from celery.signals import task_postrun
+from celery.signals import task_failure, task_postrun, task_revoked
 from kombu.exceptions import OperationalError
 
 import celery_redislock._task_scripts
@@ -40,7 +40,7 @@ import celery_redislock.primitive
 import celery_redislock.run_lock
 from celery_redislock import task_lock_key
 from celery_redislock.exceptions import LockNotAcquired
-from celery_redislock.lock import RedisLock
+from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
 from celery_redislock.testing import RedisServer
 from tests.interrupts import define
@@ -308,34 +308,90 @@ def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_h
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
-def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Celery) -> None:
-    """until_executed: attempt 1 is published while attempt 0 still runs (``throw=False``) and
-    gives up waiting for attempt 0 to park the hold for it (``lock_wait_timeout``:
-    ``LockNotAcquired``, attempt 1 fails). When attempt 0 then ends, nothing will ever adopt a
-    hold parked for attempt 1: the lock goes, rather than refusing every ``delay()`` of the
-    signature for ``lock_queue_ttl``."""
+def retrying_once_and_going_on(app: Celery, mode: str, countdown: float = 0, **options: Any) -> Any:
+    """A task of ``x`` whose first run retries (``retry(throw=False, countdown=countdown)``) and
+    goes on until the gate of ``x`` opens; its retry, and any later run, return ``x`` at once.
+    ``task.retried`` lists the task ids whose retry was sent."""
     gates = recorder_for(app)
     retried: list[str] = []
 
-    def retries_once_and_goes_on(self: Any, x: int) -> None:
+    def run(self: Any, x: int) -> None:
         if not retried:
+            self.retry(countdown=countdown, throw=False)
             retried.append(self.request.id)
-            self.retry(countdown=0, throw=False)
             gates.wait_gate(x)
 
-    task = define(
-        app, "impatient_retry", retries_once_and_goes_on, lock_mode="until_executed", lock_wait_timeout=0.2
-    )
+    task = define(app, f"retrying_{mode}", run, lock_mode=mode, **options)
+    task.retried = retried
+    return task
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["until_executed", pytest.param("until_expired", marks=pytest.mark.locks_may_remain("its lock_period"))],
+)
+def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Celery, mode: str) -> None:
+    """Attempt 1 is published while attempt 0 still runs (``throw=False``) and gives up waiting
+    for attempt 0 to park the hold for it (``lock_wait_timeout``: ``LockNotAcquired``, attempt 1
+    fails). When attempt 0 then ends, nothing will ever adopt a hold parked for attempt 1:
+    until_executed's lock goes, rather than refusing every ``delay()`` of the signature for
+    ``lock_queue_ttl``; until_expired's stays for what is left of ``lock_period`` after attempt
+    0's acquisition (its body ran), and no longer."""
+    period = {"lock_period": 600} if mode == "until_expired" else {}
+    task = retrying_once_and_going_on(app, mode, lock_wait_timeout=0.2, **period)
     x = uuid.uuid4().int % 10**9
     key = task_lock_key(task, (x,))
-    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
-        result = task.delay(x)
-        wait_for(lambda: done.count(result.id) == 1, what="attempt 1 to give up waiting and fail")
-        assert recorder.exists(key), "attempt 0 let go before attempt 1 gave up"
-        gates.open_gate(x)
-        wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
-        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
-        assert task.delay(x).get(timeout=30) == x  # the signature is free to run again
+    failures: list[BaseException] = []
+
+    def failed(sender: Any = None, exception: BaseException | None = None, **_: Any) -> None:
+        if sender is not None and sender.name == task.name and exception is not None:
+            failures.append(exception)
+
+    task_failure.connect(failed, weak=False)
+    try:
+        with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
+            result = task.delay(x)
+            wait_for(lambda: done.count(result.id) == 1, what="attempt 1 to give up waiting and fail")
+            assert [type(failure) for failure in failures] == [LockNotAcquired]
+            assert recorder.exists(key), "attempt 0 let go before attempt 1 gave up"
+            recorder_for(app).open_gate(x)
+            wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
+            if mode == "until_executed":
+                assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+                assert task.delay(x).get(timeout=30) == x  # free to run again
+            else:
+                assert 500_000 < recorder.pttl(key) <= 600_000, "not kept for the period's rest"
+                recorder.delete(key)
+            assert not list(recorder.scan_iter(match=companion_key(key, "declined:*")))
+    finally:
+        task_failure.disconnect(failed)
+
+
+def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
+    """until_executed: attempt 1, due in 2 s, is revoked while attempt 0 still runs
+    (``throw=False``): the worker drops it (``task_revoked``). When attempt 0 then ends, nothing
+    will adopt a hold parked for attempt 1: the lock goes."""
+    task = retrying_once_and_going_on(app, "until_executed", countdown=2)
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(task, (x,))
+    revoked: list[str] = []
+
+    def dropped(sender: Any = None, request: Any = None, **_: Any) -> None:
+        if sender is not None and sender.name == task.name:
+            revoked.append(request.id)
+
+    task_revoked.connect(dropped, weak=False)
+    try:
+        with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
+            result = task.delay(x)
+            wait_for(lambda: task.retried, what="attempt 0 to send its retry")
+            result.revoke()
+            wait_for(lambda: revoked == [result.id], what="the worker to drop attempt 1")
+            recorder_for(app).open_gate(x)
+            wait_for(lambda: done.count(result.id) == 1, what="attempt 0 to end")
+            assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+    finally:
+        task_revoked.disconnect(dropped)
 
 
 def test_a_refused_first_attempt_leaves_no_declined_mark(app: Celery) -> None:
@@ -354,7 +410,7 @@ def test_a_refused_first_attempt_leaves_no_declined_mark(app: Celery) -> None:
             with threads_worker(app), pytest.raises(LockNotAcquired):
                 result.get(timeout=30)
             assert recorder.get(key) == other.encode()
-            assert list(recorder.scan_iter(match="*declined:*")) == []
+            assert list(recorder.scan_iter(match=companion_key(key, "declined:*"))) == []
         finally:
             recorder.delete(key)
 
@@ -465,6 +521,39 @@ def test_a_pool_child_killed_while_waiting_frees_its_messages_enqueue_lock_unles
                 holder.release()
             worker.stop()
             recorder.delete(queued)
+
+
+def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    """until_executed, prefork: attempt 1 is published while attempt 0 still runs (``throw=False``)
+    and waits for attempt 0's park in the other pool child, which is killed. The worker's main
+    process gives the retry's hold up (it was not parked yet: its token is marked declined), and
+    when attempt 0 ends its park frees the hold rather than parking it for no one."""
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork")
+    worker.start()
+    task: Any = app.tasks["taskapp.retry_once"]
+    x = uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"how": "no_throw"})
+    declined = companion_key(key, "declined:*")
+    with recorder_of(app) as recorder:
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            result = task.delay(x, how="no_throw")
+            [busy] = wait_for(lambda: events(app, "busy", x), what="attempt 1 to wait for attempt 0")
+            os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child attempt 1 waits in
+            wait_for(
+                lambda: list(recorder.scan_iter(match=declined)),
+                what=lambda: f"the main process to decline the retry's hold:\n{worker.output()}",
+            )
+            recorder_for(app).open_gate(x)
+            wait_for(lambda: events(app, "end", x), what="attempt 0 to end")
+            wait_for(lambda: not recorder.exists(key), what=lambda: f"the hold to go: {recorder.get(key)!r}")
+            assert not list(recorder.scan_iter(match=declined))
+            result.get(timeout=RESULT_TIMEOUT, propagate=False)
+        finally:
+            recorder_for(app).open_gate(x)
+            worker.stop()
 
 
 # -- a release whose outcome is unknown --------------------------------------------------------
