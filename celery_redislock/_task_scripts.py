@@ -61,9 +61,15 @@ _PARK = """
 local value = redis.call('GET', lock)
 if owns(value, ARGV[3]) and holder_of(value) == ARGV[4] then return 1 end
 if not owns(value, ARGV[1]) or holder_of(value) ~= ARGV[2] then return 0 end
-if redis.call('DEL', prefix .. 'declined:' .. ARGV[3]) == 1 then
-  if let_go(value, tonumber(ARGV[6])) > 0 then return 3 end
-  return 2
+local declined = prefix .. 'declined:' .. ARGV[3]
+if redis.call('EXISTS', declined) == 1 then
+  local kept = let_go(value, tonumber(ARGV[6]))
+  if kept == 0 then
+    redis.call('DEL', declined)
+    return 2
+  end
+  redis.call('PEXPIRE', declined, kept)  -- as long as the hold: a resent PARK keeps it again
+  return 3
 end
 local fence = fence_of(value)
 redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
@@ -86,7 +92,7 @@ _DECLINE = """
 -- of it (`let_go`: kept for what is left of the period, else freed); else marks ARGV[1]
 -- declined for ARGV[2] ms, so that the PARK for it lets go of the hold rather than park it
 -- for no one. The retry waits no more: its places in the queue and its wake list go.
--- Returns 1 if let go, 0 if marked.
+-- Returns 1 if freed, 2 if kept for its period, 0 if marked.
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
   local _, token = member_fields(member)
   if token == ARGV[1] then leave(member, wake_prefix .. token) end
@@ -97,7 +103,7 @@ if not owns(value, ARGV[1]) then
   redis.call('SET', prefix .. 'declined:' .. ARGV[1], '1', 'PX', ARGV[2])
   return 0
 end
-let_go(value, tonumber(ARGV[3]))
+if let_go(value, tonumber(ARGV[3])) > 0 then return 2 end
 return 1
 """
 

@@ -196,18 +196,22 @@ def _replace(
     return None
 
 
-def give_up_ticket(client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None) -> bool:
+def give_up_ticket(
+    client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None
+) -> str | None:
     """A message carrying ``ticket`` (``retries`` retries so far) will never adopt the hold
     queued for it: it failed before adopting it, was revoked, or its pool child died. Free
-    that hold, owner-checked by the token; whether it was let go of.
+    that hold, owner-checked by the token: ``"released"``, ``"settled"`` (kept for what is
+    left of ``lock_period``), or ``None`` (not the token's, or not parked yet: marked).
 
     A retry's hold, in a mode that parks one, may not be parked for it yet: ``DECLINE`` then
     marks its token (for ``lock_queue_ttl``), and the park lets go of the hold instead. A
     parked hold's previous attempt ran: it is kept for what is left of ``lock_period``, as
     after any run of an ``until_expired`` task."""
     if not (retries and options is not None and options.rules.parks_for_retry):
-        return release_token(client, *ticket)
-    return bool(int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms])))
+        return "released" if release_token(client, *ticket) else None
+    done = int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms]))
+    return {1: "released", 2: "settled"}.get(done)
 
 
 def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:

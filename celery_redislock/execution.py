@@ -274,7 +274,8 @@ class Execution:
     def keep(self) -> str | None:
         """Keep the lock, still held, where the mode says: parked for the retry on its way, or kept
         for ``lock_period``. The outcome (``"parked"``, ``"taken-over"``, ``"settled"``,
-        ``"error"``), or ``None``: not kept, the caller releases it.
+        ``"error"``; ``"released"``: the retry declined it, ``_park``), or ``None``: not kept,
+        the caller releases it.
 
         An attempt that sent its retry (``apply_async``) parks its hold for the token the
         retry's message carries, whether the body then raised the ``Retry`` or not. Also

@@ -143,12 +143,14 @@ def _release_ticket_logged(
         if not app_settings(app).enabled:  # nothing of it connects
             return
         client, _ = client_for(app)
-        if give_up_ticket(client, ticket, retries, options):
+        outcome = give_up_ticket(client, ticket, retries, options)
+        if outcome is not None:
             logger.info(
-                "%s: released its enqueue lock %s",
+                "%s: its enqueue lock %s %s",
                 why,
                 ticket[0],
-                extra=log_fields(ticket[0], outcome="released"),
+                outcome,
+                extra=log_fields(ticket[0], outcome=outcome),
             )
     except Exception:  # the worker's main loop must go on
         logger.exception(

@@ -145,15 +145,17 @@ class LockedRequest(Request):
         self, client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None, why: str
     ) -> None:
         """Free the enqueue lock the message carries, its child gone before adopting or freeing it."""
-        if give_up_ticket(client, ticket, retries, options):
+        outcome = give_up_ticket(client, ticket, retries, options)
+        if outcome is not None:
             logger.info(
-                "task %s[%s]: pool child %s gone (%s); released its enqueue lock %s",
+                "task %s[%s]: pool child %s gone (%s); its enqueue lock %s %s",
                 self.name,
                 self.id,
                 self.worker_pid,
                 why,
                 ticket[0],
-                extra=log_fields(ticket[0], self.id, outcome="released"),
+                outcome,
+                extra=log_fields(ticket[0], self.id, outcome=outcome),
             )
 
     def _release_orphaned_lock(self, why: str) -> None:

@@ -308,22 +308,19 @@ def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_h
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
-def retrying_once_and_going_on(app: Celery, mode: str, countdown: float = 0, **options: Any) -> Any:
-    """A task of ``x`` whose first run retries (``retry(throw=False, countdown=countdown)``) and
-    goes on until the gate of ``x`` opens; its retry, and any later run, return ``x`` at once.
-    ``task.retried`` lists the task ids whose retry was sent."""
+def retrying_once_and_going_on(app: Celery, mode: str, **options: Any) -> Any:
+    """A task of ``x`` whose first run retries (``retry(throw=False)``) and goes on until the
+    gate of ``x`` opens; its retry, and any later run, return ``x`` at once."""
     gates = recorder_for(app)
     retried: list[str] = []
 
     def run(self: Any, x: int) -> None:
         if not retried:
-            self.retry(countdown=countdown, throw=False)
             retried.append(self.request.id)
+            self.retry(countdown=0, throw=False)
             gates.wait_gate(x)
 
-    task = define(app, f"retrying_{mode}", run, lock_mode=mode, **options)
-    task.retried = retried
-    return task
+    return define(app, f"retrying_{mode}", run, lock_mode=mode, **options)
 
 
 @pytest.mark.parametrize(
@@ -359,19 +356,29 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
             if mode == "until_executed":
                 assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
                 assert task.delay(x).get(timeout=30) == x  # free to run again
-            else:
+                assert not list(recorder.scan_iter(match=companion_key(key, "declined:*")))
+            else:  # the mark lives as long as the hold, so that a resent PARK keeps it again
                 assert 500_000 < recorder.pttl(key) <= 600_000, "not kept for the period's rest"
-                recorder.delete(key)
-            assert not list(recorder.scan_iter(match=companion_key(key, "declined:*")))
+                recorder.delete(key, *recorder.scan_iter(match=companion_key(key, "declined:*")))
     finally:
         task_failure.disconnect(failed)
 
 
 def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
-    """until_executed: attempt 1, due in 2 s, is revoked while attempt 0 still runs
-    (``throw=False``): the worker drops it (``task_revoked``). When attempt 0 then ends, nothing
-    will adopt a hold parked for attempt 1: the lock goes."""
-    task = retrying_once_and_going_on(app, "until_executed", countdown=2)
+    """until_executed: the task is revoked while attempt 0 runs, before attempt 0 sends its retry
+    (``throw=False``) and goes on; the worker drops attempt 1 as it arrives (``task_revoked``).
+    When attempt 0 then ends, nothing will adopt a hold parked for attempt 1: the lock goes."""
+    gates = recorder_for(app)
+    started: list[str] = []
+
+    def run(self: Any, x: int) -> None:
+        if not started:
+            started.append(self.request.id)
+            gates.wait_gate(f"{x}-retry")
+            self.retry(countdown=0, throw=False)
+            gates.wait_gate(x)
+
+    task = define(app, "revoked_retry", run, lock_mode="until_executed")
     x = uuid.uuid4().int % 10**9
     key = task_lock_key(task, (x,))
     revoked: list[str] = []
@@ -384,10 +391,11 @@ def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
     try:
         with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
             result = task.delay(x)
-            wait_for(lambda: task.retried, what="attempt 0 to send its retry")
-            result.revoke()
+            wait_for(lambda: started, what="attempt 0 to start")
+            assert app.control.revoke(result.id, reply=True, limit=1, timeout=10), "the worker did not answer"
+            gates.open_gate(f"{x}-retry")
             wait_for(lambda: revoked == [result.id], what="the worker to drop attempt 1")
-            recorder_for(app).open_gate(x)
+            gates.open_gate(x)
             wait_for(lambda: done.count(result.id) == 1, what="attempt 0 to end")
             assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
     finally:
@@ -551,6 +559,8 @@ def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
             wait_for(lambda: not recorder.exists(key), what=lambda: f"the hold to go: {recorder.get(key)!r}")
             assert not list(recorder.scan_iter(match=declined))
             result.get(timeout=RESULT_TIMEOUT, propagate=False)
+            output = worker.output()  # the child's death declined it, not a wait that timed out
+            assert "WorkerLostError" in output and "LockNotAcquired" not in output, output
         finally:
             recorder_for(app).open_gate(x)
             worker.stop()
