@@ -21,7 +21,7 @@ import signal
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
@@ -30,6 +30,7 @@ from celery import Celery
 from celery.canvas import Signature
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 from celery.signals import task_failure, task_postrun, task_revoked
+from celery.utils.dispatch import Signal
 from kombu.exceptions import OperationalError
 
 import celery_redislock._task_scripts
@@ -51,19 +52,24 @@ RESULT_TIMEOUT = 30
 
 
 @contextmanager
-def postruns(task: Any) -> Iterator[list[str]]:
-    """The ids of ``task``'s runs whose ``task_postrun`` (after the package's receiver) is over."""
-    seen: list[str] = []
+def signalled(signal: Signal, task: Any, argument: str) -> Iterator[list[Any]]:
+    """The ``argument`` of each ``signal`` sent for ``task`` (a task of its name) meanwhile."""
+    seen: list[Any] = []
 
-    def record(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-        if sender is not None and sender.name == task.name and task_id is not None:
-            seen.append(task_id)
+    def record(sender: Any = None, **arguments: Any) -> None:
+        if sender is not None and sender.name == task.name and arguments.get(argument) is not None:
+            seen.append(arguments[argument])
 
-    task_postrun.connect(record, weak=False)
+    signal.connect(record, weak=False)
     try:
         yield seen
     finally:
-        task_postrun.disconnect(record)
+        signal.disconnect(record)
+
+
+def postruns(task: Any) -> AbstractContextManager[list[str]]:
+    """The ids of ``task``'s runs whose ``task_postrun`` (after the package's receiver) is over."""
+    return signalled(task_postrun, task, "task_id")
 
 
 def interrupt_first_call(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, key: str) -> list[int]:
@@ -338,30 +344,25 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
     task = retrying_once_and_going_on(app, mode, lock_wait_timeout=0.2, **period)
     x = uuid.uuid4().int % 10**9
     key = task_lock_key(task, (x,))
-    failures: list[BaseException] = []
-
-    def failed(sender: Any = None, exception: BaseException | None = None, **_: Any) -> None:
-        if sender is not None and sender.name == task.name and exception is not None:
-            failures.append(exception)
-
-    task_failure.connect(failed, weak=False)
-    try:
-        with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
-            result = task.delay(x)
-            wait_for(lambda: done.count(result.id) == 1, what="attempt 1 to give up waiting and fail")
-            assert [type(failure) for failure in failures] == [LockNotAcquired]
-            assert recorder.exists(key), "attempt 0 let go before attempt 1 gave up"
-            recorder_for(app).open_gate(x)
-            wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
-            if mode == "until_executed":
-                assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
-                assert task.delay(x).get(timeout=30) == x  # free to run again
-                assert not list(recorder.scan_iter(match=companion_key(key, "declined:*")))
-            else:  # the mark lives as long as the hold, so that a resent PARK keeps it again
-                assert 500_000 < recorder.pttl(key) <= 600_000, "not kept for the period's rest"
-                recorder.delete(key, *recorder.scan_iter(match=companion_key(key, "declined:*")))
-    finally:
-        task_failure.disconnect(failed)
+    with (
+        recorder_of(app) as recorder,
+        signalled(task_failure, task, "exception") as failures,
+        postruns(task) as done,
+        threads_worker(app),
+    ):
+        result = task.delay(x)
+        wait_for(lambda: done.count(result.id) == 1, what="attempt 1 to give up waiting and fail")
+        assert [type(failure) for failure in failures] == [LockNotAcquired]
+        assert recorder.exists(key), "attempt 0 let go before attempt 1 gave up"
+        recorder_for(app).open_gate(x)
+        wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
+        if mode == "until_executed":
+            assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+            assert task.delay(x).get(timeout=30) == x  # free to run again
+            assert not list(recorder.scan_iter(match=companion_key(key, "declined:*")))
+        else:  # the mark lives as long as the hold, so that a resent PARK keeps it again
+            assert 500_000 < recorder.pttl(key) <= 600_000, "not kept for the period's rest"
+            recorder.delete(key, *recorder.scan_iter(match=companion_key(key, "declined:*")))
 
 
 def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
@@ -381,25 +382,20 @@ def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
     task = define(app, "revoked_retry", run, lock_mode="until_executed")
     x = uuid.uuid4().int % 10**9
     key = task_lock_key(task, (x,))
-    revoked: list[str] = []
-
-    def dropped(sender: Any = None, request: Any = None, **_: Any) -> None:
-        if sender is not None and sender.name == task.name:
-            revoked.append(request.id)
-
-    task_revoked.connect(dropped, weak=False)
-    try:
-        with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
-            result = task.delay(x)
-            wait_for(lambda: started, what="attempt 0 to start")
-            assert app.control.revoke(result.id, reply=True, limit=1, timeout=10), "the worker did not answer"
-            gates.open_gate(f"{x}-retry")
-            wait_for(lambda: revoked == [result.id], what="the worker to drop attempt 1")
-            gates.open_gate(x)
-            wait_for(lambda: done.count(result.id) == 1, what="attempt 0 to end")
-            assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
-    finally:
-        task_revoked.disconnect(dropped)
+    with (
+        recorder_of(app) as recorder,
+        signalled(task_revoked, task, "request") as revoked,
+        postruns(task) as done,
+        threads_worker(app),
+    ):
+        result = task.delay(x)
+        wait_for(lambda: started, what="attempt 0 to start")
+        assert app.control.revoke(result.id, reply=True, limit=1, timeout=10), "the worker did not answer"
+        gates.open_gate(f"{x}-retry")
+        wait_for(lambda: [dropped.id for dropped in revoked] == [result.id], what="attempt 1 dropped")
+        gates.open_gate(x)
+        wait_for(lambda: done.count(result.id) == 1, what="attempt 0 to end")
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
 def test_a_refused_first_attempt_leaves_no_declined_mark(app: Celery) -> None:
