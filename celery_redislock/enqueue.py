@@ -197,21 +197,27 @@ def _replace(
 
 
 def give_up_ticket(
-    client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None
+    client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None, why: str
 ) -> str | None:
     """A message carrying ``ticket`` (``retries`` retries so far) will never adopt the hold
-    queued for it: it failed before adopting it, was revoked, or its pool child died. Free
-    that hold, owner-checked by the token: ``"released"``, ``"settled"`` (kept for what is
-    left of ``lock_period``), or ``None`` (not the token's, or not parked yet: marked).
+    queued for it (``why``: it failed before adopting it, was revoked, its pool child died).
+    Free that hold, owner-checked by the token, and log it: ``"released"``, ``"settled"``
+    (kept for what is left of ``lock_period``), or ``None`` (not the token's, or not parked
+    yet: marked).
 
     A retry's hold, in a mode that parks one, may not be parked for it yet: ``DECLINE`` then
     marks its token (for ``lock_queue_ttl``), and the park lets go of the hold instead. A
     parked hold's previous attempt ran: it is kept for what is left of ``lock_period``, as
     after any run of an ``until_expired`` task."""
     if not (retries and options is not None and options.rules.parks_for_retry):
-        return "released" if release_token(client, *ticket) else None
-    done = int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms]))
-    return {1: "released", 2: "settled"}.get(done)
+        outcome = "released" if release_token(client, *ticket) else None
+    else:
+        done = int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms]))
+        outcome = {1: "released", 2: "settled"}.get(done)
+    if outcome is not None:
+        extra = log_fields(ticket[0], outcome=outcome)
+        logger.info("%s: its enqueue lock %s %s", why, ticket[0], outcome, extra=extra)
+    return outcome
 
 
 def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:

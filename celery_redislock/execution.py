@@ -208,7 +208,8 @@ class Execution:
         ticket, adopts = self.ticket, self.options.rules.adopts_ticket and self.lock is not None
         if not (adopts and ticket is not None and ticket[0] == self.key):
             return
-        give_up_ticket(self.client, ticket, self.retries, self.options)
+        why = f"task {self.task.name}[{self.task_id}] failed before adopting its hold"
+        give_up_ticket(self.client, ticket, self.retries, self.options, why)
 
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):

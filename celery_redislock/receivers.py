@@ -143,15 +143,7 @@ def _release_ticket_logged(
         if not app_settings(app).enabled:  # nothing of it connects
             return
         client, _ = client_for(app)
-        outcome = give_up_ticket(client, ticket, retries, options)
-        if outcome is not None:
-            logger.info(
-                "%s: its enqueue lock %s %s",
-                why,
-                ticket[0],
-                outcome,
-                extra=log_fields(ticket[0], outcome=outcome),
-            )
+        give_up_ticket(client, ticket, retries, options, why)
     except Exception:  # the worker's main loop must go on
         logger.exception(
             "%s: could not release its enqueue lock %s",

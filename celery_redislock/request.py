@@ -32,7 +32,7 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
 from ._process import current_pid
-from .config import LockOptions, bound_options
+from .config import bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
 from .inventory import release_held_by
@@ -141,23 +141,6 @@ class LockedRequest(Request):
         acknowledged = getattr(self.message, "_state", None) == "ACK"
         return acknowledged and not getattr(self.task, "retry_on_worker_lost", False)
 
-    def _give_up_ticket(
-        self, client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None, why: str
-    ) -> None:
-        """Free the enqueue lock the message carries, its child gone before adopting or freeing it."""
-        outcome = give_up_ticket(client, ticket, retries, options)
-        if outcome is not None:
-            logger.info(
-                "task %s[%s]: pool child %s gone (%s); its enqueue lock %s %s",
-                self.name,
-                self.id,
-                self.worker_pid,
-                why,
-                ticket[0],
-                outcome,
-                extra=log_fields(ticket[0], self.id, outcome=outcome),
-            )
-
     def _release_orphaned_lock(self, why: str) -> None:
         """Release the execution lock the dead child held for the task, and the enqueue lock its
         message carries if the child died before freeing or adopting it (waiting for the execution
@@ -180,7 +163,8 @@ class LockedRequest(Request):
             )
             ticket = message_ticket(self.request_dict)  # the message's headers
             if ticket is not None and self._delivered_for_good():
-                self._give_up_ticket(client, ticket, retries, options, why)
+                gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
+                give_up_ticket(client, ticket, retries, options, gone)
         except Exception:  # the main process's event loop must go on
             logger.exception(
                 "task %s[%s]: could not release its dead pool child's lock",
