@@ -235,7 +235,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
                     raise self.retry(countdown=countdown)
                 except Retry:
                     pass
-            recorder.wait_gate(x)
+            recorder.wait_gate(x, poll=1)  # 1 s BLPOPs: not ended by the client's 5 s socket timeout
             recorder.record("end", self, x)
             return None
         if gate1:

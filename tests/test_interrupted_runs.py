@@ -532,8 +532,8 @@ def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
 ) -> None:
     """until_executed, prefork: attempt 1 is published while attempt 0 still runs (``throw=False``)
     and waits for attempt 0's park in the other pool child, which is killed. The worker's main
-    process gives the retry's hold up (it was not parked yet: its token is marked declined), and
-    when attempt 0 ends its park frees the hold rather than parking it for no one."""
+    process gives the retry's hold up before attempt 0 parks it (its token is marked declined),
+    and when attempt 0 ends its park frees the hold rather than parking it for no one."""
     worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork")
     worker.start()
     task: Any = app.tasks["taskapp.retry_once"]
@@ -546,7 +546,7 @@ def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
             result = task.delay(x, how="no_throw")
             [busy] = wait_for(lambda: events(app, "busy", x), what="attempt 1 to wait for attempt 0")
             os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child attempt 1 waits in
-            wait_for(
+            wait_for(  # attempt 0 still runs: not parked yet (a parked hold was freed before too)
                 lambda: list(recorder.scan_iter(match=declined)),
                 what=lambda: f"the main process to decline the retry's hold:\n{worker.output()}",
             )
