@@ -25,6 +25,8 @@ of ``_scripts`` (``owns``, ``fence_of``, ``holder_of``, ``hold``).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from ._scripts import Script
 
 _ADOPT = """
@@ -92,7 +94,7 @@ _DECLINE = """
 -- of it (`let_go`: kept for what is left of the period, else freed); else marks ARGV[1]
 -- declined for ARGV[2] ms, so that the PARK for it lets go of the hold rather than park it
 -- for no one. The retry waits no more: its places in the queue and its wake list go.
--- Returns 1 if freed, 2 if kept for its period, 0 if marked.
+-- Returns 2 if freed, 3 if kept for its period (as PARK's let-go replies), 0 if marked.
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
   local _, token = member_fields(member)
   if token == ARGV[1] then leave(member, wake_prefix .. token) end
@@ -103,8 +105,8 @@ if not owns(value, ARGV[1]) then
   redis.call('SET', prefix .. 'declined:' .. ARGV[1], '1', 'PX', ARGV[2])
   return 0
 end
-if let_go(value, tonumber(ARGV[3])) > 0 then return 2 end
-return 1
+if let_go(value, tonumber(ARGV[3])) > 0 then return 3 end
+return 2
 """
 
 _SETTLE = """
@@ -249,6 +251,9 @@ local now_ms, now_us = clock(redis.call('TIME'))
 wake_next(fence_of(value), now_ms, now_us)
 return {'freed'}
 """
+
+#: What ``PARK`` and ``DECLINE`` reply when they let go of a hold no retry will adopt.
+LET_GO = MappingProxyType({2: "released", 3: "settled"})
 
 ADOPT = Script(_ADOPT)
 CLAIM = Script(_CLAIM)

@@ -41,7 +41,7 @@ import redis
 from . import signals
 from ._durations import to_ms
 from ._process import current_pid
-from ._task_scripts import DECLINE, DROP, REPLACE, UNREPLACE
+from ._task_scripts import DECLINE, DROP, LET_GO, REPLACE, UNREPLACE
 from .attempt import busy_reply, hostname, seconds_left
 from .config import AppSettings, LockOptions
 from .connection import GIVEN_CLIENT, client_for
@@ -213,7 +213,7 @@ def give_up_ticket(
         outcome = "released" if release_token(client, *ticket) else None
     else:
         done = int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms]))
-        outcome = {1: "released", 2: "settled"}.get(done)
+        outcome = LET_GO.get(done)
     if outcome is not None:
         extra = log_fields(ticket[0], outcome=outcome)
         logger.info("%s: its enqueue lock %s %s", why, ticket[0], outcome, extra=extra)

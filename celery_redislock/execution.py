@@ -34,7 +34,7 @@ from celery.exceptions import Ignore, Retry
 from . import signals, telemetry
 from ._durations import to_ms
 from ._process import current_pid
-from ._task_scripts import CLAIM, PARK, SETTLE
+from ._task_scripts import CLAIM, LET_GO, PARK, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
@@ -342,8 +342,8 @@ class Execution:
             lock.forget()
         if int(parked) == 1:
             return "parked"
-        if int(parked) > 1:  # let go: freed (2), or kept for what is left of its period (3)
-            outcome = "released" if int(parked) == 2 else "settled"
+        outcome = LET_GO.get(int(parked))  # freed, or kept for what is left of its period
+        if outcome is not None:
             logger.info(
                 "task %s[%s]: its retry will not adopt lock %s; %s",
                 self.task.name,

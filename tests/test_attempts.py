@@ -293,7 +293,7 @@ def test_a_hold_is_never_parked_for_a_declined_token(client: redis.Redis, prefix
     # parked first: the decline frees the parked hold
     client.set(key, f"{running}:2:{holder}", px=30_000)
     assert PARK(client, [key], [running, holder, retry, queued, 60_000, 0]) == 1
-    assert DECLINE(client, [key], [retry, 60_000, 0]) == 1
+    assert DECLINE(client, [key], [retry, 60_000, 0]) == 2
     assert not client.exists(key, marker)
 
     # with a period (until_expired): kept for what is left of it after the grant, then freed
@@ -308,7 +308,7 @@ def test_a_hold_is_never_parked_for_a_declined_token(client: redis.Redis, prefix
     client.delete(marker)
     client.set(key, f"{running}:{now_us - 20_000_000}:{holder}", px=30_000)
     assert PARK(client, [key], [running, holder, retry, queued, 60_000, 10_000]) == 1
-    assert DECLINE(client, [key], [retry, 60_000, 10_000]) == 1  # the period is over: freed
+    assert DECLINE(client, [key], [retry, 60_000, 10_000]) == 2  # the period is over: freed
     assert not client.exists(key, marker)
 
 
