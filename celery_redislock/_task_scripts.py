@@ -93,7 +93,9 @@ _DECLINE = """
 -- adopting, was revoked, its pool child died). If ARGV[1] owns it (parked already), lets go
 -- of it (`let_go`: kept for what is left of the period, else freed); else marks ARGV[1]
 -- declined for ARGV[2] ms, so that the PARK for it lets go of the hold rather than park it
--- for no one. The retry waits no more: its places in the queue and its wake list go.
+-- for no one. The retry waits no more: its places in the queue and its wake list go. A hold
+-- kept for its period is owned by no token from then on (all zeros, which no random token
+-- is), so that no copy of the retry's message (delivered again) can adopt or release it.
 -- Returns 2 if freed, 3 if kept for its period (as PARK's let-go replies), 0 if marked.
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
   local _, token = member_fields(member)
@@ -105,8 +107,10 @@ if not owns(value, ARGV[1]) then
   redis.call('SET', prefix .. 'declined:' .. ARGV[1], '1', 'PX', ARGV[2])
   return 0
 end
-if let_go(value, tonumber(ARGV[3])) > 0 then return 3 end
-return 2
+local kept = let_go(value, tonumber(ARGV[3]))
+if kept == 0 then return 2 end
+redis.call('SET', lock, hold(string.rep('0', 32), fence_of(value), holder_of(value)), 'PX', kept)
+return 3
 """
 
 _SETTLE = """

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
@@ -43,7 +44,16 @@ from .enqueue import give_up_ticket, superseded
 from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
-from .run_lock import EMPTY_BLOCK, ExecutionLock, acquired, adopt, finish_release, release, release_later
+from .run_lock import (
+    EMPTY_BLOCK,
+    ExecutionLock,
+    acquired,
+    adopt,
+    announce_released,
+    finish_release,
+    release,
+    release_later,
+)
 from .state import app_state
 
 __all__ = ["Execution"]
@@ -318,13 +328,14 @@ class Execution:
 
     def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
         """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
-        ``"parked"``, ``"released"`` or ``"settled"`` (that retry will not adopt it:
-        ``enqueue.give_up_ticket``), ``"taken-over"`` (usually adopted by the retry already),
-        ``"error"``."""
+        ``"parked"``, ``"released"`` (announced, as a release is) or ``"settled"`` (that retry
+        will not adopt it: ``enqueue.give_up_ticket``), ``"taken-over"`` (usually adopted by the
+        retry already), ``"error"``."""
         ttl = self.options.queue_ttl + delay
         queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
         current, fence = lock.holder or "", lock.fence
         running = lock.stop_renewing()
+        held = time.monotonic() - lock.taken_at  # until PARK is sent: the hold may end there
         try:  # once PARK is sent, the hold is forgotten, whatever its outcome
             arguments: list[str | int] = [running, current, token, queued, to_ms(ttl), self.options.period_ms]
             parked = PARK(lock.client, [lock.name], arguments)
@@ -343,6 +354,8 @@ class Execution:
         if int(parked) == 1:
             return "parked"
         outcome = LET_GO.get(int(parked))  # freed, or kept for what is left of its period
+        if outcome == "released":
+            announce_released(self.task, lock.name, self.task_id, held, fence)
         if outcome is not None:
             logger.info(
                 "task %s[%s]: its retry will not adopt lock %s; %s",

@@ -36,6 +36,7 @@ __all__ = [
     "ExecutionLock",
     "acquired",
     "adopt",
+    "announce_released",
     "finish_release",
     "raise_if_lost",
     "release",
@@ -146,6 +147,12 @@ def acquired(task: Any, lock: RedisLock, task_id: str | None, started: float) ->
         mode=task.lock_options.mode,
     )
     return True
+
+
+def announce_released(task: Any, key: str, task_id: str | None, held: float, fence: int | None) -> None:
+    """``task``'s run freed its hold of ``key`` (``fence``), ``held`` seconds after taking it:
+    announce it (``lock_released``), however it was freed (a release, a park that let go)."""
+    signals.lock_released.send(sender=task, key=key, task_id=task_id, held=held, fence=fence)
 
 
 def adopt(lock: RedisLock, token: str) -> tuple[str | None, int] | None:
@@ -340,7 +347,5 @@ class _Report:
             )
             return "lost"
         if self.announce:
-            signals.lock_released.send(
-                sender=task, key=lock.name, task_id=task_id, held=self.held, fence=self.fence
-            )
+            announce_released(task, lock.name, task_id, self.held, self.fence)
         return "released"

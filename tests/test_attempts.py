@@ -25,9 +25,9 @@ from redis.connection import AbstractConnection
 from celery_redislock import RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
 from celery_redislock._task_scripts import ADOPT, DECLINE, PARK
-from celery_redislock.inventory import read_lock
+from celery_redislock.inventory import read_lock, release_token
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder
+from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
 from tests.invariants import stored
@@ -310,6 +310,19 @@ def test_a_hold_is_never_parked_for_a_declined_token(client: redis.Redis, prefix
     assert PARK(client, [key], [running, holder, retry, queued, 60_000, 10_000]) == 1
     assert DECLINE(client, [key], [retry, 60_000, 10_000]) == 2  # the period is over: freed
     assert not client.exists(key, marker)
+
+    # parked, then declined inside the period: kept, owned by no message any more, so that no
+    # copy of the retry's message (delivered again) can adopt it and run within the period
+    client.set(key, f"{running}:{now_us - 20_000_000}:{holder}", px=30_000)
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000, 50_000]) == 1
+    assert DECLINE(client, [key], [retry, 60_000, 50_000]) == 3
+    assert 25_000 < client.pttl(key) <= 30_000
+    kept = parse_value(client.get(key))
+    assert kept is not None and kept.token not in (running, retry) and kept.fence == now_us - 20_000_000
+    refused = ADOPT(client, [key], [retry, "c" * 32, 60_000, holder])
+    assert isinstance(refused, list) and refused[1] == queued.encode()  # busy, the holder kept
+    assert not release_token(client, key, retry)
+    client.delete(key)
 
 
 def test_a_resent_release_does_not_raise_lock_not_owned(client: redis.Redis, prefix: str) -> None:

@@ -43,6 +43,7 @@ from celery_redislock import task_lock_key
 from celery_redislock.exceptions import LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
+from celery_redislock.signals import lock_released
 from celery_redislock.testing import RedisServer
 from tests.interrupts import define
 from tests.taskapp import recorder as recorder_for
@@ -339,7 +340,8 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
     fails). When attempt 0 then ends, nothing will ever adopt a hold parked for attempt 1:
     until_executed's lock goes, rather than refusing every ``delay()`` of the signature for
     ``lock_queue_ttl``; until_expired's stays for what is left of ``lock_period`` after attempt
-    0's acquisition (its body ran), and no longer."""
+    0's acquisition (its body ran), and no longer. A hold freed so is announced
+    (``lock_released``, for attempt 0, whose hold it was), as a release is; one kept is not."""
     period = {"lock_period": 600} if mode == "until_expired" else {}
     task = retrying_once_and_going_on(app, mode, lock_wait_timeout=0.2, **period)
     x = uuid.uuid4().int % 10**9
@@ -347,6 +349,7 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
     with (
         recorder_of(app) as recorder,
         signalled(task_failure, task, "exception") as failures,
+        signalled(lock_released, task, "task_id") as released,
         postruns(task) as done,
         threads_worker(app),
     ):
@@ -358,10 +361,12 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
         wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
         if mode == "until_executed":
             assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+            assert released == [result.id]  # before task_postrun, as a release's
             assert task.delay(x).get(timeout=30) == x  # free to run again
             assert not list(recorder.scan_iter(match=companion_key(key, "declined:*")))
         else:  # the mark lives as long as the hold, so that a resent PARK keeps it again
             assert 500_000 < recorder.pttl(key) <= 600_000, "not kept for the period's rest"
+            assert released == []
             recorder.delete(key, *recorder.scan_iter(match=companion_key(key, "declined:*")))
 
 
