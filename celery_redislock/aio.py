@@ -398,13 +398,7 @@ class _AsyncWatchdog(LeaseSet):
             renewal = RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
             not_owned = await asyncio.wait_for(renewal, batch[0].interval / 2)
         except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
-            logger.warning(
-                "celery-redislock async watchdog: renewing %d lock(s) failed: %r",
-                len(batch),
-                exc,
-                extra=telemetry.log_fields(outcome="renewal-failed"),
-            )
-            return failed_renewal(batch, exc)
+            return failed_renewal(batch, exc, "celery-redislock async watchdog")
         return renewal_answered(batch, ttl_ms, sent_at, not_owned)
 
     async def _land(self, leases: list[Lease]) -> None:

@@ -360,14 +360,7 @@ class Watchdog(LeaseSet):
                 connection.disconnect()  # a reply may still be on its way: the next tick must not read it
                 raise
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
-            leases = [lease for batch in batches for lease in batch]
-            logger.warning(
-                "celery-redislock watchdog: renewing %d lock(s) failed: %r",
-                len(leases),
-                exc,
-                extra=telemetry.log_fields(outcome="renewal-failed"),
-            )
-            return failed_renewal(leases, exc)
+            return failed_renewal([lease for batch in batches for lease in batch], exc)
         found: list[tuple[Lease, str]] = []
         for batch, reply in zip(batches, replies, strict=True):
             if isinstance(reply, redis.exceptions.ResponseError):  # e.g. MOVED, ASK: a Cluster resharding
@@ -391,12 +384,6 @@ class Watchdog(LeaseSet):
             keys, tokens = [lease.key for lease in batch], [lease.token for lease in batch]
             not_owned = RENEW(batch[0].client, keys, [ttl_ms, *tokens])
         except Exception as exc:
-            logger.warning(
-                "celery-redislock watchdog: renewing %d lock(s) failed: %r",
-                len(batch),
-                exc,
-                extra=telemetry.log_fields(outcome="renewal-failed"),
-            )
             return failed_renewal(batch, exc)
         return renewal_answered(batch, ttl_ms, sent_at, not_owned)
 
@@ -500,8 +487,19 @@ def renewal_answered(
     return [(batch[position - 1], "not owned") for position in not_owned]
 
 
-def failed_renewal(leases: list[Lease], error: Exception) -> list[tuple[Lease, str]]:
-    """A renewal of ``leases`` failed: retry soon; those past their lease are lost."""
+def failed_renewal(
+    leases: list[Lease], error: Exception, watchdog: str = "celery-redislock watchdog"
+) -> list[tuple[Lease, str]]:
+    """A renewal of ``leases`` by ``watchdog`` failed (``error``: Redis unreachable, stalled,
+    refusing, or a Cluster slot not covered): logged, retried soon; those past their lease are
+    lost."""
+    logger.warning(
+        "%s: renewing %d lock(s) failed: %r",
+        watchdog,
+        len(leases),
+        error,
+        extra=telemetry.log_fields(outcome="renewal-failed"),
+    )
     now = mod_time.monotonic()
     for lease in leases:
         lease.due = now + min(lease.interval / 3, 1.0)
