@@ -9,6 +9,7 @@ import math
 import os
 import select
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -20,6 +21,17 @@ import redis.cluster
 import redis.sentinel
 
 from ._process import current_pid
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # redis-py depends on async-timeout there, for the same reason
+    from async_timeout import timeout as _timeout
+#: ``async with deadline(seconds)``: the block, in this task, is cancelled after ``seconds``
+#: (``None``: never) and raises ``asyncio.TimeoutError``. Not ``asyncio.wait_for``, which before
+#: Python 3.12 runs its awaitable in a task of its own and, when that one has just finished as
+#: the caller is cancelled, returns its result and drops the cancellation: a cancelled acquire
+#: would go on and take the lock.
+deadline = _timeout
 
 try:  # redis-py's private reply buffer (``_stale``): where a release moved it, ``can_read`` answers
     from redis._parsers.socket import SocketBuffer as _SocketBuffer
@@ -387,8 +399,9 @@ async def call_with_timeout_async(client: Any, timeout: float, *command: str | i
     connection = await pool.get_connection()
     try:
         await connection.send_command(*command)
-        try:  # math.inf: no socket_timeout for this read; the deadline is wait_for's
-            return await asyncio.wait_for(connection.read_response(timeout=math.inf), timeout)
+        try:  # math.inf: no socket_timeout for this read; the deadline is ``deadline``'s
+            async with deadline(timeout):
+                return await connection.read_response(timeout=math.inf)
         except asyncio.TimeoutError:
             raise redis.exceptions.TimeoutError(f"no reply to {command[0]} within {timeout:.3f}s") from None
     except redis.exceptions.ResponseError:

@@ -34,7 +34,7 @@ from redis.exceptions import NoScriptError
 
 from . import telemetry
 from ._durations import Duration, to_ms
-from ._redis import call_with_timeout_async
+from ._redis import call_with_timeout_async, deadline
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script
 from .attempt import Attempt, LockCore, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
@@ -117,6 +117,8 @@ class AsyncRedisLock(LockCore):
         #: where the hold lives, and how its scripts run there
         self.key: AsyncOneKey = AsyncOneKey(client, self.name, self.wake_prefix)
         self._lease: Lease | None = None
+        #: the token of the hold whose release raised (maybe after Redis freed the key), if any
+        self._released_maybe: str | None = None
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
         """Take the lock; ``True`` once held, ``False`` if not within ``timeout`` (see ``RedisLock``)."""
@@ -162,9 +164,14 @@ class AsyncRedisLock(LockCore):
     async def _free(self, token: str, lease: Lease | None) -> bool:
         if lease is not None:  # no renewal in flight once discarded
             await _watchdog().discard(lease)
-        released = await self.key.free(token)
+        try:
+            released = await self.key.free(token)
+        except BaseException:  # maybe sent: a retry finding the key gone counts it as released
+            self._released_maybe = token
+            raise
+        released = released or self._released_maybe == token
         self.clear_hold()
-        self._lease = None
+        self._lease = self._released_maybe = None
         return released
 
     async def extend(self, ttl: Duration | None = None) -> None:
@@ -175,7 +182,13 @@ class AsyncRedisLock(LockCore):
         token, lease = self.token or "", self._lease
         async with _watchdog().changing([] if lease is None else [lease]):  # no renewal in flight undoes it
             sent_at = mod_time.monotonic()
-            if not await self.key.extend(token, new_ttl):
+            try:
+                owned = await self.key.extend(token, new_ttl)
+            except BaseException:  # cancelled or failed after the send: Redis may have set new_ttl
+                if lease is not None and lease is self._lease:
+                    _watchdog().reschedule(lease, new_ttl, sent_at, known=False)
+                raise
+            if not owned:
                 self.lost.set()
                 raise LockNotOwned(self.name)
             if lease is not None and lease is self._lease:
@@ -302,7 +315,7 @@ class AsyncOneKey:
 class _AsyncWatchdog(LeaseSet):
     """Renews one event loop's leases on one task; the contract of ``watchdog.Watchdog``.
 
-    A renewal is bounded by half the lease's interval (``asyncio.wait_for``),
+    A renewal is bounded by half the lease's interval (``_redis.deadline``),
     so a stalled server cannot stop the task from reporting a loss in time.
     """
 
@@ -342,12 +355,13 @@ class _AsyncWatchdog(LeaseSet):
             return
         async with self._landed:
             try:
-                await asyncio.wait_for(self._landed.wait_for(lambda: not lease.in_flight), lease.interval)
+                async with deadline(lease.interval):
+                    await self._landed.wait_for(lambda: not lease.in_flight)
             except asyncio.TimeoutError:
                 landing_late(lease)
 
-    def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
-        if self.retime(lease, ttl, sent_at):
+    def reschedule(self, lease: Lease, ttl: float, sent_at: float, known: bool = True) -> None:
+        if self.retime(lease, ttl, sent_at, known):
             self._wake.set()
 
     async def _run(self) -> None:
@@ -360,9 +374,8 @@ class _AsyncWatchdog(LeaseSet):
                         self._wake.clear()
                         self.wake_at = earliest
                         with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(
-                                self._wake.wait(), None if earliest == inf else earliest - now
-                            )
+                            async with deadline(None if earliest == inf else earliest - now):
+                                await self._wake.wait()
                         continue
                     self.wake_at = inf
                     due = self.pick(now)
@@ -395,8 +408,8 @@ class _AsyncWatchdog(LeaseSet):
         sent_at = mod_time.monotonic()
         keys, tokens = [lease.key for lease in batch], [lease.token for lease in batch]
         try:
-            renewal = RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
-            not_owned = await asyncio.wait_for(renewal, batch[0].interval / 2)
+            async with deadline(batch[0].interval / 2):
+                not_owned = await RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
         except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
             return failed_renewal(batch, exc, "celery-redislock async watchdog")
         return renewal_answered(batch, ttl_ms, sent_at, not_owned)

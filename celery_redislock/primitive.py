@@ -293,7 +293,13 @@ class LeaseLock(LockCore):
             token, leases = self.token or "", list(self._leases)
         with get_watchdog().changing(leases):  # no renewal in flight can undo it
             sent_at = mod_time.monotonic()
-            if not self.servers.extend(token, new_ttl):
+            try:
+                owned = self.servers.extend(token, new_ttl)
+            except BaseException:  # interrupted or failed after the send: Redis may have set new_ttl
+                for lease in leases:
+                    get_watchdog().reschedule(lease, new_ttl, sent_at, known=False)
+                raise
+            if not owned:
                 self.lost.set()
                 raise LockNotOwned(self.name)
             for lease in leases:

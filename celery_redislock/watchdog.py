@@ -144,6 +144,11 @@ class Lease:
         self.ttl, self.interval, self.group = ttl, ttl / 3, None
         self.due, self.expires = sent_at + self.interval, sent_at + ttl
 
+    def maybe_renewed(self, ttl: float, sent_at: float) -> None:
+        """Redis may have set the lease to ``ttl`` on a request sent at ``sent_at`` (interrupted,
+        or failed, after its send): renewed (to its own ``ttl``) in time for either TTL."""
+        self.due, self.expires = min(self.due, sent_at + ttl / 3), min(self.expires, sent_at + ttl)
+
     def pack(self, encoder: Any) -> tuple[bytes, bytes]:
         """Key and token as RESP bulk strings, encoded by ``encoder`` (the client's), kept in ``packed``."""
         self.packed = (bulk(encoder.encode(self.key)), bulk(self.token.encode()))
@@ -172,12 +177,16 @@ class LeaseSet:
         self.leases.add(lease)
         return lease.due < self.wake_at
 
-    def retime(self, lease: Lease, ttl: float, sent_at: float) -> bool:
+    def retime(self, lease: Lease, ttl: float, sent_at: float, known: bool = True) -> bool:
         """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now
-        on (if still renewed); whether the renewer must be woken for it."""
+        on (if still renewed); ``known=False``: it may have been (the request's outcome is
+        unknown), renew it in time for either. Whether the renewer must be woken for it."""
         if lease not in self.leases:
             return False
-        lease.renewed(ttl, sent_at)
+        if known:
+            lease.renewed(ttl, sent_at)
+        else:
+            lease.maybe_renewed(ttl, sent_at)
         return lease.due < self.wake_at
 
     def drop(self, lease: Lease) -> None:
@@ -267,10 +276,11 @@ class Watchdog(LeaseSet):
                     lease.changing = False
                 self._cond.notify_all()  # one may be due: the thread did not count it
 
-    def reschedule(self, lease: Lease, ttl: float, sent_at: float) -> None:
-        """``lease`` was set to ``ttl`` by a request sent at ``sent_at``: renew it to that from now on."""
+    def reschedule(self, lease: Lease, ttl: float, sent_at: float, known: bool = True) -> None:
+        """``lease`` was (``known=False``: may have been) set to ``ttl`` by a request sent at
+        ``sent_at``: renew it accordingly from now on (``LeaseSet.retime``)."""
         with self._cond:
-            if self.retime(lease, ttl, sent_at):
+            if self.retime(lease, ttl, sent_at, known):
                 self._cond.notify_all()
 
     def _await_landing(self, lease: Lease) -> None:

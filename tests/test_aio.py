@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+import redis.asyncio.connection
 
 import celery_redislock.aio as aio_module
 import celery_redislock.watchdog as watchdog_module
@@ -21,7 +23,7 @@ from celery_redislock import (
     LockNotOwned,
     RedisLock,
 )
-from celery_redislock._scripts import ACQUIRE, RELEASE
+from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import Lease
@@ -368,5 +370,140 @@ def test_cancelled_during_release_still_releases(
         assert await client.exists(name) == 0
         assert await lock.acquire(blocking=False)  # and can take it again
         await lock.release()
+
+    run(redis_server, body)
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["woken", "handed-over"])
+def test_a_cancel_landing_as_the_wake_reply_is_read_still_cancels_the_acquire(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, fair: bool
+) -> None:
+    """The waiter's task is cancelled while its BLPOP reply (a "retry" wake, or a fair
+    hand-over's fence) is being read. The module contract: a cancelled acquire raises
+    CancelledError and leaves no lock held (a cancel refused, the acquire having returned,
+    leaves it held). ``call_with_timeout_async`` reads the reply under
+    ``asyncio.wait_for``, which on Python < 3.12 returns the inner result and drops the
+    cancellation when the inner read is already done: the acquire goes on and takes the lock."""
+    name = f"{prefix}:k"
+    wake_prefix = companion_key(name, "wake:").encode()
+    armed: dict[str, asyncio.Task[Any]] = {}
+    accepted: list[bool] = []  # what task.cancel() answered: True, the task was still running
+    real = redis.asyncio.connection.AbstractConnection.read_response
+
+    async def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = await real(self, *args, **kwargs)
+        is_wake = isinstance(reply, list) and len(reply) == 2 and bytes(reply[0]).startswith(wake_prefix)
+        if is_wake and "task" in armed:
+            # the cancel (any callback's: a timeout, another task) lands before the reader resumes
+            task = armed.pop("task")
+            asyncio.get_running_loop().call_soon(lambda: accepted.append(task.cancel()))
+        return reply
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, name, ttl=30, fair=fair)
+        await holder.acquire()
+        waiter = AsyncRedisLock(client, name, ttl=30, fair=fair, holder="the waiter")
+        monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "read_response", read_response)
+        attempt = asyncio.ensure_future(waiter.acquire())
+        await until(lambda: _queued(client, name), "the waiter queued")
+        armed["task"] = attempt
+        await holder.release()  # wakes the waiter (fair: hands the lock over to it)
+        outcome: bool | str
+        try:
+            outcome = await attempt
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        held_by_waiter = waiter.held()
+        if held_by_waiter:
+            await waiter.release()  # clean up for the next tests
+        assert accepted, "the wake reply was never read"
+        if accepted == [True]:  # cancel() accepted while acquire() was running: it must be cancelled
+            assert outcome == "cancelled", f"acquire() returned {outcome!r} after task.cancel() returned True"
+            assert not held_by_waiter
+        else:  # refused: acquire() had returned already, holding the lock
+            assert outcome is True and held_by_waiter
+
+    run(redis_server, body)
+
+
+def test_a_cancelled_shortening_extend_does_not_let_the_hold_expire_under_its_owner(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend(0.4) on a watchdog-renewed 3 s lock is cancelled as its reply is read (Redis
+    applied it). The watchdog keeps its old schedule (next renewal up to 1 s later), so the key
+    expires after 0.4 s while its owner holds it and ``lost`` is not set: a second holder."""
+    name = f"{prefix}:k"
+    real = type(RENEW).call_async
+    armed = {"extend": True}
+
+    async def cancelled_as_read(self: Any, client: Any, keys: Any, args: Any) -> Any:
+        reply = await real(self, client, keys, args)
+        if self is RENEW and list(keys) == [name] and args[0] == 400 and armed.pop("extend", False):
+            raise asyncio.CancelledError  # cancelled while its reply is read: Redis applied it
+        return reply
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, name, ttl=3)
+        assert await lock.acquire()
+        monkeypatch.setattr(type(RENEW), "call_async", cancelled_as_read)
+        with pytest.raises(asyncio.CancelledError):
+            await lock.extend(0.4)
+        other = AsyncRedisLock(client, name, ttl=30)
+        got = await other.acquire(timeout=1.5)
+        lost_then = lock.lost.is_set()
+        if got:
+            await other.release()
+        with pytest.raises(LockNotOwned) if got else contextlib.nullcontext():
+            await lock.release()
+        assert not got, f"a second holder took the key while the first held it (its lost set: {lost_then})"
+
+    run(redis_server, body)
+
+
+def test_a_release_retried_after_a_lost_reply_counts_as_released_as_the_sync_lock_does(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release ran in Redis but its reply was lost (ConnectionError once the client's
+    retries are spent): ``release()`` raises and keeps the hold so it can be retried. The sync
+    lock's retry counts the key found gone as released (``_released_maybe``); the async one
+    raises LockNotOwned, as if the lock had been lost, though its own release freed it."""
+    name = f"{prefix}:k"
+
+    # the sync lock, for reference: the retry is a release
+    sync_client = redis_server.client()
+    sync_lock = RedisLock(sync_client, f"{name}:sync", ttl=30)
+    assert sync_lock.acquire()
+    real_free = sync_lock.servers.free
+
+    def sync_lost_reply(token: str) -> bool:
+        real_free(token)
+        raise redis.exceptions.ConnectionError("reply lost")
+
+    monkeypatch.setattr(sync_lock.servers, "free", sync_lost_reply)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        sync_lock.release()
+    monkeypatch.setattr(sync_lock.servers, "free", real_free)
+    sync_lock.release()  # no LockNotOwned
+    sync_client.close()
+
+    real = aio_module.call_noting_resend
+    armed = {"release": True}
+
+    async def lost_reply(client: Any, script: Any, keys: Any, args: Any) -> Any:
+        reply = await real(client, script, keys, args)
+        if script is RELEASE and armed.pop("release", False):
+            raise redis.exceptions.ConnectionError("reply lost")  # it ran; its reply did not come
+        return reply
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, name, ttl=30)
+        assert await lock.acquire()
+        monkeypatch.setattr(aio_module, "call_noting_resend", lost_reply)
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await lock.release()
+        assert await client.exists(name) == 0  # the first release freed it
+        assert lock.held()  # kept, so that release() can be tried again
+        await lock.release()  # LockNotOwned here: the retry finds the key its first try freed
+        assert not lock.held()
 
     run(redis_server, body)

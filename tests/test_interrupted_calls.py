@@ -272,3 +272,30 @@ def test_a_cancelled_async_call_while_the_server_is_slow_leaves_the_client_givin
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_an_interrupted_shortening_extend_does_not_let_the_hold_expire_under_its_owner(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``extend(0.4)`` of a watchdog-renewed 3 s lock is interrupted as its reply comes back
+    (Redis set the 0.4 s TTL; the caller cannot know): the watchdog renews it in time for
+    either TTL, so no second holder takes the key while its owner holds it."""
+    client = redis_server.client()
+    lock = RedisLock(client, f"{prefix}:a", ttl=3)
+    assert lock.acquire(blocking=False)
+    extend = lock.servers.extend
+
+    def interrupted(token: str, ttl: float) -> bool:
+        extend(token, ttl)
+        raise Interrupt  # e.g. a soft time limit, as the reply is read
+
+    monkeypatch.setattr(lock.servers, "extend", interrupted)
+    with pytest.raises(Interrupt):
+        lock.extend(0.4)
+    assert 0 < client.pttl(f"{prefix}:a") <= 400
+    other = RedisLock(client, f"{prefix}:a", ttl=30)
+    taken = other.acquire(timeout=1.5)  # the old schedule renews only ~1 s after the acquire
+    if taken:
+        other.release()
+    assert not taken, f"a second holder took the key while the first held it (lost: {lock.lost.is_set()})"
+    lock.release()
