@@ -9,9 +9,11 @@ Contract:
   ``BATCH`` leases. A call that a Cluster node redirects (MOVED, ASK: the
   slot is moving) is sent again through the Cluster client, which follows it.
   Renewals use connections of the watchdog's own whose
-  connect and read timeouts are half an interval, so a stalled server or
+  connect and read timeouts are half an interval, and several servers are
+  renewed side by side (a thread each, for the tick), so a stalled server or
   network can neither stop the thread from reporting a loss nor starve the
-  leases held on other servers: they are still renewed well within their TTL.
+  leases held on other servers, however many clients of it the leases came
+  with: they are still renewed well within their TTL.
   An exchange that ends early, however, drops its connection, so that a late
   reply is never read as the answer to the next tick's renewals.
 * A renewal checks only the token, so it must never reach Redis after its
@@ -55,6 +57,7 @@ import threading
 import time as mod_time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import redis.cluster
@@ -351,26 +354,35 @@ class Watchdog(LeaseSet):
                 lost += failed_renewal([lease for batch in batches for lease in batch], exc)
                 continue
             nodes.setdefault((id(node), ttl_ms), (node, []))[1].extend(batches)
-        for (_, ttl_ms), (node, batches) in nodes.items():
-            lost += self._renew_node(node, batches, ttl_ms)
-            self._land(lease for batch in batches for lease in batch)
+        exchanges = [
+            (self._connection(node, batches[0][0].interval / 2), batches, ttl_ms)
+            for (_, ttl_ms), (node, batches) in nodes.items()
+        ]
+        lost += [found for each in _side_by_side(self._renew_server, exchanges) for found in each]
         self._land(leases)  # all answered: the losses are reported with no renewal in flight
         for lease, reason in lost:
             self._report(lease, reason)
 
-    def _renew_node(self, node: Any, batches: list[list[Lease]], ttl_ms: int) -> list[tuple[Lease, str]]:
-        """Renews ``batches``, all on the server ``node``, in one round trip: one script call per
-        batch, sent in one write. Returns the leases found lost, with why."""
+    def _renew_server(self, connection: Any, batches: list[list[Lease]], ttl_ms: int) -> _Found:
+        """``_renew_node``, its leases landed as soon as it is over (not held up by other servers')."""
+        try:
+            return self._renew_node(connection, batches, ttl_ms)
+        finally:
+            self._land(lease for batch in batches for lease in batch)
+
+    def _renew_node(self, connection: Any, batches: list[list[Lease]], ttl_ms: int) -> _Found:
+        """Renews ``batches``, all on the server of ``connection`` (the watchdog's, ``_connection``),
+        in one round trip: one script call per batch, sent in one write. Returns the leases found
+        lost, with why."""
         sent_at = mod_time.monotonic()
         try:
-            connection = self._connection(node, batches[0][0].interval / 2)
-            try:
-                replies = _exchange(connection, batches, ttl_ms)
-            except BaseException:
-                connection.disconnect()  # a reply may still be on its way: the next tick must not read it
-                raise
+            replies = _exchange(connection, batches, ttl_ms)
         except Exception as exc:  # Redis unreachable, stalled, or refusing: retry until the leases run out
+            connection.disconnect()  # a reply may still be on its way: the next tick must not read it
             return failed_renewal([lease for batch in batches for lease in batch], exc)
+        except BaseException:
+            connection.disconnect()
+            raise
         found: list[tuple[Lease, str]] = []
         for batch, reply in zip(batches, replies, strict=True):
             if isinstance(reply, redis.exceptions.ResponseError):  # e.g. MOVED, ASK: a Cluster resharding
@@ -528,6 +540,21 @@ def _exchange(connection: Any, batches: list[list[Lease]], ttl_ms: int) -> list[
         commands.append(RENEW.pack(keys, [bulk(b"%d" % ttl_ms), *tokens]))
     connection.send_packed_command(commands)
     return read_replies(connection, RENEW, commands)
+
+
+#: The leases a renewal found lost, each with why (``"not owned"``, ``"expired"``).
+_Found = list[tuple[Lease, str]]
+
+
+def _side_by_side(renew: Callable[..., _Found], exchanges: list[tuple[Any, ...]]) -> list[_Found]:
+    """``renew(*exchange)`` for each of ``exchanges`` (one per server), their results in order:
+    each server's in a thread of its own when there are several, so that a stalled server (its
+    connect, its reply: up to half an interval each) holds up no other server's renewals, however
+    many clients of it the leases came with."""
+    if len(exchanges) < 2:
+        return [renew(*exchange) for exchange in exchanges]
+    with ThreadPoolExecutor(len(exchanges), thread_name_prefix="celery-redislock-renewal") as pool:
+        return list(pool.map(lambda exchange: renew(*exchange), exchanges))
 
 
 def _started(target: Callable[[], None], name: str) -> threading.Thread:

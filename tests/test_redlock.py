@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -175,3 +177,30 @@ def test_bad_input_names_the_argument(redis_server: RedisServer, prefix: str) ->
         RedisLock([redis_server.url], name, fair=True)
     with pytest.raises(LockConfigurationError, match="ttl"):
         RedisLock([redis_server.url], name, ttl=0)
+
+
+@pytest.mark.parametrize("given", ["urls", "clients"])
+def test_a_stalled_server_does_not_starve_the_renewals_on_the_others(prefix: str, given: str) -> None:
+    """Six Redlocks over three servers of this test's own, each lock given the servers' URLs (as the
+    docs show) or clients of its own; one server stalls (SIGSTOP). Every lock is still held on two
+    of three, and stays held: the watchdog renews the live servers in time, however many clients
+    of the stalled one it waits on (half an interval each)."""
+    with independent_servers(3) as three:
+        servers: list[list[str] | list[redis.Redis]] = [
+            [server.url for server in three] if given == "urls" else clients(three) for _ in range(6)
+        ]
+        locks = [RedisLock(each, f"{prefix}:k{i}", ttl=LEASE) for i, each in enumerate(servers)]
+        for lock in locks:
+            assert lock.acquire(blocking=False)
+        live = three[0].client()
+        os.kill(three[2].pid, signal.SIGSTOP)
+        try:
+            for _ in range(3):  # renewed on a live server, round after round
+                for lock in locks:
+                    renewed(live, lock.name, timeout=3 * LEASE)
+            assert not [lock.name for lock in locks if lock.lost.is_set()]
+        finally:
+            os.kill(three[2].pid, signal.SIGCONT)
+        for lock in locks:
+            lock.release()
+        live.close()
