@@ -104,8 +104,9 @@ _LOOKBACK = timedelta(minutes=2**23)
 #: Fires closer together than this are not told apart (Celery's crontab fires at whole minutes).
 _RESOLUTION = timedelta(seconds=30)
 
-#: (task name, header) of the message a guarded beat is sending in this thread.
-_sending: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = contextvars.ContextVar(
+#: (task name, header, published) of the message a guarded beat is sending in this thread;
+#: ``published`` gets an item once the message went out (``after_task_publish``).
+_sending: contextvars.ContextVar[tuple[str, dict[str, Any], list[bool]] | None] = contextvars.ContextVar(
     "celery_redislock_beat_sending", default=None
 )
 
@@ -393,12 +394,15 @@ class BeatGuard:
         }
         if opted and not self._claim(header):
             return self._not_sent(entry, advance)
-        sending = _sending.set((entry.task, header))
+        published: list[bool] = []
+        sending = _sending.set((entry.task, header, published))
         try:
             return self._apply_async(entry, producer, advance, **kwargs)
         except BaseException:
-            if header["claimed"]:
-                self._unclaim(header)  # nothing was sent: another beat may send the slot
+            # Nothing went out (the publish failed, or never began): another beat may send the
+            # slot. One that did (an error after it: the schedule's sync, a SystemExit) keeps it.
+            if header["claimed"] and not published:
+                self._unclaim(header)
             raise
         finally:
             _sending.reset(sending)
@@ -487,7 +491,8 @@ _GUARDS: weakref.WeakKeyDictionary[Any, BeatGuard] = weakref.WeakKeyDictionary()
 def guard(scheduler: Any) -> BeatGuard:
     """Install slot claims (and the leader, if configured) on ``scheduler``; idempotent.
 
-    Connects ``_stamp`` to ``before_task_publish`` then, in a beat process only: every other
+    Connects ``_stamp`` to ``before_task_publish`` (and ``_published`` to ``after_task_publish``)
+    then, in a beat process only: every other
     process (workers, web servers) would run it for every message it sends, for nothing.
     """
     existing = _GUARDS.get(scheduler)
@@ -495,6 +500,9 @@ def guard(scheduler: Any) -> BeatGuard:
         existing = _GUARDS[scheduler] = BeatGuard(scheduler)
         celery_signals.before_task_publish.connect(
             _stamp, weak=False, dispatch_uid="celery_redislock.beat_stamp"
+        )
+        celery_signals.after_task_publish.connect(
+            _published, weak=False, dispatch_uid="celery_redislock.beat_published"
         )
     return existing
 
@@ -513,6 +521,13 @@ def _stamp(sender: Any = None, headers: Any = None, properties: Any = None, **_:
     sending = _sending.get()
     if sending is not None and sending[0] == sender and isinstance(headers, dict):
         headers[BEAT_HEADER] = sending[1]
+
+
+def _published(sender: Any = None, **_: Any) -> None:
+    """``after_task_publish``: a guarded beat's message went out (its slot is no longer to free)."""
+    sending = _sending.get()
+    if sending is not None and sending[0] == sender:
+        sending[2].append(True)
 
 
 def connect() -> None:

@@ -20,6 +20,8 @@ import pytest
 from celery import Celery
 from celery.beat import Scheduler
 from celery.schedules import BaseSchedule, crontab, schedule, solar
+from kombu import Producer
+from kombu.exceptions import OperationalError
 
 from celery_redislock import LockConfigurationError, LockedTask, signals
 from celery_redislock.beat import CLOCK_TOLERANCE, guard, slot_of
@@ -345,6 +347,52 @@ def test_an_entry_opts_in_or_out_whatever_its_task_says(app: Celery) -> None:
         unslotted = [(slot, claimed) for sent_args, slot, claimed in messages if sent_args == args]
         assert unslotted == [(None, None)] * len(unslotted) and len(unslotted) >= 16
     assert all("lock_beat" not in message["properties"] for message in queued(app))  # not a message property
+
+
+@pytest.mark.parametrize("fails", ["after the publish", "in the publish"])
+def test_a_beat_whose_send_raises_frees_its_slot_only_if_nothing_went_out(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """An entry of a plain task opted in (``lock_beat``): the beat's claim is the slot's only
+    guard, nothing on the worker checks it again. The first beat's send of the 10:00:10 slot
+    raises once, either after its message went out (Celery's ``Scheduler.apply_async`` syncs the
+    schedule in a ``finally``: a store that fails, or beat's SIGTERM handler raising
+    ``SystemExit`` there), or in the publish itself (the broker unreachable: nothing went out).
+    The slot is sent once: by that beat, whose claim stays, or by the other beat, once freed."""
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 100000))
+    entries = {
+        "plain": {
+            "task": "taskapp.beat_off",
+            "schedule": every(10),
+            "args": ["p"],
+            "options": {"lock_beat": True},
+        }
+    }
+    first = SimulatedBeat(app, clock, 0.0, entries)
+    second = SimulatedBeat(app, clock, 0.3, entries)  # another beat, its clock 0.3 s ahead
+    failed: list[str] = []
+    if fails == "after the publish":
+
+        def sync() -> None:
+            if not failed:
+                failed.append(fails)
+                raise OSError("No space left on device")
+
+        monkeypatch.setattr(first.scheduler, "sync", sync)
+    else:
+        publish = Producer.publish
+
+        def refused(self: Producer, *args: Any, **kwargs: Any) -> Any:
+            if not failed and first.scheduler.producer is self:
+                failed.append(fails)
+                raise OperationalError("the broker is unreachable")
+            return publish(self, *args, **kwargs)
+
+        monkeypatch.setattr(Producer, "publish", refused)
+    run([first, second], clock, at(2026, 1, 1, 10, 0, 12), 0.05)
+    assert failed == [fails]
+    slots = [slot for _, slot, _ in sent(app)]
+    assert slots.count("2026-01-01T10:00:10Z") == 1, slots
 
 
 def test_the_send_task_fallback_is_deduplicated_by_the_worker(
