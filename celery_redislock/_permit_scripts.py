@@ -55,18 +55,36 @@ local function grant(i, values, floor, token, holder, ttl_ms, now_us)
   return string.format('%.0f', fence) .. ':' .. i
 end
 
--- Wakes the first live waiter about the free permit `i`; a fair one is granted it.
-local function pass_on(i, values, floor, now_ms, now_us)
-  evict(now_ms)
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
-  if not head then return end
-  local ttl_ms, token, fair, holder = member_fields(head)
-  leave(head, wake_prefix .. token)
-  wake(token, fair == '1' and grant(i, values, floor, token, holder, ttl_ms, now_us) or 'retry', ttl_ms)
-end
-
 -- The run a task's holder names ("task=<id> ", see protocol.holder_for); nil for another holder.
 local function run_of(holder) return holder and string.match(holder, '^task=%S+ ') end
+
+-- Whether `holder` is a task's run that holds one of `values` or the name's lock: it waits for
+-- that hold, and is not granted (nor woken for) another place.
+local function run_holds(holder, values)
+  local run = run_of(holder)
+  if not run then return false end
+  for _, value in ipairs(values) do
+    if value and run_of(holder_of(value)) == run then return true end
+  end
+  local named = redis.call('GET', lock)
+  return (named and run_of(holder_of(named)) == run) or false
+end
+
+-- Wakes the first live waiter (before `stop`, if given) that can take the free permit `i`; a
+-- fair one is granted it. Returns whether one was woken.
+local function pass_on(i, values, floor, now_ms, now_us, stop)
+  evict(now_ms)
+  for _, head in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+    if head == stop then return false end
+    local ttl_ms, token, fair, holder = member_fields(head)
+    if not run_holds(holder, values) then
+      leave(head, wake_prefix .. token)
+      wake(token, fair == '1' and grant(i, values, floor, token, holder, ttl_ms, now_us) or 'retry', ttl_ms)
+      return true
+    end
+  end
+  return false
+end
 
 -- The first free permit (nil: none). A hold of the name's own key, a lock (a task's run of
 -- lock_limit 1, the limit raised under it), takes one of the `limit` places too.
@@ -118,7 +136,7 @@ if fair == '1' then
   evict(now_ms)
   head = redis.call('ZRANGE', queue, 0, 0)[1]
   while free and head and head ~= member do  -- fair waiters before the caller are served first
-    pass_on(free, values, 0, now_ms, now_us)
+    if not pass_on(free, values, 0, now_ms, now_us, member) then break end
     free, head = first_free(values), redis.call('ZRANGE', queue, 0, 0)[1]
   end
 end

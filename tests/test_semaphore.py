@@ -454,3 +454,69 @@ def test_a_first_wait_sent_again_and_granted_leaves_the_queue(
     assert client.zcard(companion_key(name, "queue")) == 0
     assert RELEASE_PERMIT(client, [name], [waiter, "", 1]) == 1
     assert invariants.keys_of(client, prefix) == []  # not granted again, nobody woken
+
+
+def _run_holder(task: str, attempt: int) -> str:
+    """A task run's holder (``protocol.holder_for``), as the permit scripts read it."""
+    return f"task={task} try={attempt} state=running node=n pid=1"
+
+
+def test_a_release_wakes_a_waiter_that_can_take_the_permit(client: redis.Redis, prefix: str) -> None:
+    """Limit 2, held by runs X (attempt 0) and Y; X's next attempt waits for X's own permit (a
+    run never holds two places), then Z waits for any. Y's release must wake Z: woken first,
+    X's attempt 1 is refused again and queues anew, and Z would sleep until its pause ran out
+    (up to its lease) beside a free permit."""
+    from celery_redislock._permit_scripts import ACQUIRE_PERMIT, RELEASE_PERMIT
+    from celery_redislock.attempt import waiter_member
+
+    name, limit = f"{prefix}:s", 2
+    x0, y0, x1, z0 = (secrets.token_hex(16) for _ in range(4))
+
+    def member(token: str, task: str, attempt: int) -> str:
+        return waiter_member(30_000, token, False, _run_holder(task, attempt))
+
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member(x0, "X", 0), "try", limit]), bytes)
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member(y0, "Y", 0), "try", limit]), bytes)
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member(x1, "X", 1), "wait", limit]), list)
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member(z0, "Z", 0), "wait", limit]), list)
+    assert RELEASE_PERMIT(client, [name], [y0, "", limit]) == 1  # permit 2 is free
+    assert client.lrange(companion_key(name, f"wake:{z0}"), 0, -1) == [b"retry"]
+    assert not client.exists(companion_key(name, f"wake:{x1}"))  # X's attempt 1 still waits, unwoken
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member(z0, "Z", 0), "again", limit]), bytes)
+    for token in (x0, z0):
+        assert RELEASE_PERMIT(client, [name], [token, "", limit]) == 1
+    assert client.lrange(companion_key(name, f"wake:{x1}"), 0, -1) == [b"retry"]  # X's own freed
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [member(x1, "X", 1), "again", limit]), bytes)
+    assert RELEASE_PERMIT(client, [name], [x1, "", limit]) == 1
+    assert invariants.keys_of(client, prefix) == []
+
+
+def test_a_waiter_behind_a_runs_next_attempt_takes_a_freed_permit_at_once(
+    client: redis.Redis, prefix: str
+) -> None:
+    """The same through ``RedisSemaphore`` (leases of 30 s): Z, queued behind the next attempt
+    of run X, takes the permit Y frees as soon as Y frees it."""
+    name = f"{prefix}:s"
+    x0, y0 = (RedisSemaphore(client, name, 2, ttl=30, holder=_run_holder(task, 0)) for task in "XY")
+    assert x0.acquire(blocking=False) and y0.acquire(blocking=False)
+    x1 = RedisSemaphore(client, name, 2, ttl=30, holder=_run_holder("X", 1))
+    z0 = RedisSemaphore(client, name, 2, ttl=30, holder=_run_holder("Z", 0))
+    took: dict[str, bool] = {}
+
+    def take(semaphore: RedisSemaphore, who: str) -> None:
+        took[who] = semaphore.acquire(timeout=20)
+
+    threads = [threading.Thread(target=take, args=(x1, "x1")), threading.Thread(target=take, args=(z0, "z0"))]
+    threads[0].start()
+    until(lambda: has_queued(client, name, 1), "X's attempt 1 queued")
+    threads[1].start()
+    until(lambda: has_queued(client, name, 2), "Z queued")
+    released = time.monotonic()
+    y0.release()
+    threads[1].join(30)
+    assert took.get("z0") and time.monotonic() - released < 10, "Z slept beside a free permit"
+    x0.release()
+    threads[0].join(30)
+    assert took.get("x1")
+    x1.release()
+    z0.release()
