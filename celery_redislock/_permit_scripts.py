@@ -162,7 +162,8 @@ _RELEASE_PERMIT = """
 -- RELEASE_PERMIT. KEYS[1] the semaphore's name. ARGV[1] token, ARGV[2] the caller's waiter
 -- member ('' when it never waited), ARGV[3] limit.
 -- Returns 1 when the caller held a permit and it is freed (the first waiter woken, a fair one
--- granted it), 0 when it held none: then no permit is touched, and the caller leaves the queue.
+-- granted it), 0 when it held none: then no permit is touched, and the caller leaves the queue
+-- (waking the first waiter that can take a free permit: the caller may have taken a wake).
 local token, member = ARGV[1], ARGV[2]
 local values = permits(tonumber(ARGV[3]))
 for i, value in ipairs(values) do
@@ -174,7 +175,15 @@ for i, value in ipairs(values) do
     return 1
   end
 end
-if member ~= '' then leave(member, wake_prefix .. token) end
+if member ~= '' then
+  leave(member, wake_prefix .. token)
+  -- A free permit: the caller, giving up, may have taken the wake of a release; it goes on.
+  local free = first_free(values)
+  if free and redis.call('EXISTS', queue) == 1 then
+    local now_ms, now_us = clock(redis.call('TIME'))
+    pass_on(free, values, 0, now_ms, now_us)
+  end
+end
 return 0
 """
 

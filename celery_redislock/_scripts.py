@@ -255,7 +255,8 @@ _RELEASE_FAST = """
 -- never waited).
 -- Returns 1 when the caller owned the lock and it is released (the first
 -- waiter woken, or if fair handed the lock), 0 when the caller did not own it:
--- then the lock is untouched and the caller, if it was queued, leaves the queue.
+-- then the lock is untouched and the caller, if it was queued, leaves the queue
+-- (waking the first waiter if the lock is free: the caller may have taken a wake).
 local token, member = ARGV[1], ARGV[2]
 local waited = member and member ~= ''
 local current = redis.call('GET', lock)
@@ -273,6 +274,11 @@ end
 _RELEASE = """
 if not owned then
   leave(member, wake_prefix .. token)
+  -- A free lock: the caller, giving up, may have taken the wake of a release; it goes on.
+  if not current and redis.call('EXISTS', queue) == 1 then
+    local now_ms, now_us = clock(redis.call('TIME'))
+    wake_next(0, now_ms, now_us)
+  end
   return 0
 end
 if waited then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unread

@@ -231,3 +231,25 @@ def test_a_first_wait_sent_again_and_granted_leaves_the_queue(
     else:
         assert client.get(name) is None and woken == [b"retry"]
     client.delete(name, companion_key(name, f"wake:{other}"))  # what the waiter behind would do
+
+
+def test_a_woken_waiter_that_gives_up_passes_the_wake_on(client: redis.Redis, prefix: str) -> None:
+    """Two first-come waiters queue behind a holder, which releases: the first is woken ("retry")
+    and leaves the queue. Interrupted before it tries again (a soft time limit, a cancel), it
+    gives up (``abandon``: ``RELEASE`` with its member): the second waiter is woken then, not
+    left asleep beside the free lock until the holder's lease would have run out."""
+    name = f"{prefix}:k"
+    holder, first, second = (secrets.token_hex(16) for _ in range(3))
+    members = {
+        token: waiter_member(30_000, token, False, who) for token, who in ((first, "w1"), (second, "w2"))
+    }
+    assert isinstance(ACQUIRE(client, [name], [waiter_member(30_000, holder, False, "h"), "try"]), int)
+    for token in (first, second):
+        assert not isinstance(ACQUIRE(client, [name], [members[token], "wait"]), int)
+    assert RELEASE(client, [name], [holder]) == 1
+    assert client.lpop(companion_key(name, f"wake:{first}")) == b"retry"  # woken, then interrupted
+    assert RELEASE(client, [name], [first, members[first]]) == 0  # gives up: it held nothing
+    assert client.lrange(companion_key(name, f"wake:{second}"), 0, -1) == [b"retry"]
+    assert isinstance(ACQUIRE(client, [name], [members[second], "again"]), int)
+    assert RELEASE(client, [name], [second, members[second]]) == 1
+    assert client.keys(f"*{prefix}*") == []

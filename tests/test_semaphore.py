@@ -520,3 +520,29 @@ def test_a_waiter_behind_a_runs_next_attempt_takes_a_freed_permit_at_once(
     assert took.get("x1")
     x1.release()
     z0.release()
+
+
+def test_a_woken_waiter_that_gives_up_passes_the_wake_on(client: redis.Redis, prefix: str) -> None:
+    """As a lock's (``test_lock_edges``): a first-come waiter woken by a permit's release and
+    interrupted before it tries again gives up (``RELEASE_PERMIT`` with its member); the next
+    waiter is woken then, not left asleep beside the free permit."""
+    from celery_redislock._permit_scripts import ACQUIRE_PERMIT, RELEASE_PERMIT
+    from celery_redislock.attempt import waiter_member
+
+    name = f"{prefix}:s"
+    holder, first, second = (secrets.token_hex(16) for _ in range(3))
+    members = {
+        token: waiter_member(30_000, token, False, who) for token, who in ((first, "w1"), (second, "w2"))
+    }
+    assert isinstance(
+        ACQUIRE_PERMIT(client, [name], [waiter_member(30_000, holder, False, "h"), "try", 1]), bytes
+    )
+    for token in (first, second):
+        assert isinstance(ACQUIRE_PERMIT(client, [name], [members[token], "wait", 1]), list)
+    assert RELEASE_PERMIT(client, [name], [holder, "", 1]) == 1
+    assert client.lpop(companion_key(name, f"wake:{first}")) == b"retry"  # woken, then interrupted
+    assert RELEASE_PERMIT(client, [name], [first, members[first], 1]) == 0  # gives up: it held none
+    assert client.lrange(companion_key(name, f"wake:{second}"), 0, -1) == [b"retry"]
+    assert isinstance(ACQUIRE_PERMIT(client, [name], [members[second], "again", 1]), bytes)
+    assert RELEASE_PERMIT(client, [name], [second, "", 1]) == 1
+    assert invariants.keys_of(client, prefix) == []
