@@ -394,13 +394,20 @@ class BeatGuard:
         }
         if opted and not self._claim(header):
             return self._not_sent(entry, advance)
+        return self._send_slot(entry, header, producer, advance, kwargs)
+
+    def _send_slot(
+        self, entry: Any, header: dict[str, Any], producer: Any, advance: bool, kwargs: dict[str, Any]
+    ) -> Any:
+        """Send ``entry``'s message carrying its slot (``header``, claimed or not). A claimed slot
+        whose send raised before anything went out (the publish failed, or never began) is freed:
+        another beat may send it. One that did go out (an error after it: the schedule's sync, a
+        ``SystemExit``) keeps its claim."""
         published: list[bool] = []
         sending = _sending.set((entry.task, header, published))
         try:
             return self._apply_async(entry, producer, advance, **kwargs)
         except BaseException:
-            # Nothing went out (the publish failed, or never began): another beat may send the
-            # slot. One that did (an error after it: the schedule's sync, a SystemExit) keeps it.
             if header["claimed"] and not published:
                 self._unclaim(header)
             raise
