@@ -188,7 +188,8 @@ class Attempt:
         self.queue = queue
         self.queued = self.sent = self.waiting = False
         self.sent_at = 0.0
-        self.pttl_ms = 0
+        #: the PTTL the last busy reply gave the holder (-2: gone, -1: no expiry; None: unknown)
+        self.pttl_ms: int | None = None
         self.busy: Busy = (None, None)
 
     def mode(self) -> str:
@@ -208,15 +209,17 @@ class Attempt:
         if isinstance(reply, int):
             return reply
         holder, pttl_ms = busy_reply(reply)
-        self.pttl_ms = pttl_ms or 0
+        self.pttl_ms = pttl_ms
         self.busy = (holder, seconds_left(pttl_ms))
         self.queued = self.queue and self.waiting
         return None
 
     def pause(self) -> float:
         """How long a waiter sleeps: until the holder's TTL (at most our own ``ttl``) runs out,
-        or until the deadline."""
-        waits = [self.ttl, self.pttl_ms / 1000 if self.pttl_ms > 0 else self.ttl]
+        or until the deadline. A holder in its last millisecond (PTTL 0) or gone (-2): no sleep
+        (1 ms); one whose TTL is unknown, or a key without expiry (-1): our own ``ttl``."""
+        pttl_ms = self.pttl_ms
+        waits = [self.ttl, self.ttl if pttl_ms is None or pttl_ms == -1 else max(pttl_ms, 0) / 1000]
         if self.deadline is not None:
             waits.append(self.deadline - mod_time.monotonic())
         return max(min(waits), 0.001)
