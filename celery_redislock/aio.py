@@ -158,7 +158,10 @@ class AsyncRedisLock(LockCore):
 
     async def release(self) -> None:
         """Lower the hold count; at zero, free the key, owner-checked (see ``RedisLock.release``)."""
-        if self.drop_hold() and not await _to_the_end(self._free(self.token or "", self._lease)):
+        if not self.drop_hold():
+            return
+        self.freeing()  # an acquire meanwhile (another task) takes a hold of its own
+        if not await _to_the_end(self._free(self.token or "", self._lease)):
             raise LockNotOwned(self.name)
 
     async def _free(self, token: str, lease: Lease | None) -> bool:
@@ -168,10 +171,11 @@ class AsyncRedisLock(LockCore):
             released = await self.key.free(token)
         except BaseException:  # maybe sent: a retry finding the key gone counts it as released
             self._released_maybe = token
+            self.kept_after_freeing(token)  # so that release() can be tried again
             raise
         released = released or self._released_maybe == token
-        self.clear_hold()
-        self._lease = self._released_maybe = None
+        if self.freed(token):
+            self._lease = self._released_maybe = None
         return released
 
     async def extend(self, ttl: Duration | None = None) -> None:

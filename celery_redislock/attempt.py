@@ -303,6 +303,28 @@ class LockCore:
         """Forget the hold (freed or handed on by the caller)."""
         self.token, self.fence, self._count = None, None, 0
 
+    # The last release of a hold, from its send to its reply, as a lock shared by threads (or
+    # asyncio tasks) sees it: not held, so that an acquire meanwhile takes a hold of its own
+    # rather than re-enter one Redis is freeing.
+
+    def freeing(self) -> None:
+        """The hold's last release is about to be sent: no longer held (its token kept)."""
+        self._count = 0
+
+    def kept_after_freeing(self, token: str) -> None:
+        """The release of ``token``'s hold failed, its outcome unknown: held again, unless
+        another hold was taken meanwhile."""
+        if self.token == token and self._count == 0:
+            self._count = 1
+
+    def freed(self, token: str) -> bool:
+        """The release of ``token``'s hold is over: forgotten, unless another hold was taken
+        meanwhile. Whether it was."""
+        if self.token != token or self._count:
+            return False
+        self.clear_hold()
+        return True
+
     def member(self, token: str) -> str:
         """The waiter member (see ``_scripts``) describing an acquisition by ``token``."""
         return waiter_member(self._ttl_ms, token, self.fair, self.holder)

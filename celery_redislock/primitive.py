@@ -257,20 +257,26 @@ class LeaseLock(LockCore):
         propagates and the hold is kept, so ``release()`` can be retried; a retry
         that finds the key gone counts it as released (the first may have freed
         it), as ``OneServer.free`` counts its client's resends. Unrenewed, the
-        key expires within ``ttl`` anyway.
+        key expires within ``ttl`` anyway. While the last release is on its way, the object
+        holds nothing: an ``acquire()`` meanwhile (a thread sharing it) takes a hold of its own.
         """
         with self._state:
             if not self.drop_hold():
                 return
             token, leases = self.token or "", list(self._leases)
+            self.freeing()  # an acquire meanwhile (another thread) takes a hold of its own
         _discard(leases)
         try:
             released = self._free(token)
         except BaseException:  # maybe sent: a retry finding the key gone counts it as released
-            self._released_maybe = token
+            with self._state:
+                self._released_maybe = token
+                self.kept_after_freeing(token)  # so that release() can be tried again
             raise
-        released = released or self._released_maybe == token
-        self.forget()
+        with self._state:
+            released = released or self._released_maybe == token
+            if self.freed(token):
+                self._leases, self._released_maybe = [], None
         if not released:
             raise LockNotOwned(self.name)
 

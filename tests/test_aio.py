@@ -507,3 +507,37 @@ def test_a_release_retried_after_a_lost_reply_counts_as_released_as_the_sync_loc
         assert not lock.held()
 
     run(redis_server, body)
+
+
+def test_an_acquire_by_another_task_during_the_last_release_does_not_reenter_a_freed_hold(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """As ``test_lock_edges``' threads, for asyncio tasks sharing one lock object: task B's
+    ``acquire()`` while task A's last ``release()`` is on its way to Redis takes a hold of its
+    own (after the release), never re-enters the one being freed."""
+    name = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        shared = AsyncRedisLock(client, name, ttl=5)
+        assert await shared.acquire()
+        real_free = shared.key.free
+        entered: list[asyncio.Task[bool]] = []
+
+        async def free(token: str, member: str = "") -> bool:
+            if not entered:  # B's acquire lands between A's decision to free and the RELEASE
+                entered.append(asyncio.ensure_future(shared.acquire(timeout=10)))
+
+                async def landed() -> bool:  # returned (re-entered), or queued for the key
+                    return entered[0].done() or await _queued(client, name)
+
+                await until(landed, "B's acquire")
+            return await real_free(token, member)
+
+        shared.key.free = free  # type: ignore[method-assign]
+        await shared.release()  # task A's last release
+        assert await entered[0]  # B holds the lock...
+        other = AsyncRedisLock(client, name, ttl=5)
+        assert not await other.acquire(blocking=False), "...and a second owner took the key B holds"
+        await shared.release()
+
+    run(redis_server, body)

@@ -22,7 +22,7 @@ from celery_redislock.attempt import waiter_member
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from tests.taskapp import LEASE, text
-from tests.workers import renewed
+from tests.workers import renewed, wait_for
 
 
 def wait_until_queued(client: redis.Redis, name: str, count: int = 1) -> None:
@@ -253,3 +253,41 @@ def test_a_woken_waiter_that_gives_up_passes_the_wake_on(client: redis.Redis, pr
     assert isinstance(ACQUIRE(client, [name], [members[second], "again"]), int)
     assert RELEASE(client, [name], [second, members[second]]) == 1
     assert client.keys(f"*{prefix}*") == []
+
+
+def test_an_acquire_on_another_thread_during_the_last_release_does_not_reenter_a_freed_hold(
+    client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock object shared by two threads (re-entrant per object): thread A's last ``release()``
+    is on its way to Redis when thread B calls ``acquire()``. Either order is fine (B re-enters
+    first and the key is kept, or the key is freed first and B takes a hold of its own), but B
+    must not be told it holds the lock while the key it re-entered is freed under it: then
+    another owner takes the key while B works "under" the lock."""
+    name = f"{prefix}:k"
+    shared = RedisLock(client, name, ttl=5)
+    assert shared.acquire()
+    real_free = shared.servers.free
+    entered: list[bool] = []
+    worker = threading.Thread(target=lambda: entered.append(shared.acquire(timeout=10)))
+
+    def free(token: str) -> bool:
+        # thread B's acquire lands between A's decision to free and the RELEASE round trip:
+        # it returns (re-entered), or queues for the key A is about to free
+        if worker.ident is not None:
+            return real_free(token)
+        worker.start()
+        wait_for(lambda: entered or client.zcard(companion_key(name, "queue")), 10, "B's acquire")
+        return real_free(token)
+
+    monkeypatch.setattr(shared.servers, "free", free)
+    shared.release()  # thread A's last release
+    worker.join(10)
+    assert entered == [True]  # thread B was told it holds the lock...
+    other = RedisLock(client, name, ttl=5)
+    try:
+        assert not other.acquire(blocking=False), "...and a second owner took the key B holds"
+    finally:
+        if other.held():
+            other.release()
+        if shared.held():
+            shared.release()
