@@ -169,7 +169,9 @@ class OneServer:
 
         A release the client's retry policy sent again (redis-py 6+ retries by default)
         may find the key already freed by its first send, whose reply was lost: then
-        ``token`` counts as having held it.
+        ``token`` counts as having held it. Seen only where the script is sent here
+        (``Script.__call__``'s ``resending``), not through a wrapped ``execute_command``
+        (docs/operations.md, "Tracing").
         """
         resent: list[bool] = []
         released = int(RELEASE(self.client, self._keys, [token], lambda: resent.append(True)))
