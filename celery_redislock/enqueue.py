@@ -84,6 +84,10 @@ def enqueue(
     lock_options: LockOptions = task.lock_options
     settings: AppSettings = task.lock_settings
     holder = holder_for(task_id, options.get("retries") or 0, hostname(), current_pid(), "queued")
+    # Celery's Task.apply_async adds the task's own ``expires`` (``@app.task(expires=...)``, or
+    # task_annotations) under the call's: the message expires then, and so must its lock.
+    if "expires" not in options and getattr(task, "expires", None) is not None:
+        options = {**options, "expires": task.expires}
     ttl = _queue_ttl(lock_options, options)
     if lock_options.duplicate == "replace" and (options.get("group_id") or options.get("chord")):
         raise LockConfigurationError(

@@ -233,6 +233,14 @@ class Execution:
         ticket, started = self.ticket, acquisition.started
         if self.options.rules.adopts_ticket and ticket is not None and ticket[0] == lock.name:
             busy = adopt(lock, ticket[1])
+            if busy is not None and busy[1] != -2 and self.options.duplicate == "replace":
+                # Refused: a replacing call took the lock over, or did and gave it back since (its
+                # send failed: UNREPLACE). Dropped if still superseded (DROP marks it dropped, so
+                # the lock cannot come back to it), else the lock may be this message's again.
+                if superseded(self.task, self.client, self.request, count=False):
+                    acquisition.busy = True  # counted once, as the acquisition's (as ``busy._dropped``)
+                    return False
+                busy = adopt(lock, ticket[1])
             if busy is None:
                 return acquired(self.task, lock, self.task_id, started)
             if busy[1] != -2:  # held, not for this message: busy (gone: take it afresh below)

@@ -14,7 +14,7 @@ import pytest
 from celery import Celery, chord, group
 from kombu.exceptions import EncodeError
 
-from celery_redislock import DuplicateTask, task_lock_key
+from celery_redislock import DuplicateTask, LockedTask, task_lock_key
 from celery_redislock.protocol import HEADER
 from tests.invariants import stored
 from tests.taskapp import recorder
@@ -206,6 +206,20 @@ def test_an_expiring_message_bounds_its_enqueue_lock(app: Celery) -> None:
     x, task = fresh(), app.tasks["taskapp.until_executed"]
     task.apply_async((x,), expires=30)
     assert 0 < recorder(app).client.pttl(task_lock_key(task, (x,))) <= 30_000
+
+
+@pytest.mark.locks_may_remain("the message is never consumed: its enqueue lock stays until it expires")
+def test_a_tasks_own_expires_bounds_its_enqueue_lock(app: Celery) -> None:
+    """``expires`` set on the task (Celery's ``Task.apply_async`` applies it under the call's
+    options, as ``task_annotations`` does): the message expires after 30 s, and so does its lock."""
+
+    @app.task(base=LockedTask, shared=False, name="enqueue.expiring", lock_mode="until_executed", expires=30)
+    def expiring(x: str) -> str:
+        return x
+
+    x = fresh()
+    expiring.delay(x)
+    assert 0 < recorder(app).client.pttl(task_lock_key(expiring, (x,))) <= 30_000
 
 
 def test_a_publish_error_releases_the_enqueue_lock(app: Celery) -> None:

@@ -687,3 +687,51 @@ def test_a_message_superseded_after_its_check_counts_one_outcome(
         for outcome in ("acquired", "busy-skip", "superseded")
     }
     assert outcomes == {"acquired": 1, "busy-skip": 1, "superseded": 0}
+
+
+def test_a_replacing_call_whose_send_fails_as_the_queued_message_starts_leaves_that_message_to_run(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_executed, lock_duplicate="replace". The queued message M1's worker sends ADOPT just
+    after a replacing call M2's REPLACE (refused: the lock is M2's); M2's send then fails and
+    UNREPLACE gives the lock back to M1 (docs: "the lock is given back to the message it was taken
+    from, which is no longer superseded and runs"). M1's run then checks whether it was superseded
+    (DROP: the mark is gone), finds it was not, and applies lock_busy="skip": M1 is skipped, M2
+    was never sent, nothing runs, and the lock names M1, queued, for lock_queue_ttl."""
+    task = define(app, "review.adopt_race", lock_mode="until_executed", lock_duplicate="replace")
+    client, key = recorder(app).client, task_lock_key(task, ("x",))
+    first = task.apply_async(("x", 1))
+    real_adopt, real_send = run_lock.adopt, app.amqp.send_task_message  # as execution imported it
+    refused: list[Any] = []
+    raised: list[BaseException] = []
+
+    def adopt(lock: Any, token: str) -> Any:
+        if refused or raised:
+            return real_adopt(lock, token)
+
+        def send_fails(*args: Any, **kwargs: Any) -> Any:
+            refused.append(real_adopt(lock, token))  # the worker's ADOPT lands after REPLACE
+            raise OperationalError("the broker went away")
+
+        monkeypatch.setattr(app.amqp, "send_task_message", send_fails)
+        try:
+            task.apply_async(("x", 2))  # the replacing call, on the worker's thread for ordering
+        except OperationalError as exc:
+            raised.append(exc)
+        finally:
+            monkeypatch.setattr(app.amqp, "send_task_message", real_send)
+        return refused[0]
+
+    monkeypatch.setattr(execution, "adopt", adopt)
+    try:
+        with threads_worker(app):
+            outcome = first.get(timeout=RESULT_TIMEOUT)
+        assert raised and refused and refused[0] is not None  # M2 not sent; M1's ADOPT was refused
+        value = parse_value(client.get(key))
+        left = None if value is None else parse_holder(value.holder)
+        assert outcome == 1 and [run[0] for run in runs(app, "x")] == ["start@1"], (
+            f"M1 returned {outcome!r}, runs {runs(app, 'x')}, lock left naming {left} "
+            f"for {client.pttl(key)} ms"
+        )
+    finally:
+        client.delete(key)
