@@ -17,7 +17,10 @@ def seconds(value: object, what: str) -> float:
     if isinstance(value, timedelta):
         result = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
+        try:
+            result = float(value)
+        except OverflowError:  # an int too large for a float: out of range, not a crash
+            result = math.inf
     else:
         raise LockConfigurationError(f"{what} must be a number of seconds or a timedelta, got {value!r}")
     if not math.isfinite(result) or result < 0:

@@ -11,6 +11,7 @@ app; a bad one raises ``LockConfigurationError`` naming the task, the option
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 from collections.abc import Callable, Mapping
@@ -229,6 +230,13 @@ def _lock_on(problem: _Problem, value: object, run: Callable[..., Any]) -> LockO
     return names
 
 
+def _bound_run(task: type[Any]) -> Callable[..., Any]:
+    """``task.run`` as an instance calls it: a plain function on the class is a method, whose
+    first parameter (``self``, the task) is no argument of a call."""
+    run = inspect.getattr_static(task, "run", None)
+    return functools.partial(run, None) if inspect.isfunction(run) else task.run
+
+
 def _unknown(problem: _Problem, kind: str, name: str, known: list[str]) -> LockConfigurationError:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
@@ -243,12 +251,24 @@ def _check_url(problem: _Problem, url: object) -> None:
     scheme = url.partition("://")[0] if isinstance(url, str) else None
     if not isinstance(url, str) or scheme not in URL_SCHEMES:
         raise problem("redislock_url", url, allowed)
+    shown = re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)  # as kombu masks it
+    if scheme == "sentinel":
+        for part in url.split(";"):
+            try:
+                sentinel = urlsplit(part.strip())
+                sentinel.port  # noqa: B018  (raises for a bad port)
+            except ValueError as exc:
+                raise problem("redislock_url", shown, f"{allowed}: {exc}") from None
+            db = sentinel.path.strip("/")
+            if db and not db.isdigit():
+                raise problem("redislock_url", shown, f"{allowed}: the database {db!r} is not a number")
+        return
     if scheme not in ("redis", "rediss", "unix"):
         return  # several hosts: connection.redis_client reads them
-    shown = re.sub(r"^([a-z]+://[^:/@]*:)[^@/]*@", r"\1**@", url)  # as kombu masks it
     try:
         parsed = parse_url(url)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
+        redis.Redis.from_url(url).connection_pool.make_connection()  # unknown options: TypeError
+    except (ValueError, TypeError) as exc:
         raise problem("redislock_url", shown, f"{allowed}: {exc}") from None
     database = urlsplit(url).path.strip("/")
     if scheme != "unix" and database and "db" not in parsed:  # redis-py would quietly use db 0
@@ -327,46 +347,41 @@ def app_settings(app: Any) -> AppSettings:
         name = str(key).lower().removeprefix("celery_")
         if name.startswith("redislock_") and name not in known:
             raise _unknown(problem, "setting", name, known)
+
+    def setting(name: str) -> Any:
+        """The setting ``redislock_<name>``, its default where unset (``None``), never where falsy."""
+        value = app.conf.get(f"redislock_{name}")
+        return APP_SETTINGS[name] if value is None else value
+
     url = app.conf.get("redislock_url")
     if url is not None:
         _check_url(problem, url)
-    prefix = app.conf.get("redislock_prefix") or APP_SETTINGS["prefix"]
-    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+    prefix = setting("prefix")
+    if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
         raise problem("redislock_prefix", prefix, "allowed: a non-empty str without '{' or '}'")
-    on_error = _choice(problem, "redislock_on_error", app.conf.get("redislock_on_error") or "fail", ON_ERROR)
-    leader = app.conf.get("redislock_beat_leader")
-    leader_ttl = app.conf.get("redislock_beat_leader_ttl")
     transport_options = app.conf.get("redislock_transport_options")
     if transport_options is not None and not isinstance(transport_options, Mapping):
         allowed = "allowed: a dict, e.g. {'master_name': ...}"
         raise problem("redislock_transport_options", transport_options, allowed)
-    replicas = app.conf.get("redislock_replicas") or 0
+    replicas = setting("replicas")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise problem("redislock_replicas", replicas, "allowed: an int >= 0")
-    replica_timeout = _duration(
-        problem, "redislock_replica_timeout", app.conf.get("redislock_replica_timeout") or 1.0, 0.001
-    )
     return AppSettings(
         url=url,
         prefix=prefix,
-        on_error=on_error,
-        beat_leader=_flag(
-            problem, "redislock_beat_leader", APP_SETTINGS["beat_leader"] if leader is None else leader
-        ),
+        on_error=_choice(problem, "redislock_on_error", setting("on_error"), ON_ERROR),
+        beat_leader=_flag(problem, "redislock_beat_leader", setting("beat_leader")),
         beat_leader_ttl=_duration(
-            problem,
-            "redislock_beat_leader_ttl",
-            APP_SETTINGS["beat_leader_ttl"] if leader_ttl is None else leader_ttl,
-            MIN_WATCHDOG_TTL,
+            problem, "redislock_beat_leader_ttl", setting("beat_leader_ttl"), MIN_WATCHDOG_TTL
         ),
         transport_options=transport_options,
         replicas=replicas,
-        replica_timeout=replica_timeout,
+        replica_timeout=_duration(problem, "redislock_replica_timeout", setting("replica_timeout"), 0.001),
         key_secret=_key_secret(problem, app.conf.get("redislock_key_secret")),
         enabled=_enabled(problem, app),
         client=_client(problem, app),
         skip_state=_skip_state(problem, app.conf.get("redislock_skip_state")),
-        spans=_choice(problem, "redislock_spans", app.conf.get("redislock_spans") or "auto", SPANS),
+        spans=_choice(problem, "redislock_spans", setting("spans"), SPANS),
     )
 
 
@@ -384,6 +399,16 @@ def _check_outcomes(
         raise problem(*duplicate, f"lock_mode {mode!r} takes no enqueue lock to replace")
     if busy == ("lock_busy", "reject") and not rules.execution_lock:
         raise problem(*busy, f"lock_mode {mode!r} takes no lock a run can find busy")
+
+
+def _lease(problem: _Problem, option: str, value: object, settings: AppSettings) -> float:
+    """``lock_ttl`` in seconds: a lease the watchdog can renew, longer than the wait for the
+    replicas' acknowledgement where the app waits for one (``redislock_replicas``)."""
+    ttl = _duration(problem, option, value, MIN_WATCHDOG_TTL)
+    if settings.replicas and not ttl > settings.replica_timeout:
+        above = f"redislock_replica_timeout ({settings.replica_timeout:g})"
+        raise problem(option, value, f"with redislock_replicas it must be above {above}")
+    return ttl
 
 
 def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOptions:
@@ -406,8 +431,7 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
         return f"lock_{name}", TASK_OPTIONS[name]
 
     mode = _choice(problem, *raw("mode"), MODES)
-    option, ttl_value = raw("ttl")
-    ttl = _duration(problem, option, ttl_value, MIN_WATCHDOG_TTL)
+    ttl = _lease(problem, *raw("ttl"), settings)
     busy_option, busy = raw("busy")
     rules = MODE_RULES[mode]
     busy = _choice(problem, busy_option, busy or rules.default_busy, BUSY)
@@ -421,7 +445,7 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
     _check_outcomes(problem, mode, (busy_option, busy), (duplicate_option, duplicate), settings.replicas > 0)
     return LockOptions(
         mode=mode,
-        on=_lock_on(problem, raw("on")[1], task.run),
+        on=_lock_on(problem, raw("on")[1], _bound_run(task)),
         ttl=ttl,
         busy=busy,
         duplicate=duplicate,

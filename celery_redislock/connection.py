@@ -35,7 +35,7 @@ from .telemetry import log_fields
 __all__ = [
     "DEFAULT_URL",
     "GIVEN_CLIENT",
-    "ClientCallableFailed",
+    "ClientUnavailable",
     "client_for",
     "client_location",
     "lock_url",
@@ -64,16 +64,18 @@ def _new_making_lock() -> None:
 os.register_at_fork(after_in_child=_new_making_lock)
 
 
-#: Where an error message says the locks' Redis is when ``client_for`` itself failed: only
-#: the ``redislock_client`` callable can fail there.
-GIVEN_CLIENT = "the redislock_client's"
+#: Where an error message says the locks' Redis is when ``client_for`` itself failed (its
+#: ``ClientUnavailable`` names where).
+GIVEN_CLIENT = "the app's lock client"
 
 
-class ClientCallableFailed(RedisLockError, redis.exceptions.ConnectionError):
-    """The ``redislock_client`` callable raised (a token endpoint down, say): as Redis being
-    unreachable, so it is also a ``redis.ConnectionError``, and every path that handles one
-    (``redislock_on_error``, a beat's claim, a receiver) handles it. The message names the exception's type
-    only (its text may hold a secret); the exception is its ``__cause__``."""
+class ClientUnavailable(RedisLockError, redis.exceptions.ConnectionError):
+    """The app's lock client could not be made: the ``redislock_client`` callable raised (a token
+    endpoint down, say; the message names the exception's type only, its text may hold a
+    secret), or a Redis Cluster was unreachable as its client was made (``RedisCluster()``
+    connects, and raises no ``RedisError``). As Redis being unreachable, so it is also a
+    ``redis.ConnectionError``, and every path that handles one (``redislock_on_error``, a
+    beat's claim, a receiver) handles it. The exception is its ``__cause__``."""
 
 
 def masked(url: str) -> str:
@@ -122,7 +124,7 @@ def _cluster(url: str, options: dict[str, Any]) -> redis.cluster.RedisCluster:
         kwargs.pop(name, None)
     if scheme == "rediss-cluster":
         kwargs["ssl"] = True
-    return redis.cluster.RedisCluster(startup_nodes=nodes, **kwargs, **options)
+    return redis.cluster.RedisCluster(startup_nodes=nodes, **{**options, **kwargs})
 
 
 def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str, Any]) -> redis.Redis:
@@ -195,7 +197,8 @@ def client_for(app: Any) -> tuple[Client, str]:
     callable again. A client given as ``redislock_client`` is the same object
     in the child; its connection pool resets itself there (redis-py compares
     the pid). Where it points is logged once per process. A callable that
-    raises: ``ClientCallableFailed`` (callers apply ``redislock_on_error``).
+    raises, or a Cluster unreachable as its client is made: ``ClientUnavailable`` (callers apply
+    ``redislock_on_error``).
     """
     made = app_state(app).client
     if made is None or made.pid != current_pid():
@@ -211,7 +214,11 @@ def _made(app: Any) -> LockClient:
         return state.client
     given = app_settings(app).client  # an instance was checked with the settings
     if given is None:
-        client, where, source = _url_client(app)
+        try:
+            client, where, source = _url_client(app)
+        except redis.exceptions.RedisClusterException as exc:  # RedisCluster() connects: no RedisError
+            url = masked(lock_url(app)[0])
+            raise ClientUnavailable(f"app {app.main or app!r}: Redis at {url}: {exc}") from exc
     else:
         client = _called(app, given) if callable(given) else given
         where, source = client_location(client), "redislock_client"
@@ -228,7 +235,7 @@ def _called(app: Any, make: Any) -> Client:
     try:
         client = make(app)
     except Exception as exc:
-        raise ClientCallableFailed(
+        raise ClientUnavailable(
             f"{where}: the redislock_client callable failed: {type(exc).__name__}"
         ) from exc
     check_client(where, client, "what the redislock_client callable returned", callable_allowed=False)

@@ -42,7 +42,7 @@ from . import signals
 from ._durations import to_ms
 from ._process import current_pid
 from ._task_scripts import DECLINE, DROP, LET_GO, REPLACE, UNREPLACE
-from .attempt import busy_reply, hostname, seconds_left
+from .attempt import MAX_TTL, busy_reply, hostname, seconds_left
 from .config import AppSettings, LockOptions
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
@@ -144,7 +144,7 @@ def _queue_ttl(lock_options: LockOptions, options: Mapping[str, Any]) -> float:
         ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
     if lock_options.rules.settles:
         ttl = max(ttl, lock_options.period or 0)
-    return ttl
+    return min(ttl, MAX_TTL)  # the longest lease a lock takes, whatever the countdown
 
 
 def _undo_for(lock_options: LockOptions, client: Any, key: str, token: str) -> Callable[[], object]:

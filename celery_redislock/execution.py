@@ -39,7 +39,7 @@ from ._task_scripts import CLAIM, LET_GO, PARK, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
-from .connection import ClientCallableFailed, client_for
+from .connection import ClientUnavailable, client_for
 from .enqueue import give_up_ticket, superseded
 from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
@@ -113,7 +113,7 @@ class Execution:
         self.slot = slot if slot is not None and (options.beat or slot.get("claimed")) else None
         try:
             self.client, self.url = client_for(task.app)
-        except ClientCallableFailed as exc:  # as Redis unreachable: ``redislock_on_error``
+        except ClientUnavailable as exc:  # as Redis unreachable: ``redislock_on_error``
             self.ticket = self.slot = None  # ``client``, ``url`` unset: nothing reads them unlocked
             self.unlocked(f"task {task.name!r}[{self.task_id}]: could not lock {key!r}: {exc}", exc)
             return

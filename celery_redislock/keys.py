@@ -187,6 +187,11 @@ def call_digest(
         text = _encode(value, delivered)
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         culprit = next((name for name, part in parts.items() if not _encodable(part)), "*")
+        if not callable(lock_on) and isinstance(parts.get(culprit), dict):  # **kwargs: name the keyword
+            var_keyword = _signature(run)[0].parameters.get(culprit)
+            if var_keyword is not None and var_keyword.kind is inspect.Parameter.VAR_KEYWORD:
+                inner = parts[culprit]
+                culprit = next((name for name, part in inner.items() if not _encodable(part)), culprit)
         raise LockKeyError(
             task_name,
             culprit,

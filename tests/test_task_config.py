@@ -23,6 +23,7 @@ import redis
 from celery import Celery
 
 from celery_redislock import (
+    LockConfigurationError,
     LockedTask,
     LockKeyError,
     LockNotAcquired,
@@ -31,7 +32,7 @@ from celery_redislock import (
     install,
     task_lock_key,
 )
-from celery_redislock.connection import lock_url
+from celery_redislock.connection import client_for, lock_url
 from celery_redislock.testing import RedisServer
 from tests.workers import threads_worker
 
@@ -269,8 +270,6 @@ def test_acl_credentials_in_the_url_are_used(prefix: str) -> None:
 
 
 def test_one_client_per_app_per_process_and_a_fresh_one_after_fork(app: Celery) -> None:
-    from celery_redislock.connection import client_for
-
     first, url = client_for(app)
     assert client_for(app)[0] is first and url == app.conf.redislock_url
     read, write = os.pipe()
@@ -319,3 +318,131 @@ def test_a_naive_eta_or_expires_is_utc_as_celery_reads_it(
     assert abs(eta - countdown) < 30_000 and abs(eta_text - countdown) < 30_000
     assert 240_000 < expires <= 300_000
     client.delete(*keys, f"q-{prefix}")
+
+
+# -- bad input found by a review: each refused, naming the option, at bind where it can be --
+
+
+def test_a_huge_int_duration_is_refused_naming_the_option(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    with pytest.raises(LockConfigurationError) as raised:
+        define(app, lock_ttl=10**400)
+    assert "task 'cfg.add': lock_ttl=" in str(raised.value)
+    assert nothing_under(client, prefix)
+
+
+def test_lock_on_self_of_a_bound_task_is_refused_at_bind(app: Celery) -> None:
+    def add(self: Any, a: int, b: int = 2) -> int:
+        return a + b
+
+    with pytest.raises(LockConfigurationError, match="'self' is not a parameter of the task"):
+        app.task(base=LockedTask, shared=False, bind=True, name="cfg.add", lock_on=("self",))(add)
+
+
+def test_a_cluster_url_with_a_socket_timeout_in_its_query_makes_a_client(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    # redis-py reads socket_timeout from a URL's query; a redis:// URL takes it, a cluster URL must too
+    app = new_app(redis_server.url, prefix)
+    app.conf.redislock_url = "redis-cluster://127.0.0.1:1?socket_timeout=3"
+    try:
+        with pytest.raises(redis.RedisError):  # nothing listens: a connection error, not a TypeError
+            client_for(app)
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("url", ["sentinel://127.0.0.1:26379/locks", "sentinel://127.0.0.1:notaport"])
+def test_a_bad_sentinel_url_is_refused_at_bind(redis_server: RedisServer, prefix: str, url: str) -> None:
+    app = Celery("cfg", broker=redis_server.url, set_as_current=False)
+    app.conf.update(
+        redislock_url=url, redislock_prefix=prefix, redislock_transport_options={"master_name": "m"}
+    )
+    try:
+        app.finalize()
+        with pytest.raises(LockConfigurationError, match="redislock_url"):
+            define(app)
+    finally:
+        app.close()
+
+
+def test_a_lock_ttl_not_above_the_replica_timeout_is_refused_at_bind(
+    redis_server: RedisServer, client: redis.Redis, prefix: str
+) -> None:
+    # accepted at bind (lock_ttl >= 0.3, replica_timeout 1 s), every run then fails in RedisLock:
+    # "replica_timeout must be > 0 and < ttl (1), got 1.0"
+    app = new_app(redis_server.url, prefix, redislock_replicas=1)
+    try:
+        with pytest.raises(
+            LockConfigurationError, match=r"task 'cfg\.add': lock_ttl=1 .*redislock_replica_timeout"
+        ):
+            define(app, lock_ttl=1)
+        assert nothing_under(client, prefix)
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize(("setting", "value"), [("redislock_replica_timeout", 0), ("redislock_prefix", "")])
+def test_a_falsy_app_setting_out_of_range_is_refused_not_replaced_by_the_default(
+    redis_server: RedisServer, prefix: str, setting: str, value: object
+) -> None:
+    app = new_app(redis_server.url, prefix, **{setting: value})
+    try:
+        with pytest.raises(LockConfigurationError, match=setting):
+            define(app)
+    finally:
+        app.close()
+
+
+def test_a_redislock_url_with_an_unknown_query_option_is_refused_at_bind(
+    redis_server: RedisServer, client: redis.Redis, prefix: str
+) -> None:
+    # "sockettimeout" (for socket_timeout): redis-py's parse_url keeps it, its Connection() refuses it at
+    # the first command; the task then fails with a TypeError that names neither the setting nor the task
+    url = f"redis://127.0.0.1:{redis_server.port}/0?sockettimeout=3"
+    app = new_app(redis_server.url, prefix, redislock_url=url)
+    try:
+        with pytest.raises(LockConfigurationError, match="redislock_url"):
+            define(app)
+        assert nothing_under(client, prefix)
+    finally:
+        app.close()
+
+
+def test_an_unkeyable_keyword_argument_of_a_var_keyword_task_is_named(app: Celery) -> None:
+    def anything(**options: Any) -> None:
+        return None
+
+    task = define(app, anything)
+    with pytest.raises(LockKeyError, match="argument 'when'"):
+        task.delay(when=object())
+
+
+def test_the_longest_lock_queue_ttl_takes_a_countdown(app: Celery, client: redis.Redis, prefix: str) -> None:
+    # lock_queue_ttl is accepted up to 365 days; the enqueue lock of a call with a countdown then lives
+    # lock_queue_ttl plus the countdown, which RedisLock refuses: every such call fails, naming no option
+    task = define(app, lock_mode="until_executed", lock_queue_ttl=365 * 24 * 3600)
+    task.apply_async((1,), countdown=60, queue=f"idle-{prefix}")
+    key = task_lock_key(task, (1,))
+    assert client.pttl(key) > 0
+    client.delete(key)
+
+
+@pytest.mark.parametrize("on_error", ["run", "fail"])
+def test_a_cluster_unreachable_at_first_use_is_a_redis_error_as_redislock_on_error_says(
+    redis_server: RedisServer, prefix: str, on_error: str
+) -> None:
+    # RedisCluster() connects to its startup nodes when made; nothing listens at port 1
+    app = new_app(
+        redis_server.url, prefix, redislock_url="redis-cluster://127.0.0.1:1", redislock_on_error=on_error
+    )
+    try:
+        task = define(app)
+        if on_error == "run":
+            assert task.apply((1,)).get() == 3  # runs unlocked, with a WARNING
+        else:
+            with pytest.raises(RedisLockError, match=re.escape("redis-cluster://127.0.0.1:1")):
+                task.apply((1,)).get()
+    finally:
+        app.close()
