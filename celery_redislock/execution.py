@@ -290,6 +290,13 @@ class Execution:
         assert self.lock is not None  # only a run with a lock is in ``running``
         finish_release(self.task, self.lock, self.task_id, self.keep)
 
+    def cut_short(self) -> None:
+        """An exception (an interrupt such as a soft time limit) cut ``begin`` or ``let_go`` short:
+        what it left held is a worker's run's ``task_postrun`` to let go of (``finish``); a direct
+        call has no run of its own there, so it is let go of now, as ``finish`` would."""
+        if self.request is None and self.lock is not None:
+            self.finish()
+
     def keep(self) -> str | None:
         """Keep the lock, still held, where the mode says: parked for the retry on its way, or kept
         for ``lock_period``. The outcome (``"parked"``, ``"taken-over"``, ``"settled"``,

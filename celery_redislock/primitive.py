@@ -118,6 +118,11 @@ class LeaseLock(LockCore):
                     lost = self._lost = threading.Event()
         return lost
 
+    def found_lost(self) -> bool:
+        """Whether ``lost`` is set, without making the event where none was made (nothing lost)."""
+        lost = self._lost
+        return lost is not None and lost.is_set()
+
     @property
     def client(self) -> Any:
         """The client of the lock's (first) server."""

@@ -117,10 +117,29 @@ class ExecutionLock(RedisLock):
         without ``stop_child`` nothing needs marking, and the block is empty."""
         return self._marked_body() if self._stop_child else EMPTY_BLOCK
 
+    def attach(self, request: Any) -> None:
+        """The body sees ``request``: a loss found since the hold was taken (before anyone could
+        mark it) is marked there now."""
+        self.request = request
+        if self.found_lost():
+            request.lock_lost = True
+
     @contextmanager
     def _marked_body(self) -> Iterator[None]:
         with self._guard:
             self._body_running = True
+            lost_already = self.found_lost()
+        if lost_already:  # found before the body started: ``lease_lost`` did not stop the child then
+            task_id, pid = getattr(self.request, "id", None), os.getpid()
+            logger.error(
+                "lock %r lost before task %s's body started; stopping pool child %d "
+                "(lock_on_lost='terminate')",
+                self.name,
+                task_id,
+                pid,
+                extra=telemetry.log_fields(self.name, task_id, self.holder, self.fence, "terminate"),
+            )
+            os.kill(pid, signal.SIGKILL)
         try:
             yield
         finally:

@@ -209,7 +209,7 @@ class LockedTask(OnCommit):
         _, fields, lock = pending
         super().push_request(*args, **{**kwargs, **fields})
         if lock is not None:
-            lock.request = self.request_stack.top
+            lock.attach(self.request_stack.top)
 
     def after_return(
         self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
@@ -245,13 +245,20 @@ class LockedTask(OnCommit):
         if request is None or request.called_directly or hasattr(request, "lock_key"):
             request = None
         run = Execution(self, options, settings, key, request, args, kwargs)
-        if not run.begin():
+        try:
+            began = run.begin()
+        except BaseException:
+            run.cut_short()
+            raise
+        if not began:
             return skipped(self, request)
         held_token = _held_locks.set({**held, key: run.lock})
         try:
             with run.body():
                 if request is not None:
                     request.update(run.fields())
+                    if run.lock is not None:
+                        run.lock.attach(request)  # a loss found before the body: not reset to False
                     result = self.run(*args, **kwargs)
                 else:
                     pending = _pending_request.set((self, run.fields(), run.lock))
@@ -261,6 +268,10 @@ class LockedTask(OnCommit):
                         _pending_request.reset(pending)
         finally:  # the body's own exception, if any, stands, lost lock or not (the loss is logged)
             _held_locks.reset(held_token)
-            run.let_go()
+            try:
+                run.let_go()
+            except BaseException:
+                run.cut_short()
+                raise
         raise_if_lost([run.lock])  # the body returned, but exclusion broke meanwhile: not a success
         return result

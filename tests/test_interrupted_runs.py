@@ -40,10 +40,11 @@ import celery_redislock.lock
 import celery_redislock.primitive
 import celery_redislock.run_lock
 from celery_redislock import task_lock_key
-from celery_redislock.exceptions import LockNotAcquired
+from celery_redislock.exceptions import LockLost, LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
-from celery_redislock.signals import lock_released
+from celery_redislock.signals import lock_acquired, lock_released
+from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer
 from tests.interrupts import define
 from tests.taskapp import recorder as recorder_for
@@ -74,14 +75,15 @@ def postruns(task: Any) -> AbstractContextManager[list[str]]:
 
 
 def interrupt_first_call(monkeypatch: pytest.MonkeyPatch, owner: type, name: str, key: str) -> list[int]:
-    """Make the first call of the method ``owner.name`` on the lock ``key`` in a worker's thread
-    (not the test's: it sends the messages) raise ``SoftTimeLimitExceeded`` at its entry; the
-    returned list gets an item when it did."""
+    """Make the first call of the method ``owner.name`` on the lock ``key`` (a lock's ``name``, a
+    run's ``key``) in a worker's thread (not the test's: it sends the messages) raise
+    ``SoftTimeLimitExceeded`` at its entry; the returned list gets an item when it did."""
     method = getattr(owner, name)
     fired: list[int] = []
 
     def interrupted(self: Any, *args: Any) -> Any:
-        if not fired and self.name == key and threading.current_thread() is not threading.main_thread():
+        on = getattr(self, "name", None) or getattr(self, "key", None)
+        if not fired and on == key and threading.current_thread() is not threading.main_thread():
             fired.append(1)
             raise SoftTimeLimitExceeded()
         return method(self, *args)
@@ -653,3 +655,126 @@ def test_a_soft_time_limit_after_a_busy_retry_republished_keeps_its_enqueue_lock
         finally:
             holder.release()
             recorder.delete(queued)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "where"),
+    [
+        (celery_redislock.lock.RedisLock, "_free", "as it releases (nothing sent)"),
+        (celery_redislock.execution.Execution, "keep", "as it lets go, before the release"),
+    ],
+)
+def test_a_direct_call_inside_a_run_interrupted_as_it_lets_go_leaves_no_lock(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, owner: type, name: str, where: str
+) -> None:
+    """A worker's run calls a ``LockedTask`` directly (``inner(x)``): a soft time limit lands
+    in the inner call {where}. A worker run interrupted there is let go by ``task_postrun``
+    (``Execution.finish``); a direct call has no run of its own there, so its ``__call__`` lets
+    go of what the interrupt left, before the outer run ends: the lock is neither left for its
+    lease nor renewed on."""
+    inner = define(app, f"direct_inner_{name}", lock_ttl=30)
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(inner, (x,))
+    outer = define(app, f"direct_outer_{name}", lambda self, x: inner(x), lock_on=lambda x: "outer")
+    fired = interrupt_first_call(monkeypatch, owner, name, key)
+    with recorder_of(app) as recorder:
+        run_interrupted(app, outer, x)
+        assert fired == [1]
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, PTTL {recorder.pttl(key)} ms"
+
+
+def test_a_direct_call_inside_a_run_interrupted_as_it_took_its_lock_leaves_no_lock(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, the soft time limit landing right after the inner call took its lock (as it
+    announces the hold: ``lock_acquired``), before its body: let go of by its ``__call__``."""
+    inner = define(app, "direct_inner_taken", lock_ttl=30)
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(inner, (x,))
+    outer = define(app, "direct_outer_taken", lambda self, x: inner(x), lock_on=lambda x: "outer")
+    acquired = celery_redislock.run_lock.acquired  # as execution imported it
+    fired: list[int] = []
+
+    def interrupted(task: Any, lock: Any, *args: Any) -> bool:
+        if not fired and lock.name == key:
+            fired.append(1)
+            raise SoftTimeLimitExceeded()
+        return acquired(task, lock, *args)
+
+    monkeypatch.setattr(celery_redislock.execution, "acquired", interrupted)
+    with recorder_of(app) as recorder:
+        run_interrupted(app, outer, x)
+        assert fired == [1]
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, PTTL {recorder.pttl(key)} ms"
+
+
+@contextmanager
+def lost_before_the_body(app: Celery, task: Any) -> Iterator[list[str]]:
+    """For the block, a ``lock_acquired`` receiver deletes the lock each run of ``task`` just took
+    and waits until the watchdog finds the loss (``lock.lost``), all before the body starts: as a
+    lease that runs out while the run frees its enqueue lock against a slow Redis, or while a
+    ``lock_acquired`` receiver runs. The list gets ``"lost"`` for each loss so found."""
+    client = redis.Redis.from_url(app.conf.redislock_url)
+    seen: list[str] = []
+
+    def receiver(sender: Any = None, key: str = "", task_id: str | None = None, **_: Any) -> None:
+        if sender is not None and sender.name == task.name and task_id is not None:
+            client.delete(key)
+            run: Any = app_state(app).running[threading.get_ident(), task_id]  # an Execution
+            lock = run.lock
+            seen.append(wait_for(lambda: lock.lost.is_set() and "lost", 10, "the watchdog to find the loss"))
+
+    lock_acquired.connect(receiver, weak=False)
+    try:
+        yield seen
+    finally:
+        lock_acquired.disconnect(receiver)
+        client.close()
+
+
+def test_a_loss_found_before_the_body_starts_is_marked_in_the_request(app: Celery) -> None:
+    """``lock_on_lost="log"``: the watchdog finds the lock lost after the acquire, before the body
+    starts. The body's ``self.request.lock_lost`` says so, as ``check_lock()`` does (the loss is
+    reported once, and the run's fields written into the request must not reset it)."""
+    observed: list[tuple[bool, bool]] = []
+
+    def body(self: Any, x: int) -> None:
+        try:
+            self.check_lock()
+        except LockLost:
+            observed.append((bool(self.request.lock_lost), True))
+        else:
+            observed.append((bool(self.request.lock_lost), False))
+
+    task = define(app, "lost_before_body", body, lock_ttl=0.6)
+    with lost_before_the_body(app, task) as seen, threads_worker(app, concurrency=1):
+        assert task.delay(1).get(timeout=RESULT_TIMEOUT) == 1
+    assert seen == ["lost"]
+    assert observed == [(True, True)]
+
+
+def test_terminate_stops_a_child_whose_lock_was_lost_before_its_body_started(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lock_on_lost="terminate"`` in a prefork pool child (as this process is made to look:
+    ``pool_child``, ``os.kill`` recorded): the loss is found between the acquire and the body's
+    start, while no body runs to stop; the child is stopped as the body starts, rather than
+    letting it run beside the next holder."""
+    kills: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, signum: kills.append((pid, signum)))
+    app_state(app).pool_child = os.getpid()
+    ran: list[int] = []
+    task = define(
+        app, "terminate_before_body", lambda self, x: ran.append(x), lock_ttl=0.6, lock_on_lost="terminate"
+    )
+    try:  # os.kill recorded, not sent: the run goes on, and fails
+        with (
+            lost_before_the_body(app, task) as seen,
+            threads_worker(app, concurrency=1),
+            pytest.raises(LockLost),
+        ):
+            task.delay(2).get(timeout=RESULT_TIMEOUT)
+    finally:
+        app_state(app).pool_child = None
+    assert seen == ["lost"]
+    assert kills == [(os.getpid(), signal.SIGKILL)], f"the body ran ({ran}), the child was not stopped"
