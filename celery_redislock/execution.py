@@ -8,6 +8,8 @@ Where each outcome is handled:
   reads the reply: ``run_lock.release_later``); the ``task_postrun`` receiver also
   lets go of a lock an asynchronous exception (a soft time limit) kept that
   ``finally`` from letting go, as the mode says (``Execution.finish``): kept or released;
+  a direct call, which has no ``task_postrun``, does that in its ``__call__``
+  (``Execution.cut_short``), for an interrupt in ``begin`` too;
 * a step between taking the lock and running the body fails (a Redis error
   freeing the message's enqueue lock): the lock is released on the way out;
 * the run fails before its body (refused, a timed-out or interrupted wait, a failed
