@@ -99,18 +99,23 @@ class ExecutionLock(RedisLock):
         if self._stop_child:
             with self._guard:  # the body cannot end meanwhile: a child that finished is never stopped
                 if self._body_running:
-                    task_id = getattr(self.request, "id", None)
-                    pid = os.getpid()  # asked of the kernel: the process stopped is this one, never another
-                    logger.error(
-                        "lock %r lost while task %s ran: it is no longer held by this task; stopping "
-                        "pool child %d (lock_on_lost='terminate')",
-                        self.name,
-                        task_id,
-                        pid,
-                        extra=telemetry.log_fields(self.name, task_id, self.holder, self.fence, "terminate"),
-                    )
-                    os.kill(pid, signal.SIGKILL)
+                    self._stop_this_child("while task {} ran")
         return True
+
+    def _stop_this_child(self, when: str) -> None:
+        """Kill this process (a prefork pool child, ``stop_child``): the lock was lost ``when``
+        (formatted with the task id), with a body running or about to."""
+        task_id = getattr(self.request, "id", None)
+        pid = os.getpid()  # asked of the kernel: the process stopped is this one, never another
+        logger.error(
+            "lock %r lost %s: it is no longer held by this task; stopping pool child %d "
+            "(lock_on_lost='terminate')",
+            self.name,
+            when.format(task_id),
+            pid,
+            extra=telemetry.log_fields(self.name, task_id, self.holder, self.fence, "terminate"),
+        )
+        os.kill(pid, signal.SIGKILL)
 
     def body(self) -> AbstractContextManager[None]:
         """The block the body runs in: only then does a loss stop the pool child (``stop_child``);
@@ -130,16 +135,7 @@ class ExecutionLock(RedisLock):
             self._body_running = True
             lost_already = self.found_lost()
         if lost_already:  # found before the body started: ``lease_lost`` did not stop the child then
-            task_id, pid = getattr(self.request, "id", None), os.getpid()
-            logger.error(
-                "lock %r lost before task %s's body started; stopping pool child %d "
-                "(lock_on_lost='terminate')",
-                self.name,
-                task_id,
-                pid,
-                extra=telemetry.log_fields(self.name, task_id, self.holder, self.fence, "terminate"),
-            )
-            os.kill(pid, signal.SIGKILL)
+            self._stop_this_child("before task {}'s body started")
         try:
             yield
         finally:
