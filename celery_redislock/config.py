@@ -240,12 +240,12 @@ def _bound_run(task: type[Any]) -> Callable[..., Any]:
 @functools.lru_cache(maxsize=16)
 def _refused_options(url: str) -> str | None:
     """Why a connection of ``url`` (a ``redis``, ``rediss`` or ``unix`` URL) refuses its query's
-    options (an unknown one: redis-py keeps it, and its first connection raises ``TypeError``),
-    or ``None``. Cached: making the pool and connection (nothing is sent) costs about 0.6 ms,
-    and the settings are read for every task bound."""
+    options (an unknown one: redis-py keeps it, and its first connection raises ``TypeError``;
+    a bad value: a ``RedisError``), or ``None``. Cached: making the pool and connection (nothing
+    is sent) costs about 0.6 ms, and the settings are read for every task bound."""
     try:
         redis.Redis.from_url(url).connection_pool.make_connection()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, redis.RedisError) as exc:  # a RedisError: protocol=4, say
         return str(exc)
     return None
 

@@ -57,7 +57,6 @@ import threading
 import time as mod_time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import redis.cluster
@@ -550,11 +549,35 @@ def _side_by_side(renew: Callable[..., _Found], exchanges: list[tuple[Any, ...]]
     """``renew(*exchange)`` for each of ``exchanges`` (one per server), their results in order:
     each server's in a thread of its own when there are several, so that a stalled server (its
     connect, its reply: up to half an interval each) holds up no other server's renewals, however
-    many clients of it the leases came with."""
+    many clients of it the leases came with. Daemon threads of the tick's own, not a thread pool,
+    which refuses work once the interpreter shuts down (and locks held by a thread it waits for
+    still need renewing then); one that cannot start renews on this thread. An exception one
+    raised is raised here, once all are over."""
     if len(exchanges) < 2:
         return [renew(*exchange) for exchange in exchanges]
-    with ThreadPoolExecutor(len(exchanges), thread_name_prefix="celery-redislock-renewal") as pool:
-        return list(pool.map(lambda exchange: renew(*exchange), exchanges))
+    outcomes: list[tuple[_Found, BaseException | None]] = [([], None)] * len(exchanges)
+
+    def run(index: int) -> None:
+        try:
+            outcomes[index] = (renew(*exchanges[index]), None)
+        except BaseException as exc:  # raised on the watchdog's thread, once all are over
+            outcomes[index] = ([], exc)
+
+    threads = []
+    for index in range(len(exchanges)):
+        thread = threading.Thread(target=run, args=(index,), name="celery-redislock-renewal", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread could be started: renewed here, after the others'
+            run(index)
+            continue
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    for _, exc in outcomes:
+        if exc is not None:
+            raise exc
+    return [found for found, _ in outcomes]
 
 
 def _started(target: Callable[[], None], name: str) -> threading.Thread:

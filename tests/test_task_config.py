@@ -446,3 +446,19 @@ def test_a_cluster_unreachable_at_first_use_is_a_redis_error_as_redislock_on_err
                 task.apply((1,)).get()
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("query", ["protocol=4", "ssl_cert_reqs=bogus"])
+def test_a_redislock_url_whose_query_options_redis_py_refuses_is_named_at_bind(
+    redis_server: RedisServer, prefix: str, query: str
+) -> None:
+    """As an unknown option: redis-py's connection refuses these with a Redis error."""
+    scheme = "rediss" if "ssl" in query else "redis"
+    app = new_app(
+        redis_server.url, prefix, redislock_url=f"{scheme}://127.0.0.1:{redis_server.port}/0?{query}"
+    )
+    try:
+        with pytest.raises(LockConfigurationError, match="redislock_url"):
+            define(app)
+    finally:
+        app.close()

@@ -363,3 +363,43 @@ def test_a_slow_loss_report_does_not_hold_up_the_renewal_of_other_locks(
         done.set()
         lock_lost.disconnect(receiver)
     kept.release()
+
+
+#: A process whose non-daemon thread holds two locks (ttl 1 s) for three leases, ``clients``
+#: clients of one server between them, while its main thread has returned: the interpreter
+#: shuts down meanwhile (``concurrent.futures`` refuses new work from then on).
+_HELD_AT_SHUTDOWN = """
+import sys, threading, time
+import redis
+from celery_redislock import RedisLock
+
+url, prefix, clients = sys.argv[1], sys.argv[2], int(sys.argv[3])
+made = [redis.Redis.from_url(url) for _ in range(clients)]
+locks = [RedisLock(made[i % clients], f"{prefix}:{i}", ttl=1.0) for i in range(2)]
+
+def job():
+    for lock in locks:
+        lock.acquire()
+    time.sleep(3)  # the job's own duration: three leases
+    print("lost", [lock.lost.is_set() for lock in locks], flush=True)
+    print("held", [made[0].pttl(f"{prefix}:{i}") > 0 for i in range(2)], flush=True)
+    for lock in locks:
+        lock.release()
+
+threading.Thread(target=job).start()
+"""
+
+
+@pytest.mark.parametrize("clients", [1, 2], ids=["one client", "two clients of one server"])
+def test_the_watchdog_renews_for_a_thread_still_running_as_the_interpreter_shuts_down(
+    redis_server: RedisServer, prefix: str, clients: int
+) -> None:
+    """Two clients make two exchanges a tick, which the watchdog runs side by side: they are
+    still renewed after the main thread returned (no thread pool, which refuses work then)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HELD_AT_SHUTDOWN, redis_server.url, prefix, str(clients)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "held [True, True]" in done.stdout, (done.stdout, done.stderr[-1500:])
