@@ -542,7 +542,8 @@ def test_without_a_skip_state_a_skipped_run_succeeds_with_none(app: Celery) -> N
     [
         ({"lock_duplicate": "replace"}, {},
          "task 'bad': lock_duplicate='replace' is not valid; lock_mode 'while_executing' takes no enqueue"),
-        ({"lock_mode": "until_executing", "lock_duplicate": "replace"}, {"redislock_replicas": 1},
+        ({"lock_mode": "until_executing", "lock_duplicate": "replace"},
+         {"redislock_replicas": 1, "redislock_replica_timeout": 0.1},  # below every lock_ttl
          "task 'bad': lock_duplicate='replace' is not valid; not supported with redislock_replicas"),
         ({"lock_mode": "until_executing", "lock_busy": "reject"}, {},
          "task 'bad': lock_busy='reject' is not valid; lock_mode 'until_executing' takes no lock a run"),
