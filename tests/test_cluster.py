@@ -97,7 +97,9 @@ def test_the_watchdog_renews_each_node_in_one_round_trip(
         real_send(self, command, check_health)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
-    locks = [RedisLock(client, f"{prefix}:{i}", ttl=1.5) for i in range(300)]  # ~100 slots per node
+    # names of one length: CRC16 is linear, so their 300 slots differ whatever the prefix (with
+    # lengths mixed, about 1 prefix in 100 put fewer than 250 apart)
+    locks = [RedisLock(client, f"{prefix}:{i:04d}", ttl=1.5) for i in range(300)]  # ~100 slots per node
     for lock in locks:
         lock.acquire()
     assert len({key_slot(lock.name.encode()) for lock in locks}) > 250
