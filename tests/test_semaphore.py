@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests import invariants
 from tests.conftest import calls_since, command_calls
 from tests.taskapp import LEASE, text
+from tests.workers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,13 +40,6 @@ def queued(client: redis.Redis, name: str) -> int:
 
 def has_queued(client: redis.Redis, name: str, count: int) -> bool:
     return queued(client, name) == count
-
-
-def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.005)  # poll the condition against the deadline
 
 
 @pytest.fixture
@@ -271,7 +265,7 @@ def test_a_waiter_is_woken_by_a_release_not_by_polling(client: redis.Redis, pref
     waiter = RedisSemaphore(client, name, 1, ttl=60, fair=fair)
     results: list[bool] = []
     thread = _wait_in_thread(waiter, results)
-    until(lambda: queued(client, name) == 1, "the waiter queued")
+    wait_for(lambda: queued(client, name) == 1, 10, "the waiter queued")
     holder.release()
     thread.join(30)
     assert results == [True] and waiter.owned()
@@ -293,9 +287,9 @@ def test_a_fair_waiter_is_served_when_a_permit_runs_out_unreleased(client: redis
     first_results: list[bool] = []
     second_results: list[bool] = []
     first_thread = _wait_in_thread(first, first_results)
-    until(lambda: queued(client, name) == 1, "the first waiter queued")
+    wait_for(lambda: queued(client, name) == 1, 10, "the first waiter queued")
     second_thread = _wait_in_thread(second, second_results)
-    until(lambda: queued(client, name) == 2, "the second waiter queued")
+    wait_for(lambda: queued(client, name) == 2, 10, "the second waiter queued")
     first_thread.join(30)
     assert first_results == [True] and first.owned() and not holder.owned()
     assert first.fence is not None and holder.fence is not None and first.fence > holder.fence
@@ -348,7 +342,7 @@ def test_fair_waiters_are_served_in_arrival_order(client: redis.Redis, prefix: s
     for index in range(5):
         threads.append(threading.Thread(target=wait, args=(index,)))
         threads[-1].start()
-        until(functools.partial(has_queued, client, name, index + 1), f"waiter {index} queued")
+        wait_for(functools.partial(has_queued, client, name, index + 1), 10, f"waiter {index} queued")
     first_come = RedisSemaphore(client, name, 2, ttl=30, fair=True)
     assert not first_come.acquire(blocking=False)  # a fair newcomer does not pass the queue
     for holder in holders:
@@ -390,7 +384,7 @@ def test_stress_never_more_than_limit_owning_holders(
         invariants.Sampler(client, prefix),
     ):
         for frozen in processes[: len(pauses)]:
-            until(functools.partial(_stopped, frozen.pid), "a holder frozen holding its permit")
+            wait_for(functools.partial(_stopped, frozen.pid), 10, "a holder frozen holding its permit")
             time.sleep(2 * lease)  # the pause injected, not a synchronisation
             os.kill(frozen.pid, signal.SIGCONT)
         for process in processes:
@@ -419,7 +413,7 @@ def test_on_a_cluster_every_key_of_a_semaphore_is_in_its_names_slot(
         waiter = RedisSemaphore(client, name, 2, ttl=30, fair=True)
         results: list[bool] = []
         thread = _wait_in_thread(waiter, results)
-        until(lambda: client.zcard(companion_key(name, "queue")) == 1, "the waiter queued")
+        wait_for(lambda: client.zcard(companion_key(name, "queue")) == 1, 10, "the waiter queued")
         node = client.get_node_from_key(name)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         keys = list(node.redis_connection.scan_iter(match=f"{{{prefix}*"))
         assert len(keys) == 4  # two permits, the queue and the deadlines
@@ -511,9 +505,9 @@ def test_a_waiter_behind_a_runs_next_attempt_takes_a_freed_permit_at_once(
 
     threads = [threading.Thread(target=take, args=(x1, "x1")), threading.Thread(target=take, args=(z0, "z0"))]
     threads[0].start()
-    until(lambda: has_queued(client, name, 1), "X's attempt 1 queued")
+    wait_for(lambda: has_queued(client, name, 1), 10, "X's attempt 1 queued")
     threads[1].start()
-    until(lambda: has_queued(client, name, 2), "Z queued")
+    wait_for(lambda: has_queued(client, name, 2), 10, "Z queued")
     released = time.monotonic()
     y0.release()
     threads[1].join(30)

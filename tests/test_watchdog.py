@@ -380,7 +380,13 @@ locks = [RedisLock(made[i % clients], f"{prefix}:{i}", ttl=1.0) for i in range(2
 def job():
     for lock in locks:
         lock.acquire()
-    time.sleep(3)  # the job's own duration: three leases
+    for i in range(2):  # held through three renewals of each (ttl 1 s: one every 1/3 s), 10 s at most
+        key, rises, deadline = f"{prefix}:{i}", 0, time.monotonic() + 10
+        lowest = made[0].pttl(key)
+        while rises < 3 and time.monotonic() < deadline:
+            now = made[0].pttl(key)
+            rises, lowest = rises + (now > lowest), min(lowest, now)
+            threading.Event().wait(0.01)  # a polling step with a deadline
     print("lost", [lock.lost.is_set() for lock in locks], flush=True)
     print("held", [made[0].pttl(f"{prefix}:{i}") > 0 for i in range(2)], flush=True)
     for lock in locks:
