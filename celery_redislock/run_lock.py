@@ -146,7 +146,7 @@ class ExecutionLock(RedisLock):
 def raise_if_lost(locks: Iterable[ExecutionLock | None]) -> None:
     """Raise ``LockLost`` for the first of ``locks`` that raises on a loss and was lost."""
     for lock in locks:
-        if lock is not None and lock.raise_on_lost and lock.lost.is_set():
+        if lock is not None and lock.raise_on_lost and lock.found_lost():
             raise LockLost(lock.name)
 
 

@@ -229,7 +229,7 @@ class LockedTask(OnCommit):
         (unlocked with ``redislock_on_error="run"``, or not running) it returns.
         """
         lock = _held_locks.get().get(getattr(self.request, "lock_key", None) or "")
-        if lock is not None and lock.lost.is_set():
+        if lock is not None and lock.found_lost():
             raise LockLost(lock.name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
