@@ -264,8 +264,9 @@ def server_cpu(client: Any) -> float:
 
 
 def lock_stats(client: Any) -> tuple[int, dict[str, int]]:
-    """(total_reads_processed, calls per command) of the lock server, in one INFO call."""
-    info = client.info("stats", "commandstats")
+    """(total_reads_processed, calls per command) of the lock server, in one INFO call (``all``:
+    Redis 6.2 takes one section name per call, and ``all`` holds both stats and commandstats)."""
+    info = client.info("all")
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in info.items() if k.startswith("cmdstat_")}
     return int(info["total_reads_processed"]), calls
 

