@@ -353,10 +353,12 @@ class Watchdog(LeaseSet):
                 lost += failed_renewal([lease for batch in batches for lease in batch], exc)
                 continue
             nodes.setdefault((id(node), ttl_ms), (node, []))[1].extend(batches)
-        exchanges = [
-            (self._connection(node, batches[0][0].interval / 2), batches, ttl_ms)
-            for (_, ttl_ms), (node, batches) in nodes.items()
-        ]
+        exchanges = []
+        for (_, ttl_ms), (node, batches) in nodes.items():
+            try:
+                exchanges.append((self._connection(node, batches[0][0].interval / 2), batches, ttl_ms))
+            except Exception as exc:  # no connection could be made: that server's renewal failed
+                lost += failed_renewal([lease for batch in batches for lease in batch], exc)
         lost += [found for each in _side_by_side(self._renew_server, exchanges) for found in each]
         self._land(leases)  # all answered: the losses are reported with no renewal in flight
         for lease, reason in lost:

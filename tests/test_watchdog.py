@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,13 +17,14 @@ import pytest
 import redis
 
 from celery_redislock import LockedTask, LockNotOwned, RedisLock, task_lock_key
+from celery_redislock import watchdog as watchdog_module
 from celery_redislock._scripts import RENEW
 from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import Lease, get_watchdog
 from tests.conftest import Topology, calls_since, command_calls
 from tests.taskapp import LEASE, make_app
-from tests.workers import threads_worker, wait_for
+from tests.workers import renewed, threads_worker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -363,6 +365,59 @@ def test_a_slow_loss_report_does_not_hold_up_the_renewal_of_other_locks(
         done.set()
         lock_lost.disconnect(receiver)
     kept.release()
+
+
+class _RefusedConnection(redis.Connection):
+    """A connection class that cannot make a connection (a custom class, a bad certificate path)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        raise ValueError("no connection for this client")
+
+
+def _refuse_connections(how: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on, the watchdog can make no connection of its own for ``client`` (``how``)."""
+    pool = client.connection_pool
+    if how == "class":  # its connection class raises
+        monkeypatch.setattr(pool, "connection_class", _RefusedConnection)
+    elif how == "kwargs":  # its pool's connection_kwargs hold one the class refuses (TypeError)
+        monkeypatch.setitem(pool.connection_kwargs, "not_an_option", 1)
+    else:  # a Cluster node with no client yet (redis-py makes one after a MOVED to a new node lazily)
+        node = watchdog_module._node
+        monkeypatch.setattr(
+            watchdog_module, "_node", lambda of, slot: None if of is client else node(of, slot)
+        )
+
+
+@pytest.mark.parametrize("how", ["class", "kwargs", "node"])
+def test_a_server_whose_connection_cannot_be_made_starves_no_other_and_its_locks_are_lost_in_time(
+    redis_server: RedisServer,
+    prefix: str,
+    lost_reports: list[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    """Two locks renewed in one tick, through two clients: the watchdog cannot make its connection
+    for one of them (``how``). That is a failed renewal of that client's lease only, as Redis
+    unreachable is: the other lock is still renewed, and the first is found lost (``expired``,
+    its ``lost`` set, ``lock_lost`` sent) once its lease runs out, not left unrenewed and held
+    as far as its owner knows while the tick is given up, round after round."""
+    healthy, refused = redis_server.client(), redis_server.client()
+    refused.ping()  # the lock's own commands use this pooled connection; only new ones are refused
+    _refuse_connections(how, refused, monkeypatch)
+    kept = RedisLock(healthy, f"{prefix}:kept", ttl=1.5)
+    doomed = RedisLock(refused, f"{prefix}:doomed", ttl=1.5)
+    try:
+        assert kept.acquire(blocking=False) and doomed.acquire(blocking=False)
+        for _ in range(3):  # renewed round after round, past its TTL
+            renewed(healthy, kept.name, timeout=5)
+        assert doomed.lost.wait(10), "the lock whose renewals all fail is not found lost"
+        wait_for(lambda: lost_reports, 10, "the report")
+        assert [(r["sender"], r["reason"]) for r in lost_reports] == [(doomed, "expired")]
+        assert not kept.lost.is_set() and kept.owned()
+    finally:
+        for lock in (kept, doomed):
+            with contextlib.suppress(LockNotOwned):
+                lock.release()
 
 
 #: A process whose non-daemon thread holds two locks (ttl 1 s) for three leases, ``clients``
