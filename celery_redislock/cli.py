@@ -34,6 +34,7 @@ from typing import Any
 
 import click
 import redis
+from kombu.utils import json as kombu_json
 
 from ._permit_scripts import MAX_LIMIT
 from .config import AppSettings, LockOptions, app_settings, bound_options
@@ -179,8 +180,11 @@ def _existing(context: _Context, key: str) -> HeldLock:
 
 
 def _json_option(option: str, text: str, kind: type) -> Any:
+    """The value of a JSON ``option`` as a worker receives a message's: kombu's ``loads``, which
+    turns its ``{"__type__": ..., "__value__": ...}`` envelopes back into what was sent (a
+    datetime, a UUID, a Decimal), so that a call keys as its run does."""
     try:
-        value = json.loads(text)
+        value = kombu_json.loads(text)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint=option) from None
     if not isinstance(value, kind):

@@ -17,12 +17,14 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
+from kombu.utils import json as kombu_json
 
 from celery_redislock import LockNotOwned, RedisLock, RedisSemaphore, task_lock_key
 from celery_redislock.cli import force_release, read_lock, redislock
@@ -460,3 +462,25 @@ def test_the_celery_command_shows_and_releases_a_lock_held_in_an_examples_worker
         assert json.loads(celery("redislock", "list", "--json")) == []
         worker.wait_for_log(f"lock '{held['key']}' lost (not owned)", timeout=10)
         worker.wait_for_log(f"long_report[{task_id}] succeeded", "'lost': True")
+
+
+def test_release_by_task_reads_the_arguments_as_a_worker_receives_them(setup: Setup) -> None:
+    """``--args``/``--kwargs`` are read as Celery's JSON delivers a message's arguments: a value
+    sent as a datetime (kombu's ``{"__type__": ..., "__value__": ...}``) keys as the worker keys
+    it. Read as plain JSON, the envelope was refused as a look-alike, and no such lock could be
+    freed by call."""
+    task = setup.task("hold_skip")
+    when = datetime(2026, 11, 28, 22, 30, tzinfo=timezone.utc) + timedelta(
+        microseconds=uuid.uuid4().int % 10**6
+    )
+    key = task_lock_key(task, (when,), {"gate": True})
+    lock = RedisLock(setup.recorder.client, key, ttl=60)
+    assert lock.acquire(blocking=False)
+    sent = kombu_json.dumps([when])  # as the message carries it
+    released = setup.cli(
+        "release", "--task", "taskapp.hold_skip", "--args", sent, "--kwargs", '{"gate": true}'
+    )
+    assert released.exit_code == 0, released.output
+    assert released.stdout.startswith(f"released {key} ")
+    with pytest.raises(LockNotOwned):
+        lock.release()
