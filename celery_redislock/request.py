@@ -55,6 +55,17 @@ CHILD_EXIT_TIMEOUT = 60.0
 class LockedRequest(Request):
     """``Request`` of a ``LockedTask``: releases the lock of a dead child's task."""
 
+    #: Whether Celery sent a retry in the message's stead after its pool child was lost
+    #: (``task_retry_on_worker_lost``, Celery 5.7 and later: ``_retry_worker_lost``).
+    _retried_instead = False
+
+    def _retry_worker_lost(self, exc: Any, exc_info: Any) -> Any:
+        """Celery's retry of a task whose pool child was lost (not past ``max_retries``, not a
+        ``Terminated`` or a time limit); noted, since the retry carries the message's enqueue lock."""
+        retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
+        self._retried_instead = bool(retried)
+        return retried
+
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> Any:
         try:
             return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
@@ -133,13 +144,15 @@ class LockedRequest(Request):
     def _delivered_for_good(self) -> bool:
         """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery
         after the failure: ``acks_on_failure``), and no retry sent in its stead
-        (``retry_on_worker_lost``). Not a message Celery rejects, which may be a requeue
-        (``acks_late`` with ``reject_on_worker_lost``, a time limit without ``acks_on_timeout``:
-        kombu marks both ``REJECTED``), nor one left unacknowledged for redelivery: those keep
-        their enqueue lock, until its ttl. Read from kombu's message state, its private
-        ``_state`` (``tests/unit/test_kombu_internals.py``; none there: taken as coming back)."""
+        (``retry_on_worker_lost``: only for a lost worker within ``max_retries``, and only once
+        sent, which ``_retry_worker_lost`` notes). Not a message Celery rejects, which may be a
+        requeue (``acks_late`` with ``reject_on_worker_lost``, a time limit without
+        ``acks_on_timeout``: kombu marks both ``REJECTED``), nor one left unacknowledged for
+        redelivery: those keep their enqueue lock, until its ttl. Read from kombu's message
+        state, its private ``_state`` (``tests/unit/test_kombu_internals.py``; none there: taken
+        as coming back)."""
         acknowledged = getattr(self.message, "_state", None) == "ACK"
-        return acknowledged and not getattr(self.task, "retry_on_worker_lost", False)
+        return acknowledged and not self._retried_instead
 
     def _release_orphaned_lock(self, why: str) -> None:
         """Release the execution lock the dead child held for the task, and the enqueue lock its

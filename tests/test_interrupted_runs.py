@@ -534,6 +534,70 @@ def test_a_pool_child_killed_while_waiting_frees_its_messages_enqueue_lock_unles
             recorder.delete(queued)
 
 
+@pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
+@pytest.mark.parametrize("end", ["retried", "out_of_retries", "revoked"])
+def test_with_retry_on_worker_lost_a_dead_waiter_frees_its_enqueue_lock_unless_a_retry_carries_it(
+    app: Celery, redis_server: RedisServer, prefix: str, end: str
+) -> None:
+    """``task_retry_on_worker_lost`` (Celery 5.7): a lost pool child's task is retried, its retry
+    carrying the message's enqueue lock; but not past ``max_retries``, nor after a
+    ``revoke(terminate=True)`` (``Terminated``, not a lost worker). until_and_while_executing, a
+    group member sent with ``lock_in_canvas=True`` (it has an enqueue lock) waits for a busy
+    execution lock, and its pool child dies (SIGKILL, or revoked with SIGKILL). Retried: the
+    retry waits again with the enqueue lock, and a ``delay()`` meanwhile is its duplicate. Not
+    retried: the message is acknowledged and nothing will run it, so the worker's main process
+    frees the enqueue lock, rather than refuse every ``delay()`` for ``lock_queue_ttl``."""
+    annotations = {"max_retries": 0} if end == "out_of_retries" else {"default_retry_delay": 0}
+    conf = {
+        "task_retry_on_worker_lost": True,
+        "task_annotations": {"taskapp.until_and_while_executing": annotations},
+    }
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", json.dumps(conf))
+    worker.start()
+    task: Any = app.tasks["taskapp.until_and_while_executing"]
+    x = uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    queued = key + ":queued"
+    with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            assert holder.acquire(blocking=False)
+            member = task.apply_async((x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True)
+            [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
+            assert recorder.exists(queued)
+            if end == "revoked":
+                member.revoke(terminate=True, signal="SIGKILL")
+            else:
+                os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
+            if end == "retried":  # its retry waits in another child, with its enqueue lock
+                wait_for(
+                    lambda: len(events(app, "busy", x)) >= 2,
+                    what=lambda: f"the retry to wait:\n{worker.output()}",
+                )
+                assert events(app, "busy", x)[1][6] == "1", "not the retry"
+                assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
+                assert task.delay(x, gate=True).id == member.id, "a duplicate was sent beside it"
+                return
+            wait_for(
+                lambda: not recorder.exists(queued),
+                timeout=20,
+                what=lambda: f"the main process to free the enqueue lock; the worker:\n{worker.output()}",
+            )
+            wait_for(lambda: member.state in ("FAILURE", "REVOKED"), what="the member's end")
+            holder.release()
+            recorder_for(app).open_gate(x)
+            again = task.delay(x, gate=True)
+            assert again.id != member.id
+            assert again.get(timeout=RESULT_TIMEOUT) == x
+        finally:
+            recorder_for(app).open_gate(x)
+            if holder.held():
+                holder.release()
+            worker.stop()
+            recorder.delete(queued)
+
+
 def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
     app: Celery, redis_server: RedisServer, prefix: str
 ) -> None:

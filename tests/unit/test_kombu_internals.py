@@ -28,7 +28,7 @@ def test_a_messages_state_says_whether_it_comes_back(settle: object, state: str)
     message: Any = Message(body="", channel=Mock(), delivery_tag="1")
     settle(message)  # type: ignore[operator]
     assert message._state == state
-    request = Mock(message=message, task=Mock(retry_on_worker_lost=False))
+    request = Mock(message=message, _retried_instead=False)
     assert LockedRequest._delivered_for_good(request) == (state == "ACK")
-    request.task.retry_on_worker_lost = True  # a retry is sent in its stead
+    request._retried_instead = True  # a retry was sent in its stead (task_retry_on_worker_lost)
     assert not LockedRequest._delivered_for_good(request)
