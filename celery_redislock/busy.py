@@ -31,7 +31,7 @@ from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .inventory import release_token
-from .protocol import parse_holder, request_ticket
+from .protocol import REPUBLISH, parse_holder, request_ticket
 from .run_lock import ExecutionLock, acquired, adopt, release
 
 __all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "skipped", "when_busy"]
@@ -162,7 +162,9 @@ def _retry(found: Found) -> bool:
     if ticket is not None and options.rules.frees_ticket:
         # Queued again, with the same enqueue lock: it lives as long as at enqueue (owner-checked).
         RENEW(lock.client, [ticket[0]], [to_ms(options.queue_ttl + delay), ticket[1]])
-    signature.apply_async()
+    # The same message queued again, never refused as a duplicate (one sent without an enqueue
+    # lock, by ``send_task`` say, would be, by the queued message's: nothing sent, RETRY forever).
+    signature.apply_async(**{REPUBLISH: True})
     # Queued again: whatever ends this run now (the Retry below, or a soft time limit landing
     # before it), the message's enqueue lock is the queued copy's (``Execution._begin``).
     request.lock_republished = True

@@ -27,6 +27,7 @@ from celery.utils.time import maybe_make_aware
 __all__ = [
     "BEAT_HEADER",
     "HEADER",
+    "REPUBLISH",
     "LockValue",
     "holder_for",
     "message_delay",
@@ -45,6 +46,9 @@ HEADER = "redislock"
 #: ``entry``, ``slot`` (its id), ``key`` (its marker), ``token``, ``ttl`` (ms, of a new
 #: marker), ``beat`` (the sender) and ``claimed`` (whether the sender claimed the slot).
 BEAT_HEADER = "redislock_beat"
+#: The ``apply_async`` option (popped there, never sent) of a busy retry's republish
+#: (``busy._retry``): the same message queued again, never refused as a duplicate.
+REPUBLISH = "lock_republish"
 #: Characters a holder field keeps as they are; others (space, ``=``, ``%``, non-ASCII) are %-encoded.
 _FIELD_SAFE = "!\"#$&'()*+,-./:;<>?@[\\]^_`{|}~"
 #: A field every character of which ``quote`` keeps (ASCII letters, digits, ``_.-~``, ``_FIELD_SAFE``).

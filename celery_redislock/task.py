@@ -28,7 +28,7 @@ from .enqueue import enqueue
 from .exceptions import LockConfigurationError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
-from .protocol import HEADER, message_delay
+from .protocol import HEADER, REPUBLISH, message_delay
 from .receivers import after_run, install
 from .run_lock import ExecutionLock, raise_if_lost
 
@@ -156,8 +156,9 @@ class LockedTask(OnCommit):
         A duplicate returns the ``AsyncResult`` of the task already queued or
         running (``lock_duplicate="return"``), raises ``DuplicateTask``, or takes
         the lock over from the queued message and is sent (``"replace"``). A
-        republish of a message that carries its lock, and a member of a group
-        or chord (unless sent with ``lock_in_canvas=True``), pass. So does a
+        republish of a message that carries its lock, a busy retry's republish
+        (whatever the message carries: it is queued again, not a new call), and a
+        member of a group or chord (unless sent with ``lock_in_canvas=True``), pass. So does a
         retry of the attempt running here (``self.retry``, autoretry), however
         its first attempt was sent: in the modes that keep the lock between
         attempts, its message carries a token of its own, for which the attempt
@@ -167,6 +168,7 @@ class LockedTask(OnCommit):
         key = _lock_key(self, lock_options, settings, args or (), kwargs or {})  # unkeyable: fails unsent
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
+        republish = options.pop(REPUBLISH, False)
         in_canvas = (options.get("group_id") or options.get("chord")) and not in_canvas_opt_in
         headers = dict(options.pop("headers", None) or {})
 
@@ -182,7 +184,7 @@ class LockedTask(OnCommit):
             result = send(task_id)
             running.lock_retry = (key, token, message_delay(options))  # once sent: let_go parks for it
             return result
-        if running is not None or not rules.enqueue_lock or HEADER in headers or in_canvas:
+        if running is not None or republish or not rules.enqueue_lock or HEADER in headers or in_canvas:
             return send(task_id)
         return enqueue(self, key + rules.queued_suffix, task_id or uuid(), options, headers, send)
 

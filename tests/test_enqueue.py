@@ -150,6 +150,28 @@ def test_a_busy_retry_keeps_the_enqueue_lock_for_its_new_queueing(app: Celery) -
     recorder(app).client.delete(queued_key)  # the retry is still in its countdown: let it go unlocked
 
 
+def test_a_busy_retry_of_a_message_sent_without_an_enqueue_lock_is_republished(app: Celery) -> None:
+    """until_and_while_executing (``lock_busy="retry"``): a message sent with ``send_task`` (no
+    enqueue lock in it) finds the execution lock held while another message holds the enqueue
+    lock. Its busy retry republishes it, the same message queued again: not a new call refused
+    as a duplicate of the queued one, which sent nothing and left the message RETRY forever,
+    never run."""
+    x, task = fresh(), app.tasks["taskapp.until_and_while_executing"]
+    with worker(app):
+        first = task.delay(x, gate=True)
+        wait_for(lambda: starts(app, x))
+        second = task.delay(x, gate=True)  # queued behind it, with the enqueue lock
+        copy = app.send_task(task.name, (x,), {"gate": True})
+        wait_for(
+            lambda: any(event[0] == "busy" and event[3] == copy.id for event in recorder(app).events()),
+            what="the copy to find the lock busy",
+        )
+        recorder(app).open_gate(x, times=3)
+        assert first.get(timeout=RESULT_TIMEOUT) == second.get(timeout=RESULT_TIMEOUT) == x
+        assert copy.get(timeout=RESULT_TIMEOUT) == x, "the busy retry was swallowed"
+    assert sorted(event[3] for event in starts(app, x)) == sorted([first.id, second.id, copy.id])
+
+
 def test_until_expired_holds_after_the_run_for_its_period(app: Celery) -> None:
     x, task = fresh(), app.tasks["taskapp.until_expired"]
     key = task_lock_key(task, (x,))
