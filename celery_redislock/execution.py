@@ -177,7 +177,10 @@ class Execution:
             return False
         # Where the mode frees it, the message's enqueue lock goes once the message is dealt with
         # here: run, skipped or failed (refused, a failed wait or republish, an interrupt such as a
-        # soft time limit while waiting); not when it is republished (Retry) or ignored as a twin.
+        # soft time limit while waiting); not when it is republished (Retry) or ignored as a twin,
+        # nor, with ``acks_late``, when the process is exiting (not an ``Exception``: a pool child
+        # stopped at its hard time limit), its message maybe requeued: the worker's main process
+        # frees it then if the message is acknowledged for good (``LockedRequest``).
         ticket_to_free = self.ticket if self.options.rules.frees_ticket else None
         try:
             taken = self.lock is None or self.take(self.lock)
@@ -189,7 +192,8 @@ class Execution:
                 # into an unlocked run beside the holder (redislock_on_error="run").
                 with suppress(redis.RedisError):
                     if ticket_to_free is not None:
-                        self._free_message_lock(ticket_to_free, None)
+                        if isinstance(exc, Exception) or not getattr(self.task, "acks_late", False):
+                            self._free_message_lock(ticket_to_free, None)
                     else:
                         self._free_unadopted_hold(exc)
             raise

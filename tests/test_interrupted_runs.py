@@ -534,6 +534,48 @@ def test_a_pool_child_killed_while_waiting_frees_its_messages_enqueue_lock_unles
             recorder.delete(queued)
 
 
+@pytest.mark.locks_may_remain("the wake message the release sent the stopped waiter, until its ttl")
+def test_a_waiter_past_its_hard_time_limit_keeps_its_requeued_messages_enqueue_lock(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    """until_and_while_executing, ``task_acks_late``: a group member sent with
+    ``lock_in_canvas=True`` (it has an enqueue lock) waits for a busy execution lock past its hard
+    time limit. Celery requeues its message (a time limit without ``acks_on_timeout``), then the
+    pool stops the child with SIGTERM, which raises ``SystemExit`` in the wait. The child is
+    exiting, not failing the message: the requeued message keeps its enqueue lock, and a
+    ``delay()`` meanwhile is its duplicate, not a second message queued beside it."""
+    conf = json.dumps({"task_acks_late": True, "task_acks_on_failure_or_timeout": False})
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", conf)
+    worker.start()
+    task: Any = app.tasks["taskapp.until_and_while_executing"]
+    x = uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    queued = key + ":queued"
+    with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            assert holder.acquire(blocking=False)
+            member = task.apply_async(
+                (x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True, time_limit=2
+            )
+            wait_for(lambda: events(app, "busy", x), what="the member to wait")
+            assert recorder.exists(queued)
+            wait_for(  # delivered again after its time limit, it waits in a child again
+                lambda: len(events(app, "busy", x)) >= 2,
+                what=lambda: f"the requeued member to wait again:\n{worker.output()}",
+            )
+            assert "TimeLimitExceeded" in worker.output()
+            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
+            assert task.delay(x, gate=True).id == member.id, "a duplicate was sent beside it"
+        finally:
+            recorder_for(app).open_gate(x)
+            if holder.held():
+                holder.release()
+            worker.stop()
+            recorder.delete(queued)
+
+
 @pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
 @pytest.mark.parametrize("end", ["retried", "out_of_retries", "revoked"])
 def test_with_retry_on_worker_lost_a_dead_waiter_frees_its_enqueue_lock_unless_a_retry_carries_it(
