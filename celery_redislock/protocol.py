@@ -11,18 +11,20 @@
 * A message carries its enqueue lock (its *ticket*: key and token) in the
   ``redislock`` header, and the beat slot it was sent for in ``redislock_beat``;
   its ``countdown``/``eta`` and ``expires`` are read as Celery's worker reads them
-  (``message_delay``, ``seconds_until``).
+  (``message_delay``, ``seconds_until``), and its arguments as its run receives them
+  (``received_arguments``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
 
 from celery.utils.time import maybe_make_aware
+from kombu import serialization
 
 __all__ = [
     "BEAT_HEADER",
@@ -34,6 +36,7 @@ __all__ = [
     "message_ticket",
     "parse_holder",
     "parse_value",
+    "received_arguments",
     "request_slot",
     "request_ticket",
     "seconds_until",
@@ -156,3 +159,20 @@ def seconds_until(when: Any) -> float:
         return float(when)
     moment: datetime = maybe_make_aware(datetime.fromisoformat(when) if isinstance(when, str) else when)
     return (moment - datetime.now(timezone.utc)).total_seconds()
+
+
+def received_arguments(
+    task: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Mapping[str, Any]
+) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """``args`` and ``kwargs`` as the run of a message sent with ``options`` receives them: through
+    the message's serializer (Celery's JSON delivers a tuple as a list, an int dict key as a
+    string), so that a ``lock_on`` callable, called with them at ``apply_async`` and with what
+    it received in the worker, keys alike. As they are where the serializer cannot take them:
+    the send fails the same way, with Celery's error."""
+    serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
+    try:
+        content_type, encoding, data = serialization.dumps((list(args), dict(kwargs)), serializer)
+        received = serialization.loads(data, content_type, encoding, accept=[content_type])
+    except Exception:  # EncodeError, an unknown serializer, arguments of the wrong shape: Celery's to report
+        return args, kwargs
+    return received[0], received[1]

@@ -28,7 +28,7 @@ from .enqueue import enqueue
 from .exceptions import LockConfigurationError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
-from .protocol import HEADER, REPUBLISH, message_delay
+from .protocol import HEADER, REPUBLISH, message_delay, received_arguments
 from .receivers import after_run, install
 from .run_lock import ExecutionLock, raise_if_lost
 
@@ -165,7 +165,10 @@ class LockedTask(OnCommit):
         parks its hold when it lets go.
         """
         lock_options, settings = _bound_options(self)
-        key = _lock_key(self, lock_options, settings, args or (), kwargs or {})  # unkeyable: fails unsent
+        keyed_args, keyed_kwargs = args or (), kwargs or {}
+        if callable(lock_options.on):  # called with what the worker's run will be called with
+            keyed_args, keyed_kwargs = received_arguments(self, keyed_args, keyed_kwargs, options)
+        key = _lock_key(self, lock_options, settings, keyed_args, keyed_kwargs)  # unkeyable: fails unsent
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)

@@ -1,0 +1,114 @@
+"""Keys in the producer and in the worker, on a real Redis and a real worker: the key
+``apply_async`` locks is the key the worker's run computes from what it receives, whatever
+``lock_on`` is; and a run whose key cannot be computed leaves nothing in Redis."""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redislock import LockedTask, LockKeyError
+from celery_redislock.protocol import HEADER
+from celery_redislock.testing import RedisServer
+from tests.workers import threads_worker, wait_for
+
+RESULT_TIMEOUT = 30
+
+
+def new_app(url: str, prefix: str, **conf: Any) -> Celery:
+    app = Celery("keys", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        {"redislock_url": url, "redislock_prefix": prefix, "task_default_queue": f"q-{prefix}", **conf}
+    )
+    app.finalize()
+    return app
+
+
+@pytest.fixture
+def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
+    app = new_app(redis_server.url, prefix)
+    yield app
+    app.close()
+
+
+def under(client: redis.Redis, prefix: str) -> list[bytes]:
+    return [*client.scan_iter(match=f"{prefix}*"), *client.scan_iter(match=f"{{{prefix}*")]
+
+
+def enqueue_key(app: Celery, prefix: str) -> str:
+    """The key of the one message queued: the enqueue lock its header carries."""
+    client = redis.Redis.from_url(app.conf.redislock_url)
+    try:
+        raw = client.lindex(f"q-{prefix}", 0)
+    finally:
+        client.close()
+    assert raw is not None, "no message queued"
+    return str(json.loads(raw)["headers"][HEADER]["key"])
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_lock_on_callable_keys_what_the_worker_receives(
+    app: Celery, client: redis.Redis, prefix: str, mode: str
+) -> None:
+    """A lock_on callable was called with the caller's values at apply_async and with the
+    delivered ones in the worker: an int-keyed dict arrives string-keyed, so
+    ``min(totals)`` was 9 at apply_async and "10" in the worker, two keys. The worker did not
+    adopt the enqueue lock apply_async took, which then refused every later call for
+    lock_queue_ttl (an hour), as a duplicate of a message long run."""
+
+    def lowest_account(totals: dict[Any, int]) -> Any:
+        return min(totals)  # the account with the lowest id, say
+
+    def keyed(self: Any, totals: dict[Any, int]) -> str:
+        return self.request.lock_key  # type: ignore[no-any-return]
+
+    task = app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="keys.totals",
+        lock_mode=mode,
+        lock_period=0.5,
+        lock_on=lowest_account,
+    )(keyed)
+    totals = {10: 100, 9: 90}
+    first = task.delay(totals)
+    locked_at_enqueue = enqueue_key(app, prefix)
+    with threads_worker(app, concurrency=2):
+        assert first.get(timeout=RESULT_TIMEOUT) == locked_at_enqueue  # the run's lock is the enqueued one
+        if mode == "until_executed":
+            assert not client.exists(locked_at_enqueue)  # adopted, then released
+            second = task.delay(totals)
+            assert second.id != first.id  # not refused as a duplicate of the run that ended
+            assert second.get(timeout=RESULT_TIMEOUT) == locked_at_enqueue
+    wait_for(lambda: not under(client, prefix), timeout=10, what="no key left")
+
+
+def test_a_lock_on_callable_that_cannot_take_the_delivered_values_fails_at_apply_async(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    """Celery's JSON delivers a tuple (a namedtuple too) as a list: a callable reading an
+    attribute of it raised in the worker only, after apply_async had sent the message and
+    taken its enqueue lock. It now fails at apply_async, naming lock_on, and sends nothing."""
+    Order = namedtuple("Order", "account id")  # as a caller's code may have it
+
+    def ship(order: Any) -> Any:
+        return order
+
+    task = app.task(
+        base=LockedTask,
+        shared=False,
+        name="keys.order",
+        lock_mode="until_executed",
+        lock_on=lambda order: order.account,
+    )(ship)
+    with pytest.raises(LockKeyError, match=r"'keys\.order'.*'lock_on'.*AttributeError"):
+        task.delay(Order(7, 1))
+    assert client.llen(f"q-{prefix}") == 0
+    assert not under(client, prefix)
