@@ -8,7 +8,8 @@
 * ``worker_process_init``: note that this process is a prefork pool child
   (``lock_on_lost="terminate"`` stops only those);
 * ``task_revoked``, ``task_unknown``, ``task_rejected`` (the worker's main
-  process): a message that will never run frees the enqueue lock it carries;
+  process): a message that will never run frees the enqueue lock it carries; so does
+  one whose run cannot compute its key (``free_unkeyed_ticket``, called by the run);
 * the beat receivers (``celery_redislock.beat.connect``).
 
 Importing the package connects nothing: ``install`` runs when the first
@@ -34,7 +35,7 @@ from .protocol import message_ticket, request_ticket
 from .state import app_state
 from .telemetry import log_fields
 
-__all__ = ["install"]
+__all__ = ["free_unkeyed_ticket", "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,19 @@ def after_run(task: Any, task_id: str) -> None:
     run = app_state(task.app).running.pop((threading.get_ident(), task_id), None)
     if run is not None:
         run.finish()
+
+
+def free_unkeyed_ticket(task: Any, options: LockOptions) -> None:
+    """The run of a worker's message cannot compute its key (a ``lock_on`` callable that raised
+    there, not at ``apply_async``): it fails before taking anything, and nothing would adopt or
+    free the enqueue lock its message carries; free it, owner-checked (``give_up_ticket``)."""
+    request = task.request_stack.top
+    if request is None or request.called_directly or hasattr(request, "lock_key"):
+        return  # a direct call, or a call inside a run: no message of its own
+    ticket = request_ticket(request)
+    if ticket is not None:
+        why = f"task {task.name}[{request.id}] cannot compute its lock key"
+        _release_ticket_logged(task.app, ticket, why, request.retries or 0, options)
 
 
 def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:

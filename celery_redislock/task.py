@@ -25,11 +25,11 @@ from .busy import skipped
 from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
 from .django import OnCommit
 from .enqueue import enqueue
-from .exceptions import LockConfigurationError, LockLost
+from .exceptions import LockConfigurationError, LockKeyError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
 from .protocol import HEADER, REPUBLISH, message_delay, received_arguments
-from .receivers import after_run, install
+from .receivers import after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
 
 __all__ = ["LockedTask", "task_lock_key"]
@@ -239,7 +239,11 @@ class LockedTask(OnCommit):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         options, settings = _bound_options(self)
-        key = _lock_key(self, options, settings, args, kwargs)
+        try:
+            key = _lock_key(self, options, settings, args, kwargs)
+        except LockKeyError:  # in a worker, not at apply_async: its message's enqueue lock goes
+            free_unkeyed_ticket(self, options)
+            raise
         held = _held_locks.get()
         raise_if_lost(held.values())  # a locked call inside a run is one of the run's check points
         if key in held:  # called directly from a call holding the same key: run under that hold

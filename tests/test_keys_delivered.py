@@ -112,3 +112,37 @@ def test_a_lock_on_callable_that_cannot_take_the_delivered_values_fails_at_apply
         task.delay(Order(7, 1))
     assert client.llen(f"q-{prefix}") == 0
     assert not under(client, prefix)
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_executing", "until_and_while_executing"])
+def test_a_run_whose_key_cannot_be_computed_frees_its_enqueue_lock(
+    app: Celery, client: redis.Redis, prefix: str, mode: str
+) -> None:
+    """A lock_on callable that looks something up (the account of an order) and fails in the
+    worker (the order was deleted since apply_async): the run fails with LockKeyError, naming
+    the task, and frees the enqueue lock its message carries. It stayed for lock_queue_ttl
+    (an hour), refusing every later call as a duplicate of a message that never ran."""
+    accounts = {"o-1": 7}
+
+    def ship(order: str) -> str:
+        return order
+
+    task = app.task(
+        base=LockedTask,
+        shared=False,
+        name="keys.lookup",
+        lock_mode=mode,
+        lock_on=lambda order: accounts[order],
+    )(ship)
+    first = task.delay("o-1")
+    assert under(client, prefix)  # the enqueue lock
+    del accounts["o-1"]
+    with threads_worker(app, concurrency=2):
+        with pytest.raises(LockKeyError, match=r"'keys\.lookup'.*'lock_on'"):
+            first.get(timeout=RESULT_TIMEOUT)
+        wait_for(lambda: not under(client, prefix), timeout=10, what="the enqueue lock freed")
+        accounts["o-1"] = 7
+        second = task.delay("o-1")
+        assert second.id != first.id
+        assert second.get(timeout=RESULT_TIMEOUT) == "o-1"
+    wait_for(lambda: not under(client, prefix), timeout=10, what="no key left")
