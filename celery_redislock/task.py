@@ -62,8 +62,15 @@ def _lock_key(
     settings: AppSettings,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
+    sent: Mapping[str, Any] | None = None,
 ) -> str:
-    """``task_lock_key`` for a caller that has the task's ``_bound_options`` already."""
+    """``task_lock_key`` for a caller that has the task's ``_bound_options`` already; ``sent``: the
+    options of a message about to be sent with these arguments (``apply_async``)."""
+    dump = getattr(task, "_dump_pydantic_arguments", None)  # pydantic=True (Celery >= 5.7)
+    if dump is not None:  # the models Celery sends as dicts, which the worker's run receives
+        args, kwargs = dump(args, kwargs)
+    if sent is not None and callable(options.on):  # called with what the worker's run will be
+        args, kwargs = received_arguments(task, args, kwargs, sent)
     digest = call_digest(task.name, task.run, args, kwargs, options.on, settings.key_secret)
     return lock_key(settings.prefix, task.name, digest)
 
@@ -165,10 +172,7 @@ class LockedTask(OnCommit):
         parks its hold when it lets go.
         """
         lock_options, settings = _bound_options(self)
-        keyed_args, keyed_kwargs = args or (), kwargs or {}
-        if callable(lock_options.on):  # called with what the worker's run will be called with
-            keyed_args, keyed_kwargs = received_arguments(self, keyed_args, keyed_kwargs, options)
-        key = _lock_key(self, lock_options, settings, keyed_args, keyed_kwargs)  # unkeyable: fails unsent
+        key = _lock_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)

@@ -13,12 +13,23 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import LockedTask, LockKeyError
+from celery_redislock import LockedTask, LockKeyError, task_lock_key
 from celery_redislock.protocol import HEADER
 from celery_redislock.testing import RedisServer
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
+
+try:  # the pydantic=True test's (skipped when missing)
+    import pydantic  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # pragma: no cover
+    pydantic = None  # type: ignore[assignment,unused-ignore]
+
+if pydantic is not None:
+
+    class Order(pydantic.BaseModel):  # type: ignore[misc,unused-ignore]
+        id: int
+        account: int
 
 
 def new_app(url: str, prefix: str, **conf: Any) -> Celery:
@@ -146,3 +157,39 @@ def test_a_run_whose_key_cannot_be_computed_frees_its_enqueue_lock(
         assert second.id != first.id
         assert second.get(timeout=RESULT_TIMEOUT) == "o-1"
     wait_for(lambda: not under(client, prefix), timeout=10, what="no key left")
+
+
+@pytest.mark.skipif(pydantic is None, reason="pydantic is not installed")
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_a_pydantic_task_keys_its_models_as_celery_sends_them(
+    redis_server: RedisServer, client: redis.Redis, prefix: str, serializer: str
+) -> None:
+    """``@app.task(pydantic=True)``: Celery sends a model argument as its dict (JSON), which the
+    task's wrapper validates back into the model. A LockedTask keyed the caller's model, which
+    Celery's JSON cannot encode: every call raised LockKeyError, where plain Celery sends it. The
+    key is the dumped model's, at apply_async and in the worker, under either serializer."""
+    app = new_app(redis_server.url, prefix, task_serializer=serializer, accept_content=["json", "pickle"])
+    try:
+
+        def ship(self: Any, order: Order) -> list[Any]:
+            return [order.id, self.request.lock_key]
+
+        task = app.task(
+            base=LockedTask,
+            bind=True,
+            pydantic=True,
+            shared=False,
+            name="keys.ship",
+            lock_mode="until_executed",
+        )(ship)
+        order = Order(id=1, account=2)
+        key = task_lock_key(task, (order,))
+        assert key == task_lock_key(task, ({"id": 1, "account": 2},))
+        first = task.delay(order)
+        assert client.exists(key)  # the enqueue lock
+        assert task.delay(order=order).id == first.id  # a duplicate, however spelled
+        with threads_worker(app, concurrency=2):
+            assert first.get(timeout=RESULT_TIMEOUT) == [1, key]
+        wait_for(lambda: not under(client, prefix), timeout=10, what="no key left")
+    finally:
+        app.close()
