@@ -5,10 +5,12 @@ Where each outcome is handled:
 * the body ends (SUCCESS, FAILURE, RETRY, IGNORED, REJECTED): ``LockedTask.__call__``
   lets go (``Execution.let_go``) in a ``finally``, before Celery stores the
   result (a worker's run sends its release there and ``receivers.after_run``
-  reads the reply: ``run_lock.release_later``); the ``task_postrun`` receiver also
-  lets go of a lock an asynchronous exception (a soft time limit) kept that
-  ``finally`` from letting go, as the mode says (``Execution.finish``): kept or released;
-  a direct call, which has no ``task_postrun``, does that in its ``__call__``
+  reads the reply: ``run_lock.release_later``; after ``Retry``, ``Ignore`` or
+  ``Reject``, for which Celery calls no ``after_return``, it waits for the reply); the
+  end of the run's trace (its request popped: ``receivers.RunRequests``) reads a reply
+  left unread and lets go of a lock an asynchronous exception (a soft time limit)
+  kept that ``finally`` from letting go, as the mode says (``Execution.finish``): kept
+  or released; a direct call, which has no trace, does that in its ``__call__``
   (``Execution.cut_short``), for an interrupt in ``begin`` too;
 * a step between taking the lock and running the body fails (a Redis error
   freeing the message's enqueue lock): the lock is released on the way out;
@@ -87,6 +89,7 @@ class Execution:
         "task",
         "task_id",
         "ticket",
+        "unreturned",
         "url",
     )
 
@@ -106,6 +109,8 @@ class Execution:
         self.retries: int = 0 if request is None else request.retries or 0
         self.node: str = (None if request is None else request.hostname) or hostname()
         self.lock: ExecutionLock | None = None
+        #: the body raised ``Retry``, ``Ignore`` or ``Reject``: Celery calls no ``after_return``
+        self.unreturned = False
         if not settings.enabled:  # redislock_enabled=False: no ticket, slot, lock; ``client``, ``url`` unset
             self.ticket = self.slot = None
             return
@@ -132,7 +137,7 @@ class Execution:
                 limit=options.limit,
             )
             self.lock.request = request
-            # From here on, what an asynchronous exception leaves held is task_postrun's to let go
+            # From here on, what an asynchronous exception leaves held is the trace's end's to let go
             # (``finish``).
             if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
                 self.running = app_state(task.app).running
@@ -286,11 +291,12 @@ class Execution:
             return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply
         with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
             ending.outcome = self.keep() or release(self.task, lock, self.task_id)
-        if self.task_id is not None:  # only once let go: an interrupted let-go is task_postrun's
+        if self.task_id is not None:  # only once let go: an interrupted let-go is the trace's end's
             self.running.pop((threading.get_ident(), self.task_id), None)
 
     def finish(self) -> None:
-        """After the run (``receivers.after_run``, for a run still in ``running``): read and report
+        """After the run (``receivers.after_run``, or ``receivers.RunRequests`` as its trace ends, for
+        a run still in ``running``): read and report
         its release's reply if still unread; let go of what an asynchronous exception kept
         ``let_go`` from letting go: kept where the mode keeps it (``keep``), else released."""
         assert self.lock is not None  # only a run with a lock is in ``running``
@@ -298,7 +304,7 @@ class Execution:
 
     def cut_short(self) -> None:
         """An exception (an interrupt such as a soft time limit) cut ``begin`` or ``let_go`` short:
-        what it left held is a worker's run's ``task_postrun`` to let go of (``finish``); a direct
+        what it left held is a worker's run's trace's end to let go of (``finish``); a direct
         call has no run of its own there, so it is let go of now, as ``finish`` would."""
         if self.request is None and self.lock is not None:
             self.finish()
@@ -311,7 +317,7 @@ class Execution:
 
         An attempt that sent its retry (``apply_async``) parks its hold for the token the
         retry's message carries, whether the body then raised the ``Retry`` or not. Also
-        ``task_postrun``'s (``finish``), for a hold an asynchronous exception
+        the trace's end's (``finish``), for a hold an asynchronous exception
         kept ``let_go`` from letting go: a lock the mode keeps is never released there.
         """
         lock = self.lock
@@ -337,12 +343,15 @@ class Execution:
 
     def _released_later(self, lock: ExecutionLock) -> bool:
         """Send the release without waiting for its reply, where a worker's trace follows whose
-        ``after_return`` or ``task_postrun`` reads it (``run_lock.release_later``): a run the
-        worker or ``apply()`` started (a direct call has no trace), whose loss at release raises nothing
-        (``lock_on_lost="log"``: else ``__call__`` must know it before returning). ``False``:
-        nothing sent (not such a run, or the lock cannot leave its reply, see
-        ``run_lock.release_later``)."""
-        if self.request is None or self.task_id is None or lock.raise_on_lost or not lock.held():
+        ``after_return`` reads it (``run_lock.release_later``; an interrupt past the body leaves it
+        to the trace's end, ``receivers.RunRequests``): a run the worker or ``apply()`` started
+        (a direct call has no trace) whose body did not raise ``Retry``, ``Ignore`` or ``Reject``
+        (Celery calls no ``after_return`` then: the reply is read now, in the task's span), and
+        whose loss at release raises nothing (``lock_on_lost="log"``: else ``__call__`` must know
+        it before returning). ``False``: nothing sent (not such a run, or the lock cannot leave
+        its reply, see ``run_lock.release_later``)."""
+        waits = self.request is None or self.task_id is None or self.unreturned or lock.raise_on_lost
+        if waits or not lock.held():
             return False
         ending = telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans)
         return release_later(self.task, lock, self.task_id, ending)

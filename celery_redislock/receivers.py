@@ -1,10 +1,14 @@
-"""``install(app)``: the Celery signal receivers that finish what a run or a message leaves.
+"""``install(app)``: the Celery signal receivers that finish what a message leaves, and
+``RunRequests``, the request stack of a ``LockedTask`` that finishes what a run leaves.
 
-* ``task_postrun`` (``after_run``, which ``LockedTask.after_return`` calls
-  first where Celery calls it): read the reply of a run's release, sent
-  without waiting for it (``run_lock.release_later``), and report it; let go
-  of what an asynchronous exception (a soft time limit) kept a run's ``finally``
-  from letting go (``Execution.finish``: kept where the mode keeps it);
+* the end of a run's trace (``RunRequests.pop``, which Celery's tracer calls in a
+  ``finally`` once ``task_postrun`` is sent, whatever happened; ``after_run``, which
+  ``LockedTask.after_return`` calls first where Celery calls it): read the reply of a run's
+  release, sent without waiting for it (``run_lock.release_later``), and report it; let go
+  of what an asynchronous exception (a soft time limit) kept a run's ``finally`` from
+  letting go (``Execution.finish``: kept where the mode keeps it). Not a ``task_postrun``
+  receiver: with one connected, Celery sends that signal after every task of the worker,
+  locked or not, about 30,000 instructions each (docs/benchmarks.md);
 * ``worker_process_init``: note that this process is a prefork pool child
   (``lock_on_lost="terminate"`` stops only those);
 * ``task_revoked``, ``task_unknown``, ``task_rejected`` (the worker's main
@@ -32,10 +36,10 @@ from .config import LockOptions, app_settings, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
 from .protocol import message_ticket, request_ticket
-from .state import app_state
+from .state import Run, app_state
 from .telemetry import log_fields
 
-__all__ = ["free_unkeyed_ticket", "install"]
+__all__ = ["RunRequests", "after_run", "free_unkeyed_ticket", "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +69,6 @@ def install(app: Any) -> None:
             extra=log_fields(outcome="disabled"),
         )
         return
-    celery_signals.task_postrun.connect(
-        _release_after_run, weak=False, dispatch_uid="celery_redislock.release_after_run"
-    )
     # Once per app (this function is idempotent), holding the app weakly.
     celery_signals.worker_process_init.connect(
         functools.partial(_mark_pool_child, weakref.ref(app)), weak=False
@@ -85,23 +86,77 @@ def install(app: Any) -> None:
     state.installed = True
 
 
-def _release_after_run(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """``task_postrun``: ``after_run``, for a run whose ``after_return`` Celery did not call (a
-    body that raised ``Ignore`` or ``Reject``) or did not finish it (an asynchronous exception)."""
-    if sender is not None and task_id is not None:
-        after_run(sender, task_id)
-
-
 def after_run(task: Any, task_id: str) -> None:
     """Once ``task``'s run ``task_id`` is over (its result stored): read and report the reply of
     its release if still unread (``run_lock.release_later``); let go of what an asynchronous
     exception kept ``__call__`` from letting go (``Execution.finish``). Called by
     ``LockedTask.after_return``, before any ``task_postrun`` receiver (OpenTelemetry's ends the
-    task's span there), and again by this package's ``task_postrun`` receiver, which then finds
-    nothing left to do."""
+    task's span there); ``RunRequests.pop`` then finds nothing left to do."""
     run = app_state(task.app).running.pop((threading.get_ident(), task_id), None)
     if run is not None:
         run.finish()
+
+
+class RunRequests:
+    """The request stack of a ``LockedTask`` (its class's ``request_stack``; Celery's own,
+    ``celery.utils.threads.LocalStack``, inside): the tracer of a worker's run (and of
+    ``apply()``) pushes the run's request as the trace begins and pops it in a ``finally`` as it
+    ends, after ``task_postrun``, whatever the run came to. Popping a run's request finishes the
+    run (``Execution.finish``, as ``after_run``) where ``after_return`` did not: Celery calls no
+    ``after_return`` for a run that retried, was ignored or rejected, nor for one an exception
+    cut short after its body (a soft time limit as the result is stored). Only the request the
+    run was started with finishes it: a request a direct call pushes (the same task id, inside
+    the run) does not."""
+
+    __slots__ = ("_running", "_stack")
+
+    def __init__(self, stack: Any, running: dict[tuple[int, str], Run]) -> None:
+        self._stack, self._running = stack, running
+
+    def push(self, request: Any) -> Any:
+        return self._stack.push(request)
+
+    def pop(self) -> Any:
+        try:
+            if self._running:  # else nothing to finish (the common case: after_return did)
+                self._finish(self._stack.top)
+        finally:
+            popped = self._stack.pop()  # whatever finishing raised
+        return popped
+
+    def _finish(self, request: Any) -> None:
+        task_id: str | None = getattr(request, "id", None)
+        if task_id is None:
+            return
+        key = (threading.get_ident(), task_id)
+        run = self._running.get(key)
+        if run is None or run.request is not request:
+            return
+        try:  # the entry goes once the run is finished: until then, the run is not over
+            run.finish()
+        except Exception:  # the tracer's ``finally`` must go on: the task's outcome stands
+            logger.exception(
+                "task %s[%s]: could not let go of its lock after the run",
+                run.task.name,
+                run.task_id,
+                extra=log_fields(run.key, run.task_id, outcome="error"),
+            )
+        finally:
+            self._running.pop(key, None)
+
+    @property
+    def top(self) -> Any:
+        return self._stack.top
+
+    @property
+    def stack(self) -> Any:
+        return self._stack.stack
+
+    def __len__(self) -> int:
+        return len(self._stack)
+
+    def __getattr__(self, name: str) -> Any:  # anything else Celery's stack has
+        return getattr(self._stack, name)
 
 
 def free_unkeyed_ticket(task: Any, options: LockOptions) -> None:

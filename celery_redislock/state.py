@@ -35,6 +35,12 @@ class LockClient(NamedTuple):
 class Run(Protocol):
     """A run under way (``execution.Execution``), as ``AppState.running`` holds it."""
 
+    #: its task, the request it was started with, its task id and its lock's key
+    task: Any
+    request: Any
+    task_id: str | None
+    key: str
+
     def finish(self) -> None:
         """Let go of what an asynchronous exception kept the run from letting go."""
 
@@ -52,10 +58,11 @@ class AppState:
     #: the pid of this process if it is a prefork pool child (``worker_process_init``)
     pool_child: int | None = None
     #: (thread id, task id) -> the run (an ``Execution`` with an execution lock), from its
-    #: lock's making to its ``task_postrun`` receiver, which runs in the same thread (two
-    #: attempts of one task, a retry starting while its previous attempt finishes, run in
-    #: different threads); keyed by task id too, as a run may start another in its thread (an
-    #: eager ``apply()``) before either's ``task_postrun``
+    #: lock's making to its finish (``after_return``, or the end of its trace:
+    #: ``receivers.RunRequests``), which runs in the same thread (two attempts of one task, a
+    #: retry starting while its previous attempt finishes, run in different threads); keyed by
+    #: task id too, as a run may start another in its thread (an eager ``apply()``) before
+    #: either ends
     running: dict[tuple[int, str], Run] = field(default_factory=dict)
     #: tasks whose WARNING that ``lock_on_lost="terminate"`` acts as ``"raise"`` here was logged
     terminate_warned: set[str] = field(default_factory=set)

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.uuid import uuid
 
 from .busy import skipped
@@ -29,8 +30,9 @@ from .exceptions import LockConfigurationError, LockKeyError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
 from .protocol import HEADER, REPUBLISH, message_delay, received_arguments
-from .receivers import after_run, free_unkeyed_ticket, install
+from .receivers import RunRequests, after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
+from .state import app_state
 
 __all__ = ["LockedTask", "task_lock_key"]
 
@@ -145,6 +147,9 @@ class LockedTask(OnCommit):
         super().on_bound(app)
         cls.lock_settings = app_settings(app)
         cls.lock_options = task_options(cls, app, cls.lock_settings)
+        if not isinstance(cls.request_stack, RunRequests):  # popping a run's request finishes it
+            stack = RunRequests(cls.request_stack, app_state(app).running)
+            cls.request_stack = stack  # type: ignore[assignment]  # Celery's stack's interface, not its class
         install(app)
 
     def apply_async(
@@ -224,8 +229,8 @@ class LockedTask(OnCommit):
         self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
     ) -> None:
         """After the result is stored, before ``task_postrun``: the run's release is read and
-        reported (``receivers.after_run``). Call ``super()`` when you override it; else the
-        package's ``task_postrun`` receiver does it, after the receivers connected before it."""
+        reported (``receivers.after_run``). Call ``super()`` when you override it; else it is
+        done as the trace ends (``receivers.RunRequests``), after the ``task_postrun`` receivers."""
         super().after_return(status, retval, task_id, args, kwargs, einfo)
         after_run(self, task_id)
 
@@ -279,6 +284,9 @@ class LockedTask(OnCommit):
                         result = super().__call__(*args, **kwargs)
                     finally:
                         _pending_request.reset(pending)
+        except (Retry, Ignore, Reject):  # Celery calls no after_return then: the reply is read now
+            run.unreturned = True
+            raise
         finally:  # the body's own exception, if any, stands, lost lock or not (the loss is logged)
             _held_locks.reset(held_token)
             try:

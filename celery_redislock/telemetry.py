@@ -525,7 +525,7 @@ class Release(_Step):
 
     def _seconds(self) -> float:
         # Entered right before the release (or park, or settle) is sent: the hold ends there,
-        # not when its reply is read (maybe at task_postrun, see ``run_lock.release_later``).
+        # not when its reply is read (maybe as the trace ends, see ``run_lock.release_later``).
         taken_at: float = self.lock.taken_at
         return self.started - taken_at
 

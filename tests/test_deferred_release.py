@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,11 +24,11 @@ import pytest
 import redis
 import redis.cluster
 from celery import Celery
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from celery.signals import task_postrun, task_prerun, task_success
 
 import celery_redislock.lock
-from celery_redislock import LockLost, RedisLock, run_lock, signals, task_lock_key
+from celery_redislock import LockedTask, LockLost, RedisLock, install, run_lock, signals, task_lock_key
 from celery_redislock import _redis as pooled
 from celery_redislock._scripts import ACQUIRE, RENEW
 from celery_redislock.connection import client_for
@@ -35,7 +36,7 @@ from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests.interrupts import define
 from tests.invariants import Sampler, stored
 from tests.taskapp import make_app
-from tests.workers import threads_worker, wait_for
+from tests.workers import runs_over, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
 #: The task options of runs that release before ``__call__`` returns.
@@ -58,8 +59,8 @@ class Watch:
     body, ``task_success``, ``lock_released`` and ``task_postrun`` (a receiver connected after the
     package's), and the package's WARNINGs. ``on_success`` runs in ``task_success``."""
 
-    def __init__(self, name: str, client: Any) -> None:
-        self.name, self.client = name, client
+    def __init__(self, app: Celery, name: str, client: Any) -> None:
+        self.app, self.name, self.client = app, name, client
         self.events: list[tuple[str, Any]] = []
         self.on_success: Callable[[], None] | None = None
 
@@ -106,7 +107,7 @@ def watching(app: Celery, task: Any, kind: type[Any] = redis.Redis) -> Iterator[
     bound), whose app's lock client is a ``kind``."""
     client, _ = client_for(app)
     assert isinstance(client, kind)
-    watch = Watch(task.name, client)
+    watch = Watch(app, task.name, client)
     handler = WarningsOf(watch)
     package = logging.getLogger("celery_redislock")
     connected = [
@@ -455,8 +456,13 @@ def gap(*_: object) -> None:
 
 
 def _wait_for_postrun(watch: Watch, runs: int = 1) -> None:
-    """``task_postrun`` of ``runs`` runs was sent (the result is stored before it)."""
-    wait_for(lambda: watch.kinds().count("postrun") >= runs, what=lambda: f"task_postrun: {watch.kinds()}")
+    """``task_postrun`` of ``runs`` runs was sent (the result is stored before it), and the
+    package finished them (a run ``after_return`` did not finish is finished after
+    ``task_postrun``, as its trace ends)."""
+    wait_for(
+        lambda: watch.kinds().count("postrun") >= runs and runs_over(watch.app, watch.name),
+        what=lambda: f"task_postrun and the runs' end: {watch.kinds()}",
+    )
 
 
 def test_a_cluster_run_waits_for_its_release_and_task_postrun_finishes_an_interrupted_one(
@@ -669,3 +675,78 @@ def test_an_exchange_during_the_deferred_read_or_in_its_receivers_gets_its_own_r
     assert seen == [b"handler", b"PONG", False, b"receiver"]
     assert not pending_reply(client)
     client.close()
+
+
+@pytest.mark.parametrize("ending", ["ignored", "rejected"])
+def test_a_body_that_ends_with_no_after_return_has_its_release_read_at_once(
+    app: Celery, prefix: str, ending: str
+) -> None:
+    """A body that raises ``Ignore`` or ``Reject``: Celery calls no ``after_return`` for it, so
+    the run waits for its release's reply (in the task's span, before ``task_postrun``) instead
+    of sending it to be read later: ``lock_released`` once, the key free, the run over."""
+
+    def body(self: Any, x: int) -> None:
+        raise Ignore() if ending == "ignored" else Reject("refused", requeue=False)
+
+    task = define(app, ending, body)
+    key = task_lock_key(task, (4,))
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        result = task.delay(4)
+        _wait_for_postrun(watch)
+    assert watch.kinds() == ["prerun", "released", "postrun"]
+    assert [released["key"] for released in watch.of("released")] == [key]
+    assert not recorder.exists(key)
+    assert runs_over(app, task.name, result.id)
+    recorder.close()
+
+
+class _NoSuperAfterReturn(LockedTask):
+    """A ``LockedTask`` whose ``after_return`` does not call ``super()``."""
+
+    def after_return(self, *args: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("ending", ["after_return not calling super()", "storing the result interrupted"])
+def test_a_run_after_return_did_not_finish_is_finished_as_its_trace_ends(
+    app: Celery, prefix: str, ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release is sent as the body ends, its reply left for ``after_return``; here nothing
+    calls the package's (an override that does not call ``super()``, or a soft time limit landing
+    as the result is stored: Celery skips ``after_return``). The reply is read and reported as
+    the run's trace ends (its request popped, after ``task_postrun``): ``lock_released`` once,
+    the key free, the run over. Nothing read it when the package's finishing step was disabled:
+    no ``lock_released``, and the run stayed in the package's registry."""
+    task = define(app, "unfinished", **({"base": _NoSuperAfterReturn} if "super" in ending else {}))
+    if "interrupted" in ending:
+        mark_as_done = type(app.backend).mark_as_done
+
+        def interrupted(backend: Any, task_id: str, *args: Any, **kwargs: Any) -> Any:
+            request = kwargs.get("request", args[1] if len(args) > 1 else None)
+            if getattr(request, "task", None) == task.name:
+                raise SoftTimeLimitExceeded()
+            return mark_as_done(backend, task_id, *args, **kwargs)
+
+        monkeypatch.setattr(type(app.backend), "mark_as_done", interrupted)
+    key = task_lock_key(task, (5,))
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    with Sampler(recorder, prefix), watching(app, task) as watch, threads_worker(app, concurrency=1):
+        result = task.delay(5)
+        _wait_for_postrun(watch)
+    assert watch.kinds()[-2:] == ["postrun", "released"]  # after task_postrun, as the trace ends
+    assert [released["key"] for released in watch.of("released")] == [key]
+    assert not recorder.exists(key)
+    assert runs_over(app, task.name, result.id)
+    recorder.close()
+
+
+def test_the_package_connects_no_task_postrun_receiver(app: Celery) -> None:
+    """With any ``task_postrun`` receiver connected, Celery's tracer sends that signal after every
+    task the worker runs, locked or not (about 30,000 instructions each: docs/benchmarks.md). A
+    ``LockedTask`` finishes a run that ``after_return`` did not at the end of its trace instead
+    (``receivers.RunRequests``)."""
+    define(app, "bound")
+    install(app)
+    receivers = [r() if isinstance(r, weakref.ReferenceType) else r for _, r in task_postrun.receivers]
+    assert [r for r in receivers if getattr(r, "__module__", "").startswith("celery_redislock")] == []

@@ -48,7 +48,7 @@ from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer
 from tests.interrupts import define
 from tests.taskapp import recorder as recorder_for
-from tests.workers import WorkerProcess, threads_worker, wait_for
+from tests.workers import WorkerProcess, runs_over, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
 
@@ -70,7 +70,8 @@ def signalled(signal: Signal, task: Any, argument: str) -> Iterator[list[Any]]:
 
 
 def postruns(task: Any) -> AbstractContextManager[list[str]]:
-    """The ids of ``task``'s runs whose ``task_postrun`` (after the package's receiver) is over."""
+    """The ids of ``task``'s runs whose ``task_postrun`` is sent (the package finishes a run
+    after it: wait for ``runs_over`` too)."""
     return signalled(task_postrun, task, "task_id")
 
 
@@ -99,7 +100,7 @@ def run_interrupted(app: Celery, task: Any, x: int) -> None:
         result = task.delay(x)
         with pytest.raises(SoftTimeLimitExceeded):
             result.get(timeout=RESULT_TIMEOUT)
-        wait_for(lambda: result.id in done, what="task_postrun")
+        wait_for(lambda: result.id in done and runs_over(app, task.name, result.id), what="the run's end")
 
 
 def events(app: Celery, kind: str, x: object) -> list[list[str]]:
@@ -116,7 +117,10 @@ def run_retry_handed_its_parked_hold(app: Celery, task: Any, x: str) -> None:
         result = task.delay(x, how="no_throw")
         wait_for(lambda: events(app, "busy", x), what="attempt 1 to find attempt 0 running")
         recorder_for(app).open_gate(x)
-        wait_for(lambda: done.count(result.id) == 2, what="both attempts' task_postrun")
+        wait_for(
+            lambda: done.count(result.id) == 2 and runs_over(app, task.name, result.id),
+            what="both attempts' end",
+        )
 
 
 @contextmanager
@@ -360,7 +364,7 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
         assert [type(failure) for failure in failures] == [LockNotAcquired]
         assert recorder.exists(key), "attempt 0 let go before attempt 1 gave up"
         recorder_for(app).open_gate(x)
-        wait_for(lambda: done.count(result.id) == 2, what="attempt 0 to end")
+        wait_for(lambda: done.count(result.id) == 2 and runs_over(app, task.name), what="attempt 0 to end")
         if mode == "until_executed":
             assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
             assert released == [result.id]  # before task_postrun, as a release's
@@ -401,7 +405,7 @@ def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
         gates.open_gate(f"{x}-retry")
         wait_for(lambda: [dropped.id for dropped in revoked] == [result.id], what="attempt 1 dropped")
         gates.open_gate(x)
-        wait_for(lambda: done.count(result.id) == 1, what="attempt 0 to end")
+        wait_for(lambda: done.count(result.id) == 1 and runs_over(app, task.name), what="attempt 0 to end")
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
@@ -474,7 +478,7 @@ def test_a_failed_republish_of_a_busy_retry_frees_the_messages_enqueue_lock(
         try:
             with postruns(task) as done, threads_worker(app, concurrency=1):
                 result = task.delay(7)
-                wait_for(lambda: result.id in done, what="task_postrun")
+                wait_for(lambda: result.id in done and runs_over(app, task.name, result.id), what="its end")
             assert result.state == "FAILURE"
             assert not recorder.exists(queued), f"left: {recorder.get(queued)!r}, {recorder.pttl(queued)} ms"
         finally:
@@ -752,7 +756,7 @@ def test_a_soft_time_limit_after_a_busy_retry_republished_keeps_its_enqueue_lock
         try:
             with postruns(task) as done, threads_worker(app, concurrency=1):
                 result = task.delay(9)
-                wait_for(lambda: result.id in done, what="task_postrun")
+                wait_for(lambda: result.id in done and runs_over(app, task.name, result.id), what="its end")
                 assert fired == [1]
                 # the republished message (countdown 60-180 s) is waiting: its lock stays
                 assert recorder.exists(queued), "the enqueue lock of a republished, queued message was freed"
