@@ -111,7 +111,10 @@ class RunRequests:
     __slots__ = ("_running", "_stack")
 
     def __init__(self, stack: Any, running: dict[tuple[int, str], Run]) -> None:
-        self._stack, self._running = stack, running
+        """``stack``: the task's request stack (one of these again, for a task bound anew: the
+        runs are then the new app's, ``running``)."""
+        self._stack: Any = stack._stack if isinstance(stack, RunRequests) else stack
+        self._running = running
 
     def push(self, request: Any) -> Any:
         return self._stack.push(request)

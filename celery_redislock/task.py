@@ -147,9 +147,8 @@ class LockedTask(OnCommit):
         super().on_bound(app)
         cls.lock_settings = app_settings(app)
         cls.lock_options = task_options(cls, app, cls.lock_settings)
-        if not isinstance(cls.request_stack, RunRequests):  # popping a run's request finishes it
-            stack = RunRequests(cls.request_stack, app_state(app).running)
-            cls.request_stack = stack  # type: ignore[assignment]  # Celery's stack's interface, not its class
+        stack = RunRequests(cls.request_stack, app_state(app).running)  # popping a run's request ends it
+        cls.request_stack = stack  # type: ignore[assignment]  # Celery's stack's interface, not its class
         install(app)
 
     def apply_async(
