@@ -22,6 +22,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -486,6 +487,51 @@ def test_a_failed_republish_of_a_busy_retry_frees_the_messages_enqueue_lock(
             recorder.delete(queued)
 
 
+@dataclass
+class Waiting:
+    """A group member of ``taskapp.until_and_while_executing`` (``x``), sent with
+    ``lock_in_canvas=True`` (so it has an enqueue lock, ``queued``), waiting in a prefork
+    subprocess ``worker`` for the execution lock another hold (``holder``) has."""
+
+    worker: WorkerProcess
+    task: Any
+    x: str
+    queued: str
+    recorder: redis.Redis
+    holder: RedisLock
+    member: Any
+
+
+@contextmanager
+def member_waiting(
+    app: Celery, redis_server: RedisServer, prefix: str, conf: dict[str, Any], **options: Any
+) -> Iterator[Waiting]:
+    """``Waiting``, on a worker with settings ``conf``, the member sent with ``options`` too; once
+    its first wait began (its enqueue lock held). Everything stopped and freed at the end."""
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", json.dumps(conf))
+    worker.start()
+    task: Any = app.tasks["taskapp.until_and_while_executing"]
+    x = uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    with recorder_of(app) as recorder:
+        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            assert holder.acquire(blocking=False)
+            member = task.apply_async(
+                (x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True, **options
+            )
+            wait_for(lambda: events(app, "busy", x), what="the member to wait")
+            assert recorder.exists(key + ":queued")
+            yield Waiting(worker, task, x, key + ":queued", recorder, holder, member)
+        finally:
+            recorder_for(app).open_gate(x)
+            if holder.held():
+                holder.release()
+            worker.stop()
+            recorder.delete(key + ":queued")
+
+
 @pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
 @pytest.mark.parametrize("requeued", [False, True], ids=["acked", "requeued"])
 def test_a_pool_child_killed_while_waiting_frees_its_messages_enqueue_lock_unless_requeued(
@@ -498,44 +544,33 @@ def test_a_pool_child_killed_while_waiting_frees_its_messages_enqueue_lock_unles
     duplicate of the dead message; unless Celery requeues the message (``task_acks_late`` with
     ``task_reject_on_worker_lost``: ``Request.on_failure`` rejects it with requeue), which is
     delivered and waits again with its enqueue lock, a ``delay()`` meanwhile its duplicate."""
-    conf = json.dumps({"task_acks_late": True, "task_reject_on_worker_lost": True} if requeued else {})
-    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", conf)
-    worker.start()
-    task: Any = app.tasks["taskapp.until_and_while_executing"]
-    x = uuid.uuid4().hex[:10]
-    key = task_lock_key(task, (x,), {"gate": True})
-    queued = key + ":queued"
-    with recorder_of(app) as recorder:
-        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
-        try:
-            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
-            assert holder.acquire(blocking=False)
-            member = task.apply_async((x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True)
-            [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
-            assert recorder.exists(queued)
-            os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
-            if requeued:  # delivered again, it waits in another child, with its enqueue lock
-                wait_for(
-                    lambda: len(events(app, "busy", x)) >= 2,
-                    what=lambda: f"the requeued member to wait again:\n{worker.output()}",
-                )
-                assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
-                assert task.delay(x, gate=True).id == member.id, "a duplicate was sent beside it"
-                return
-            wait_for(lambda: not recorder.exists(queued), what="the main process to free the enqueue lock")
-            member.get(timeout=RESULT_TIMEOUT, propagate=False)
-            assert member.state == "FAILURE"
-            holder.release()
-            recorder_for(app).open_gate(x)
-            again = task.delay(x, gate=True)
-            assert again.id != member.id
-            assert again.get(timeout=RESULT_TIMEOUT) == x
-        finally:
-            recorder_for(app).open_gate(x)
-            if holder.held():
-                holder.release()
-            worker.stop()
-            recorder.delete(queued)
+    conf = {"task_acks_late": True, "task_reject_on_worker_lost": True} if requeued else {}
+    with member_waiting(app, redis_server, prefix, conf) as waiting:
+        task, x, queued, recorder, worker = (
+            waiting.task,
+            waiting.x,
+            waiting.queued,
+            waiting.recorder,
+            waiting.worker,
+        )
+        [busy] = events(app, "busy", x)
+        os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
+        if requeued:  # delivered again, it waits in another child, with its enqueue lock
+            wait_for(
+                lambda: len(events(app, "busy", x)) >= 2,
+                what=lambda: f"the requeued member to wait again:\n{worker.output()}",
+            )
+            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
+            assert task.delay(x, gate=True).id == waiting.member.id, "a duplicate was sent beside it"
+            return
+        wait_for(lambda: not recorder.exists(queued), what="the main process to free the enqueue lock")
+        waiting.member.get(timeout=RESULT_TIMEOUT, propagate=False)
+        assert waiting.member.state == "FAILURE"
+        waiting.holder.release()
+        recorder_for(app).open_gate(x)
+        again = task.delay(x, gate=True)
+        assert again.id != waiting.member.id
+        assert again.get(timeout=RESULT_TIMEOUT) == x
 
 
 @pytest.mark.locks_may_remain("the wake message the release sent the stopped waiter, until its ttl")
@@ -548,36 +583,16 @@ def test_a_waiter_past_its_hard_time_limit_keeps_its_requeued_messages_enqueue_l
     pool stops the child with SIGTERM, which raises ``SystemExit`` in the wait. The child is
     exiting, not failing the message: the requeued message keeps its enqueue lock, and a
     ``delay()`` meanwhile is its duplicate, not a second message queued beside it."""
-    conf = json.dumps({"task_acks_late": True, "task_acks_on_failure_or_timeout": False})
-    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", conf)
-    worker.start()
-    task: Any = app.tasks["taskapp.until_and_while_executing"]
-    x = uuid.uuid4().hex[:10]
-    key = task_lock_key(task, (x,), {"gate": True})
-    queued = key + ":queued"
-    with recorder_of(app) as recorder:
-        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
-        try:
-            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
-            assert holder.acquire(blocking=False)
-            member = task.apply_async(
-                (x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True, time_limit=2
-            )
-            wait_for(lambda: events(app, "busy", x), what="the member to wait")
-            assert recorder.exists(queued)
-            wait_for(  # delivered again after its time limit, it waits in a child again
-                lambda: len(events(app, "busy", x)) >= 2,
-                what=lambda: f"the requeued member to wait again:\n{worker.output()}",
-            )
-            assert "TimeLimitExceeded" in worker.output()
-            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
-            assert task.delay(x, gate=True).id == member.id, "a duplicate was sent beside it"
-        finally:
-            recorder_for(app).open_gate(x)
-            if holder.held():
-                holder.release()
-            worker.stop()
-            recorder.delete(queued)
+    conf = {"task_acks_late": True, "task_acks_on_failure_or_timeout": False}
+    with member_waiting(app, redis_server, prefix, conf, time_limit=2) as waiting:
+        x, recorder, worker = waiting.x, waiting.recorder, waiting.worker
+        wait_for(  # delivered again after its time limit, it waits in a child again
+            lambda: len(events(app, "busy", x)) >= 2,
+            what=lambda: f"the requeued member to wait again:\n{worker.output()}",
+        )
+        assert "TimeLimitExceeded" in worker.output()
+        assert recorder.exists(waiting.queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
+        assert waiting.task.delay(x, gate=True).id == waiting.member.id, "a duplicate was sent beside it"
 
 
 @pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
@@ -598,50 +613,39 @@ def test_with_retry_on_worker_lost_a_dead_waiter_frees_its_enqueue_lock_unless_a
         "task_retry_on_worker_lost": True,
         "task_annotations": {"taskapp.until_and_while_executing": annotations},
     }
-    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", json.dumps(conf))
-    worker.start()
-    task: Any = app.tasks["taskapp.until_and_while_executing"]
-    x = uuid.uuid4().hex[:10]
-    key = task_lock_key(task, (x,), {"gate": True})
-    queued = key + ":queued"
-    with recorder_of(app) as recorder:
-        holder = RedisLock(recorder, key, ttl=120)  # another run's hold: the member waits for it
-        try:
-            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
-            assert holder.acquire(blocking=False)
-            member = task.apply_async((x,), {"gate": True}, group_id=uuid.uuid4().hex, lock_in_canvas=True)
-            [busy] = wait_for(lambda: events(app, "busy", x), what="the member to wait")
-            assert recorder.exists(queued)
-            if end == "revoked":
-                member.revoke(terminate=True, signal="SIGKILL")
-            else:
-                os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
-            if end == "retried":  # its retry waits in another child, with its enqueue lock
-                wait_for(
-                    lambda: len(events(app, "busy", x)) >= 2,
-                    what=lambda: f"the retry to wait:\n{worker.output()}",
-                )
-                assert events(app, "busy", x)[1][6] == "1", "not the retry"
-                assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
-                assert task.delay(x, gate=True).id == member.id, "a duplicate was sent beside it"
-                return
+    with member_waiting(app, redis_server, prefix, conf) as waiting:
+        task, x, queued, recorder, worker = (
+            waiting.task,
+            waiting.x,
+            waiting.queued,
+            waiting.recorder,
+            waiting.worker,
+        )
+        if end == "revoked":
+            waiting.member.revoke(terminate=True, signal="SIGKILL")
+        else:
+            [busy] = events(app, "busy", x)
+            os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
+        if end == "retried":  # its retry waits in another child, with its enqueue lock
             wait_for(
-                lambda: not recorder.exists(queued),
-                timeout=20,
-                what=lambda: f"the main process to free the enqueue lock; the worker:\n{worker.output()}",
+                lambda: len(events(app, "busy", x)) >= 2,
+                what=lambda: f"the retry to wait:\n{worker.output()}",
             )
-            wait_for(lambda: member.state in ("FAILURE", "REVOKED"), what="the member's end")
-            holder.release()
-            recorder_for(app).open_gate(x)
-            again = task.delay(x, gate=True)
-            assert again.id != member.id
-            assert again.get(timeout=RESULT_TIMEOUT) == x
-        finally:
-            recorder_for(app).open_gate(x)
-            if holder.held():
-                holder.release()
-            worker.stop()
-            recorder.delete(queued)
+            assert events(app, "busy", x)[1][6] == "1", "not the retry"
+            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
+            assert task.delay(x, gate=True).id == waiting.member.id, "a duplicate was sent beside it"
+            return
+        wait_for(
+            lambda: not recorder.exists(queued),
+            timeout=20,
+            what=lambda: f"the main process to free the enqueue lock; the worker:\n{worker.output()}",
+        )
+        wait_for(lambda: waiting.member.state in ("FAILURE", "REVOKED"), what="the member's end")
+        waiting.holder.release()
+        recorder_for(app).open_gate(x)
+        again = task.delay(x, gate=True)
+        assert again.id != waiting.member.id
+        assert again.get(timeout=RESULT_TIMEOUT) == x
 
 
 def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(

@@ -16,6 +16,7 @@ from celery import Celery
 from celery_redislock import LockedTask, LockKeyError, task_lock_key
 from celery_redislock.protocol import HEADER
 from celery_redislock.testing import RedisServer
+from tests.test_task_config import new_app
 from tests.workers import threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
@@ -30,15 +31,6 @@ if pydantic is not None:
     class Order(pydantic.BaseModel):  # type: ignore[misc,unused-ignore]
         id: int
         account: int
-
-
-def new_app(url: str, prefix: str, **conf: Any) -> Celery:
-    app = Celery("keys", broker=url, backend=url, set_as_current=False)
-    app.conf.update(
-        {"redislock_url": url, "redislock_prefix": prefix, "task_default_queue": f"q-{prefix}", **conf}
-    )
-    app.finalize()
-    return app
 
 
 @pytest.fixture
