@@ -298,6 +298,17 @@ class Watchdog(LeaseSet):
                 self._thread = threading.current_thread()
             if self._thread is not threading.current_thread():
                 return
+        try:
+            self._renew_until_idle()
+        finally:  # ended by what no loop catches (a BaseException): another thread takes over
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                    with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+                        self._thread = _started(self._run, "celery-redislock-watchdog")
+
+    def _renew_until_idle(self) -> None:
+        """Renew the leases as they fall due, until none is left."""
         while True:
             try:
                 batch = self._next_batch()

@@ -464,3 +464,35 @@ def test_the_watchdog_renews_for_a_thread_still_running_as_the_interpreter_shuts
         timeout=60,
     )
     assert done.returncode == 0 and "held [True, True]" in done.stdout, (done.stdout, done.stderr[-1500:])
+
+
+def test_an_exception_no_loop_catches_does_not_end_the_renewals(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``BaseException`` that is not an ``Exception`` (a ``SystemExit`` from a renewal's thread,
+    re-raised on the watchdog's; ``GreenletExit`` under gevent) ends the watchdog's thread, which
+    the loop's ``except Exception`` does not catch. Its locks are still renewed: another thread
+    takes over at once. Before, the dead thread stayed recorded as the watchdog's, so no ``add``
+    started another, and every lock of the process went unrenewed until it expired."""
+    renew = watchdog_module.Watchdog._renew
+    fired: list[int] = []
+
+    def exits_once(self: Any, leases: list[Lease]) -> None:
+        if not fired:
+            fired.append(1)
+            raise SystemExit("a renewal's thread exited")
+        renew(self, leases)
+
+    monkeypatch.setattr(watchdog_module.Watchdog, "_renew", exits_once)
+    client = redis_server.client()
+    lock = RedisLock(client, f"{prefix}:kept", ttl=0.9)
+    try:
+        assert lock.acquire(blocking=False)
+        wait_for(lambda: fired, 5, "the renewal that exits")
+        for _ in range(3):  # renewed round after round, past its TTL
+            renewed(client, lock.name, timeout=5)
+        assert lock.owned() and not lock.lost.is_set()
+    finally:
+        with contextlib.suppress(LockNotOwned):
+            lock.release()
+        client.close()
