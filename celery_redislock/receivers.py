@@ -158,6 +158,9 @@ class RunRequests:
     def __len__(self) -> int:
         return len(self._stack)
 
+    def __call__(self) -> Any:  # a proxy to the request on top (a special method: not __getattr__'s)
+        return self._stack()
+
     def __getattr__(self, name: str) -> Any:  # anything else Celery's stack has
         return getattr(self._stack, name)
 

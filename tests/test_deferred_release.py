@@ -750,3 +750,23 @@ def test_the_package_connects_no_task_postrun_receiver(app: Celery) -> None:
     install(app)
     receivers = [r() if isinstance(r, weakref.ReferenceType) else r for _, r in task_postrun.receivers]
     assert [r for r in receivers if getattr(r, "__module__", "").startswith("celery_redislock")] == []
+
+
+def test_a_locked_tasks_request_stack_is_still_callable_as_celerys(app: Celery) -> None:
+    """Celery's request stack (``celery.utils.threads.LocalStack``), called, gives a proxy to
+    the request on top, as its docstring says: ``task.request_stack().id`` is the run's id. The
+    stack ``LockedTask`` puts in its place (``receivers.RunRequests``) forwarded ``push``,
+    ``pop``, ``top``, ``stack`` and ``len()``, but not the call (a special method, which
+    ``__getattr__`` never sees): the body failed with ``TypeError: 'RunRequests' object is
+    not callable``."""
+    seen: list[str] = []
+
+    def body(self: Any, x: int) -> None:
+        seen.append(self.request_stack().id)
+
+    task = define(app, "called_stack", body)
+    result = task.apply((6,))
+    assert result.state == "SUCCESS", result.result
+    assert seen == [result.id]
+    with pytest.raises(RuntimeError, match="object unbound"):  # no run: nothing on top, as Celery's
+        _ = task.request_stack().id
