@@ -113,7 +113,7 @@ class RunRequests:
     def __init__(self, stack: Any, running: dict[tuple[int, str], Run]) -> None:
         """``stack``: the task's request stack (one of these again, for a task bound anew: the
         runs are then the new app's, ``running``)."""
-        self._stack: Any = stack._stack if isinstance(stack, RunRequests) else stack
+        self._stack: Any = stack.celery_stack if isinstance(stack, RunRequests) else stack
         self._running = running
 
     def push(self, request: Any) -> Any:
@@ -146,6 +146,11 @@ class RunRequests:
             )
         finally:
             self._running.pop(key, None)
+
+    @property
+    def celery_stack(self) -> Any:
+        """The Celery stack inside (what a task bound anew wraps again)."""
+        return self._stack
 
     @property
     def top(self) -> Any:
