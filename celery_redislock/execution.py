@@ -158,6 +158,8 @@ class Execution:
                 f"could not lock {self.key!r} in Redis at {self.url}: {exc}"
             )
             self.unlocked(where, exc)
+            if self.lock is not None and self.task_id is not None:  # unlocked: nothing left to finish
+                self.running.pop((threading.get_ident(), self.task_id), None)
             self.lock = None
             return True
 

@@ -33,6 +33,7 @@ from celery_redislock import (
     task_lock_key,
 )
 from celery_redislock.connection import client_for, lock_url
+from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer
 from tests.workers import threads_worker
 
@@ -252,6 +253,29 @@ def test_on_error_run_runs_unlocked_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="celery_redislock"):
         assert task() is None  # ran, unlocked: no fence
     assert "running unlocked" in caplog.text
+
+
+def test_on_error_run_runs_unlocked_through_apply_and_in_a_worker(
+    redis_server: RedisServer, prefix: str, unreachable_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run Celery traces (``apply()``, a worker's) that runs unlocked, Redis unreachable as it
+    took the lock (``redislock_on_error="run"``), ends as a direct call does: its result, no
+    error after it, nothing left of it in the package. Its ``after_return`` met the run still
+    registered with no lock, and failed an assertion: ``apply()`` raised ``AssertionError``, and
+    a worker logged "after_return handler raised"."""
+    app = new_app(redis_server.url, prefix, redislock_url=unreachable_url, redislock_on_error="run")
+
+    def fence(self: Any) -> int | None:
+        return self.request.lock_fence  # type: ignore[no-any-return]
+
+    task = app.task(base=LockedTask, shared=False, bind=True, name="cfg.traced_fence")(fence)
+    with caplog.at_level(logging.WARNING):
+        assert task.apply().get() is None  # ran, unlocked: no fence
+        with threads_worker(app):
+            assert task.delay().get(timeout=30) is None
+    assert "running unlocked" in caplog.text
+    assert "after_return handler raised" not in caplog.text
+    assert not app_state(app).running
 
 
 def test_acl_credentials_in_the_url_are_used(prefix: str) -> None:
