@@ -10,7 +10,9 @@ over meanwhile is left alone. The enqueue lock the message carries goes too
 (owner-checked by its token: a no-op once the child adopted or freed it),
 where the message was acknowledged and will not come back, so that a message
 that died waiting for its execution lock is not kept as the one every later
-``delay()`` is a duplicate of.
+``delay()`` is a duplicate of. Where Celery retries the task instead
+(``task_retry_on_worker_lost``), a mode that keeps the lock across retries
+has the dead run's hold parked for the retry as it is sent (``lost_retry``).
 
 Never while the child still runs: billiard reports a hard time limit
 (``on_timeout``) *before* it stops the child (SIGTERM, then SIGKILL 0.1 s
@@ -36,6 +38,7 @@ from .config import bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
 from .inventory import release_held_by
+from .lost_retry import LostRun, retrying
 from .protocol import holder_for, message_ticket
 from .semaphore import release_permit_held_by
 from .task import task_lock_key
@@ -62,7 +65,10 @@ class LockedRequest(Request):
     def _retry_worker_lost(self, exc: Any, exc_info: Any) -> Any:
         """Celery's retry of a task whose pool child was lost (not past ``max_retries``, not a
         ``Terminated`` or a time limit); noted, since the retry carries the message's enqueue lock."""
-        retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
+        pid = self._locking_pid()
+        holder = None if pid is None else holder_for(self.id, self._retries(), self.hostname, pid)
+        with retrying(LostRun(self.id, self._retries(), holder)):  # its hold parked for it (lost_retry)
+            retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
         self._retried_instead = bool(retried)
         return retried
 
@@ -141,6 +147,10 @@ class LockedRequest(Request):
                 extra=log_fields(task_id=self.id, outcome="left-to-lease"),
             )
 
+    def _retries(self) -> int:
+        """The retries of the task so far (the attempt this request runs)."""
+        return int(self.request_dict.get("retries") or 0)
+
     def _delivered_for_good(self) -> bool:
         """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery
         after the failure: ``acks_on_failure``), and no retry sent in its stead
@@ -165,7 +175,7 @@ class LockedRequest(Request):
         try:
             key = task_lock_key(task, self.args, self.kwargs)
             client, _ = client_for(task.app)
-            retries = self.request_dict.get("retries") or 0
+            retries = self._retries()
             holder = holder_for(self.id, retries, self.hostname, pid)
             options = bound_options(task)
             limit = 1 if options is None else options.limit  # above 1, the run held a permit of the key

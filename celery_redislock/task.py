@@ -29,6 +29,7 @@ from .enqueue import enqueue
 from .exceptions import LockConfigurationError, LockKeyError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
+from .lost_retry import lost_run
 from .protocol import HEADER, REPUBLISH, message_delay, received_arguments
 from .receivers import RunRequests, after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
@@ -164,16 +165,15 @@ class LockedTask(OnCommit):
     ) -> Any:
         """Send the task; in the enqueue modes, first take its enqueue lock (one round trip).
 
-        A duplicate returns the ``AsyncResult`` of the task already queued or
-        running (``lock_duplicate="return"``), raises ``DuplicateTask``, or takes
-        the lock over from the queued message and is sent (``"replace"``). A
-        republish of a message that carries its lock, a busy retry's republish
-        (whatever the message carries: it is queued again, not a new call), and a
-        member of a group or chord (unless sent with ``lock_in_canvas=True``), pass. So does a
-        retry of the attempt running here (``self.retry``, autoretry), however
-        its first attempt was sent: in the modes that keep the lock between
-        attempts, its message carries a token of its own, for which the attempt
-        parks its hold when it lets go.
+        A duplicate returns the ``AsyncResult`` of the task already queued or running
+        (``lock_duplicate="return"``), raises ``DuplicateTask``, or takes the lock over from the
+        queued message and is sent (``"replace"``). A republish of a message that carries its
+        lock, a busy retry's republish (whatever the message carries: it is queued again, not a
+        new call), and a member of a group or chord (unless sent with ``lock_in_canvas=True``),
+        pass. So does a retry of the attempt running here (``self.retry``, autoretry), however its
+        first attempt was sent: in the modes that keep the lock between attempts, its message
+        carries a token of its own, for which the attempt parks its hold when it lets go; and
+        Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise.
         """
         lock_options, settings = _bound_options(self)
         key = _lock_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
@@ -188,6 +188,8 @@ class LockedTask(OnCommit):
                 args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
             )
 
+        if (lost := lost_run(task_id, options)) is not None:  # a worker's main process: a lost pool child
+            return lost.send(self, key, options, headers, send)
         running = self._retried_attempt(key, task_id, options)
         if running is not None and rules.parks_for_retry and running.lock_fence is not None:
             token = secrets.token_hex(16)

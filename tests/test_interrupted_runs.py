@@ -648,6 +648,75 @@ def test_with_retry_on_worker_lost_a_dead_waiter_frees_its_enqueue_lock_unless_a
         assert again.get(timeout=RESULT_TIMEOUT) == x
 
 
+def hold_of(recorder: redis.Redis, key: str) -> dict[str, str]:
+    """The holder fields of the lock ``key`` (empty: free)."""
+    value = parse_value(recorder.get(key))
+    return {} if value is None else parse_holder(value.holder)
+
+
+@pytest.mark.parametrize("sent", ["delay", "send_task"])
+@pytest.mark.parametrize(
+    "mode",
+    ["until_executed", pytest.param("until_expired", marks=pytest.mark.locks_may_remain("its lock_period"))],
+)
+def test_with_retry_on_worker_lost_a_dead_runs_hold_is_kept_for_its_retry(
+    app: Celery, redis_server: RedisServer, prefix: str, mode: str, sent: str
+) -> None:
+    """``task_retry_on_worker_lost`` (Celery 5.7), a mode that keeps its lock across a task's
+    retries (until_executed, until_expired): the pool child running the body is killed, and the
+    worker's main process sends the retry (``Request._retry_worker_lost``, countdown
+    ``default_retry_delay``). The dead run's hold is parked for the retry, as ``self.retry()``
+    parks it: while the retry waits, a ``delay()`` is its duplicate, not a second run beside it;
+    the retry runs the body once more, and its end lets go of the lock as any run's does. Also
+    for a message sent without an enqueue lock (``send_task``): the retry is sent, never refused
+    as a duplicate of the dead run's own hold (nothing sent, the task never run again)."""
+    conf = {
+        "task_retry_on_worker_lost": True,
+        "task_annotations": {f"taskapp.{mode}": {"default_retry_delay": 2}},
+    }
+    worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork", json.dumps(conf))
+    worker.start()
+    task: Any = app.tasks[f"taskapp.{mode}"]
+    x = uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    with recorder_of(app) as recorder:
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            if sent == "delay":
+                result = task.delay(x, gate=True)
+            else:
+                result = app.send_task(task.name, (x,), {"gate": True})
+            [start] = wait_for(lambda: events(app, "start", x), what="the body to start")
+            os.kill(int(start[4]), signal.SIGKILL)  # the pid of the child the body runs in
+            wait_for(  # the retry sent (RETRY is stored after it), the dead run's hold dealt with
+                lambda: result.state == "RETRY" and hold_of(recorder, key).get("state") != "running",
+                what=lambda: f"Celery's retry:\n{worker.output()}",
+            )
+            assert task.delay(x, gate=True).id == result.id, (
+                f"a duplicate was sent beside the pending retry; the worker:\n{worker.output()}"
+            )
+            held = hold_of(recorder, key)
+            assert (held.get("task"), held.get("try"), held.get("state")) == (result.id, "1", "queued")
+            wait_for(
+                lambda: len(events(app, "start", x)) >= 2,
+                what=lambda: f"the retry to run:\n{worker.output()}",
+            )
+            recorder_for(app).open_gate(x)
+            assert result.get(timeout=RESULT_TIMEOUT) == x
+            assert [(event[3], event[6]) for event in events(app, "start", x)] == [
+                (result.id, "0"),
+                (result.id, "1"),
+            ]
+            if mode == "until_expired":  # kept for its period (600 s) after the retry's run, not its lease
+                wait_for(lambda: recorder.pttl(key) > 60_000, what=lambda: f"the period:\n{worker.output()}")
+                assert hold_of(recorder, key).get("try") == "1"
+            else:
+                wait_for(lambda: not recorder.exists(key), what=lambda: f"the release:\n{worker.output()}")
+        finally:
+            recorder_for(app).open_gate(x)
+            worker.stop()
+
+
 def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
     app: Celery, redis_server: RedisServer, prefix: str
 ) -> None:

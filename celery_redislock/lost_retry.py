@@ -1,0 +1,140 @@
+"""The retry Celery's worker main process sends for a task whose pool child was lost.
+
+With ``task_retry_on_worker_lost`` (Celery 5.7 and later), a prefork pool child that dies
+mid-task (SIGKILL, OOM) has its task retried by the worker's main process
+(``Request._retry_worker_lost``: ``signature_from_request(...).apply_async()``, with the
+next retry count and ``default_retry_delay`` as countdown), where no run of it is under way:
+``LockedTask.apply_async`` learns of it here (``retrying``, around Celery's send, by
+``LockedRequest``) and sends it as a retry, the way it sends ``self.retry()``:
+
+* never refused as a duplicate: not of the dead run's own hold, which the main process has
+  not let go of yet (a message sent without an enqueue lock, by ``send_task`` say, would be
+  refused and ``Celery`` would take the ``AsyncResult`` for a retry sent: the task never runs
+  again), nor of a later call's enqueue lock;
+* in the modes that keep the lock across a task's retries (``until_executed``,
+  ``until_expired``), the dead run's hold is parked (``PARK``) for a token of the retry's own,
+  which its message carries, before it is sent, as a run's own retry parks it: one queued or
+  running, also while the retry waits out its countdown; else the main process released the
+  hold, and a ``delay()`` meanwhile was sent beside the retry. A hold that is not the dead
+  run's any more (it never adopted its message's, or lost it) is left alone: the retry
+  carries the message's enqueue lock, if any, as before. A send that fails lets the parked
+  hold go (``give_up_ticket``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from ._durations import to_ms
+from ._process import current_pid
+from ._task_scripts import PARK
+from .attempt import hostname
+from .config import LockOptions
+from .connection import client_for
+from .enqueue import give_up_ticket
+from .protocol import HEADER, holder_for, message_delay, parse_value
+from .telemetry import log_fields
+
+__all__ = ["LostRun", "lost_run", "retrying"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LostRun:
+    """A run whose pool child was lost: its task id, attempt (retries so far), and the holder
+    its execution lock names (``None``: it held none)."""
+
+    task_id: str
+    retries: int
+    holder: str | None
+
+    def send(
+        self,
+        task: Any,
+        key: str,
+        options: Mapping[str, Any],
+        headers: dict[str, Any],
+        send: Callable[[str | None], Any],
+    ) -> Any:
+        """Send its retry (``send``, with ``headers``) for the lock ``key``: the dead run's hold
+        parked for it first, where the mode keeps the lock across retries."""
+        lock_options: LockOptions = task.lock_options
+        if not lock_options.rules.parks_for_retry or self.holder is None:
+            return send(self.task_id)
+        try:
+            client, _ = client_for(task.app)
+            value = parse_value(client.get(key))
+        except redis.RedisError as exc:  # its hold is released (or runs out), as without a retry
+            self._not_kept(task, key, exc)
+            return send(self.task_id)
+        if value is None or value.holder != self.holder:  # the retry carries its message's ticket, if any
+            return send(self.task_id)
+        token = secrets.token_hex(16)  # carried whatever PARK's outcome: a lost reply may hide a park
+        headers[HEADER] = {"key": key, "token": token}
+        parked = self._park(task, client, key, (value.token, token), lock_options, message_delay(options))
+        try:
+            return send(self.task_id)
+        except BaseException:  # not sent: nothing will adopt the hold
+            why = f"task {task.name}[{self.task_id}]: its retry after a lost pool child was not sent"
+            with suppress(redis.RedisError):  # the send's exception stands (the hold runs out)
+                if parked:
+                    give_up_ticket(client, (key, token), self.retries + 1, lock_options, why)
+            raise
+
+    def _park(
+        self, task: Any, client: Any, key: str, tokens: tuple[str, str], options: LockOptions, delay: float
+    ) -> bool:
+        """Park the dead run's hold of ``key`` (``tokens``: its token, and the one the retry
+        carries) for the retry due in ``delay`` s, owner-checked by its holder: whether it was
+        (or, after a Redis error, may have been) parked. Not parked: the main process releases
+        it, and the retry takes the lock afresh."""
+        queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
+        ttl = to_ms(options.queue_ttl + delay)
+        arguments: list[str | int] = [tokens[0], self.holder or "", tokens[1], queued, ttl, options.period_ms]
+        try:
+            return int(PARK(client, [key], arguments)) == 1
+        except redis.RedisError as exc:
+            self._not_kept(task, key, exc)
+            return True
+
+    def _not_kept(self, task: Any, key: str, exc: Exception) -> None:
+        logger.warning(
+            "task %s[%s]: could not keep lock %s for its retry after a lost pool child: %s",
+            task.name,
+            self.task_id,
+            key,
+            exc,
+            extra=log_fields(key, self.task_id, self.holder, outcome="error"),
+        )
+
+
+#: The lost run whose retry Celery's main process is sending (``retrying``), if any.
+_lost: contextvars.ContextVar[LostRun | None] = contextvars.ContextVar("celery_redislock_lost", default=None)
+
+
+@contextmanager
+def retrying(run: LostRun) -> Iterator[None]:
+    """While Celery sends the retry of ``run`` (``LockedRequest._retry_worker_lost``)."""
+    reset = _lost.set(run)
+    try:
+        yield
+    finally:
+        _lost.reset(reset)
+
+
+def lost_run(task_id: str | None, options: Mapping[str, Any]) -> LostRun | None:
+    """The lost run that a message for ``task_id`` sent with ``options`` retries, if any (same
+    task id, the next retry count), while Celery sends its retry."""
+    run = _lost.get()
+    if run is None or task_id != run.task_id or (options.get("retries") or 0) != run.retries + 1:
+        return None
+    return run
