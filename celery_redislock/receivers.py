@@ -170,13 +170,13 @@ class RunRequests:
         return getattr(self._stack, name)
 
 
-def free_unkeyed_ticket(task: Any, options: LockOptions) -> None:
-    """The run of a worker's message cannot compute its key (a ``lock_on`` callable that raised
+def free_unkeyed_ticket(task: Any, request: Any, options: LockOptions) -> None:
+    """The run of a worker's message (its ``request``; ``None``: a direct call, or a call inside
+    a run, with no message of its own) cannot compute its key (a ``lock_on`` callable that raised
     there, not at ``apply_async``): it fails before taking anything, and nothing would adopt or
     free the enqueue lock its message carries; free it, owner-checked (``give_up_ticket``)."""
-    request = task.request_stack.top
-    if request is None or request.called_directly or hasattr(request, "lock_key"):
-        return  # a direct call, or a call inside a run: no message of its own
+    if request is None:
+        return
     ticket = request_ticket(request)
     if ticket is not None:
         why = f"task {task.name}[{request.id}] cannot compute its lock key"

@@ -249,20 +249,20 @@ class LockedTask(OnCommit):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         options, settings = _bound_options(self)
-        try:
-            key = _lock_key(self, options, settings, args, kwargs)
-        except LockKeyError:  # in a worker, not at apply_async: its message's enqueue lock goes
-            free_unkeyed_ticket(self, options)
-            raise
-        held = _held_locks.get()
-        raise_if_lost(held.values())  # a locked call inside a run is one of the run's check points
-        if key in held:  # called directly from a call holding the same key: run under that hold
-            return super().__call__(*args, **kwargs)
         request: Any = self.request_stack.top
         # The worker and apply() push the request of the execution they start; a direct call
         # (task(...)) pushes its own in super().__call__().
         if request is None or request.called_directly or hasattr(request, "lock_key"):
             request = None
+        try:
+            key = _lock_key(self, options, settings, args, kwargs)
+        except LockKeyError:  # in a worker, not at apply_async: its message's enqueue lock goes
+            free_unkeyed_ticket(self, request, options)
+            raise
+        held = _held_locks.get()
+        raise_if_lost(held.values())  # a locked call inside a run is one of the run's check points
+        if key in held:  # called directly from a call holding the same key: run under that hold
+            return super().__call__(*args, **kwargs)
         run = Execution(self, options, settings, key, request, args, kwargs)
         try:
             began = run.begin()
