@@ -39,7 +39,7 @@ from celery.exceptions import Ignore, Retry
 from . import signals, telemetry
 from ._durations import to_ms
 from ._process import current_pid
-from ._task_scripts import CLAIM, LET_GO, PARK, SETTLE
+from ._task_scripts import CLAIM, LET_GO, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
@@ -55,6 +55,7 @@ from .run_lock import (
     adopt,
     announce_released,
     finish_release,
+    park,
     release,
     release_later,
 )
@@ -158,8 +159,7 @@ class Execution:
                 f"could not lock {self.key!r} in Redis at {self.url}: {exc}"
             )
             self.unlocked(where, exc)
-            if self.lock is not None and self.task_id is not None:  # unlocked: nothing left to finish
-                self.running.pop((threading.get_ident(), self.task_id), None)
+            self._over()  # unlocked: nothing left to finish
             self.lock = None
             return True
 
@@ -293,7 +293,12 @@ class Execution:
             return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply
         with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
             ending.outcome = self.keep() or release(self.task, lock, self.task_id)
-        if self.task_id is not None:  # only once let go: an interrupted let-go is the trace's end's
+        self._over()  # only once let go: an interrupted let-go is the trace's end's
+
+    def _over(self) -> None:
+        """Nothing of the run is left to finish: out of ``running``, where a run with a lock and a
+        task id (a worker's, ``apply()``'s) was put as it was made."""
+        if self.lock is not None and self.task_id is not None:
             self.running.pop((threading.get_ident(), self.task_id), None)
 
     def finish(self) -> None:
@@ -363,14 +368,12 @@ class Execution:
         ``"parked"``, ``"released"`` (announced, as a release is) or ``"settled"`` (that retry
         will not adopt it: ``enqueue.give_up_ticket``), ``"taken-over"`` (usually adopted by the
         retry already), ``"error"``."""
-        ttl = self.options.queue_ttl + delay
-        queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
         current, fence = lock.holder or "", lock.fence
         running = lock.stop_renewing()
         held = time.monotonic() - lock.taken_at  # until PARK is sent: the hold may end there
         try:  # once PARK is sent, the hold is forgotten, whatever its outcome
-            arguments: list[str | int] = [running, current, token, queued, to_ms(ttl), self.options.period_ms]
-            parked = PARK(lock.client, [lock.name], arguments)
+            retry = (self.task_id, self.retries + 1)
+            parked = park(lock.client, lock.name, (running, current), token, retry, self.options, delay)
         except redis.RedisError as exc:
             logger.warning(
                 "task %s[%s]: could not keep lock %s for its retry: %s",
@@ -383,9 +386,9 @@ class Execution:
             return "error"
         finally:
             lock.forget()
-        if int(parked) == 1:
+        if parked == 1:
             return "parked"
-        outcome = LET_GO.get(int(parked))  # freed, or kept for what is left of its period
+        outcome = LET_GO.get(parked)  # freed, or kept for what is left of its period
         if outcome == "released":
             announce_released(self.task, lock.name, self.task_id, held, fence)
         if outcome is not None:

@@ -33,14 +33,11 @@ from typing import Any
 
 import redis
 
-from ._durations import to_ms
-from ._process import current_pid
-from ._task_scripts import PARK
-from .attempt import hostname
 from .config import LockOptions
 from .connection import client_for
 from .enqueue import give_up_ticket
-from .protocol import HEADER, holder_for, message_delay, parse_value
+from .protocol import HEADER, message_delay, parse_value
+from .run_lock import park
 from .telemetry import log_fields
 
 __all__ = ["LostRun", "lost_run", "retrying"]
@@ -97,11 +94,9 @@ class LostRun:
         carries) for the retry due in ``delay`` s, owner-checked by its holder: whether it was
         (or, after a Redis error, may have been) parked. Not parked: the main process releases
         it, and the retry takes the lock afresh."""
-        queued = holder_for(self.task_id, self.retries + 1, hostname(), current_pid(), "queued")
-        ttl = to_ms(options.queue_ttl + delay)
-        arguments: list[str | int] = [tokens[0], self.holder or "", tokens[1], queued, ttl, options.period_ms]
+        hold, retry = (tokens[0], self.holder or ""), (self.task_id, self.retries + 1)
         try:
-            return int(PARK(client, [key], arguments)) == 1
+            return park(client, key, hold, tokens[1], retry, options, delay) == 1
         except redis.RedisError as exc:
             self._not_kept(task, key, exc)
             return True

@@ -66,7 +66,7 @@ class LockedRequest(Request):
         """Celery's retry of a task whose pool child was lost (not past ``max_retries``, not a
         ``Terminated`` or a time limit); noted, since the retry carries the message's enqueue lock."""
         pid = self._locking_pid()
-        holder = None if pid is None else holder_for(self.id, self._retries(), self.hostname, pid)
+        holder = None if pid is None else self._holder(pid)
         with retrying(LostRun(self.id, self._retries(), holder)):  # its hold parked for it (lost_retry)
             retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
         self._retried_instead = bool(retried)
@@ -151,6 +151,10 @@ class LockedRequest(Request):
         """The retries of the task so far (the attempt this request runs)."""
         return int(self.request_dict.get("retries") or 0)
 
+    def _holder(self, pid: int) -> str:
+        """The holder the lock of this request's run names, run in the pool child ``pid``."""
+        return holder_for(self.id, self._retries(), self.hostname, pid)
+
     def _delivered_for_good(self) -> bool:
         """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery
         after the failure: ``acks_on_failure``), and no retry sent in its stead
@@ -175,8 +179,7 @@ class LockedRequest(Request):
         try:
             key = task_lock_key(task, self.args, self.kwargs)
             client, _ = client_for(task.app)
-            retries = self._retries()
-            holder = holder_for(self.id, retries, self.hostname, pid)
+            holder = self._holder(pid)
             options = bound_options(task)
             limit = 1 if options is None else options.limit  # above 1, the run held a permit of the key
             released = (
@@ -187,7 +190,7 @@ class LockedRequest(Request):
             ticket = message_ticket(self.request_dict)  # the message's headers
             if ticket is not None and self._delivered_for_good():
                 gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
-                give_up_ticket(client, ticket, retries, options, gone)
+                give_up_ticket(client, ticket, self._retries(), options, gone)
         except Exception:  # the main process's event loop must go on
             logger.exception(
                 "task %s[%s]: could not release its dead pool child's lock",

@@ -21,13 +21,15 @@ import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
+from ._process import current_pid
 from ._redis import settle_later
-from ._task_scripts import ADOPT
-from .attempt import busy_reply
-from .config import AppSettings
+from ._task_scripts import ADOPT, PARK
+from .attempt import busy_reply, hostname
+from .config import AppSettings, LockOptions
 from .connection import Client
 from .exceptions import LockLost, LockNotOwned, LockNotReplicated
 from .lock import OneServer, RedisLock
+from .protocol import holder_for
 from .semaphore import PermitBook, Permits
 from .watchdog import Lease
 
@@ -38,6 +40,7 @@ __all__ = [
     "adopt",
     "announce_released",
     "finish_release",
+    "park",
     "raise_if_lost",
     "release",
     "release_later",
@@ -193,6 +196,23 @@ def adopt(lock: RedisLock, token: str) -> tuple[str | None, int] | None:
         lock.give_back(own)
         raise
     return None
+
+
+def park(
+    client: Any,
+    key: str,
+    hold: tuple[str, str],
+    token: str,
+    retry: tuple[str | None, int],
+    options: LockOptions,
+    delay: float,
+) -> int:
+    """Park the hold of ``key`` (``hold``: its token and the holder it must still name) for the
+    retry (``retry``: its task id and attempt) whose message carries ``token``, due in ``delay``
+    s, queued for ``lock_queue_ttl`` past that (``PARK``): its reply, 1 once parked."""
+    queued = holder_for(retry[0], retry[1], hostname(), current_pid(), "queued")
+    ttl = to_ms(options.queue_ttl + delay)
+    return int(PARK(client, [key], [hold[0], hold[1], token, queued, ttl, options.period_ms]))
 
 
 def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool = True) -> str | None:

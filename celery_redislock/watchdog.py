@@ -50,6 +50,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -250,7 +251,7 @@ class Watchdog(LeaseSet):
         with self._cond:
             late = self.track(lease, sent_at)
             if self._thread is None:  # recorded once started: after a start that raised, none is
-                self._thread = _started(self._run, "celery-redislock-watchdog")
+                self._thread = self._started_thread()
             elif late:  # wake the thread only when it would be late
                 self._cond.notify_all()
 
@@ -305,7 +306,11 @@ class Watchdog(LeaseSet):
                 if self._thread is threading.current_thread():
                     self._thread = None
                     with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
-                        self._thread = _started(self._run, "celery-redislock-watchdog")
+                        self._thread = self._started_thread()
+
+    def _started_thread(self) -> threading.Thread:
+        """A renewing thread (``_run``), started."""
+        return _started(self._run, "celery-redislock-watchdog")
 
     def _renew_until_idle(self) -> None:
         """Renew the leases as they fall due, until none is left."""
@@ -578,13 +583,10 @@ def _side_by_side(renew: Callable[..., _Found], exchanges: list[tuple[Any, ...]]
 
     threads = []
     for index in range(len(exchanges)):
-        thread = threading.Thread(target=run, args=(index,), name="celery-redislock-renewal", daemon=True)
         try:
-            thread.start()
+            threads.append(_started(functools.partial(run, index), "celery-redislock-renewal"))
         except RuntimeError:  # no thread could be started: renewed here, after the others'
             run(index)
-            continue
-        threads.append(thread)
     for thread in threads:
         thread.join()
     for _, exc in outcomes:
