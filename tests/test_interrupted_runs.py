@@ -501,6 +501,25 @@ class Waiting:
     holder: RedisLock
     member: Any
 
+    def waits_again(self, app: Celery, what: str) -> None:
+        """Delivered again (requeued, or retried), the member waits in another child, with its
+        enqueue lock: a ``delay()`` meanwhile is its duplicate."""
+        wait_for(
+            lambda: len(events(app, "busy", self.x)) >= 2, what=lambda: f"{what}:\n{self.worker.output()}"
+        )
+        assert self.recorder.exists(self.queued), (
+            f"its enqueue lock was freed; the worker:\n{self.worker.output()}"
+        )
+        assert self.task.delay(self.x, gate=True).id == self.member.id, "a duplicate was sent beside it"
+
+    def next_call_runs(self, app: Celery) -> None:
+        """Once the member is over and the other hold gone, the next ``delay()`` is sent and runs."""
+        self.holder.release()
+        recorder_for(app).open_gate(self.x)
+        again = self.task.delay(self.x, gate=True)
+        assert again.id != self.member.id
+        assert again.get(timeout=RESULT_TIMEOUT) == self.x
+
 
 @contextmanager
 def member_waiting(
@@ -546,31 +565,18 @@ def test_a_pool_child_killed_while_waiting_frees_its_messages_enqueue_lock_unles
     delivered and waits again with its enqueue lock, a ``delay()`` meanwhile its duplicate."""
     conf = {"task_acks_late": True, "task_reject_on_worker_lost": True} if requeued else {}
     with member_waiting(app, redis_server, prefix, conf) as waiting:
-        task, x, queued, recorder, worker = (
-            waiting.task,
-            waiting.x,
-            waiting.queued,
-            waiting.recorder,
-            waiting.worker,
-        )
-        [busy] = events(app, "busy", x)
+        [busy] = events(app, "busy", waiting.x)
         os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
-        if requeued:  # delivered again, it waits in another child, with its enqueue lock
-            wait_for(
-                lambda: len(events(app, "busy", x)) >= 2,
-                what=lambda: f"the requeued member to wait again:\n{worker.output()}",
-            )
-            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
-            assert task.delay(x, gate=True).id == waiting.member.id, "a duplicate was sent beside it"
+        if requeued:
+            waiting.waits_again(app, "the requeued member to wait again")
             return
-        wait_for(lambda: not recorder.exists(queued), what="the main process to free the enqueue lock")
+        wait_for(
+            lambda: not waiting.recorder.exists(waiting.queued),
+            what="the main process to free the enqueue lock",
+        )
         waiting.member.get(timeout=RESULT_TIMEOUT, propagate=False)
         assert waiting.member.state == "FAILURE"
-        waiting.holder.release()
-        recorder_for(app).open_gate(x)
-        again = task.delay(x, gate=True)
-        assert again.id != waiting.member.id
-        assert again.get(timeout=RESULT_TIMEOUT) == x
+        waiting.next_call_runs(app)
 
 
 @pytest.mark.locks_may_remain("the wake message the release sent the stopped waiter, until its ttl")
@@ -585,14 +591,8 @@ def test_a_waiter_past_its_hard_time_limit_keeps_its_requeued_messages_enqueue_l
     ``delay()`` meanwhile is its duplicate, not a second message queued beside it."""
     conf = {"task_acks_late": True, "task_acks_on_failure_or_timeout": False}
     with member_waiting(app, redis_server, prefix, conf, time_limit=2) as waiting:
-        x, recorder, worker = waiting.x, waiting.recorder, waiting.worker
-        wait_for(  # delivered again after its time limit, it waits in a child again
-            lambda: len(events(app, "busy", x)) >= 2,
-            what=lambda: f"the requeued member to wait again:\n{worker.output()}",
-        )
-        assert "TimeLimitExceeded" in worker.output()
-        assert recorder.exists(waiting.queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
-        assert waiting.task.delay(x, gate=True).id == waiting.member.id, "a duplicate was sent beside it"
+        waiting.waits_again(app, "the requeued member to wait again")  # after its time limit
+        assert "TimeLimitExceeded" in waiting.worker.output()
 
 
 @pytest.mark.locks_may_remain("the wake message the release sent the killed waiter, until its ttl")
@@ -614,38 +614,22 @@ def test_with_retry_on_worker_lost_a_dead_waiter_frees_its_enqueue_lock_unless_a
         "task_annotations": {"taskapp.until_and_while_executing": annotations},
     }
     with member_waiting(app, redis_server, prefix, conf) as waiting:
-        task, x, queued, recorder, worker = (
-            waiting.task,
-            waiting.x,
-            waiting.queued,
-            waiting.recorder,
-            waiting.worker,
-        )
         if end == "revoked":
             waiting.member.revoke(terminate=True, signal="SIGKILL")
         else:
-            [busy] = events(app, "busy", x)
+            [busy] = events(app, "busy", waiting.x)
             os.kill(int(busy[4]), signal.SIGKILL)  # the pid of the child it waits in
-        if end == "retried":  # its retry waits in another child, with its enqueue lock
-            wait_for(
-                lambda: len(events(app, "busy", x)) >= 2,
-                what=lambda: f"the retry to wait:\n{worker.output()}",
-            )
-            assert events(app, "busy", x)[1][6] == "1", "not the retry"
-            assert recorder.exists(queued), f"its enqueue lock was freed; the worker:\n{worker.output()}"
-            assert task.delay(x, gate=True).id == waiting.member.id, "a duplicate was sent beside it"
+        if end == "retried":
+            waiting.waits_again(app, "the retry to wait")
+            assert events(app, "busy", waiting.x)[1][6] == "1", "not the retry"
             return
         wait_for(
-            lambda: not recorder.exists(queued),
+            lambda: not waiting.recorder.exists(waiting.queued),
             timeout=20,
-            what=lambda: f"the main process to free the enqueue lock; the worker:\n{worker.output()}",
+            what=lambda: f"the main process to free the enqueue lock; the worker:\n{waiting.worker.output()}",
         )
         wait_for(lambda: waiting.member.state in ("FAILURE", "REVOKED"), what="the member's end")
-        waiting.holder.release()
-        recorder_for(app).open_gate(x)
-        again = task.delay(x, gate=True)
-        assert again.id != waiting.member.id
-        assert again.get(timeout=RESULT_TIMEOUT) == x
+        waiting.next_call_runs(app)
 
 
 def hold_of(recorder: redis.Redis, key: str) -> dict[str, str]:
