@@ -36,7 +36,7 @@ from typing import Any
 import redis
 from celery.exceptions import Ignore, Retry
 
-from . import signals, telemetry
+from . import signals, state, telemetry
 from ._durations import to_ms
 from ._process import current_pid
 from ._task_scripts import CLAIM, LET_GO, SETTLE
@@ -84,7 +84,6 @@ class Execution:
         "options",
         "request",
         "retries",
-        "running",
         "settings",
         "slot",
         "task",
@@ -140,9 +139,8 @@ class Execution:
             self.lock.request = request
             # From here on, what an asynchronous exception leaves held is the trace's end's to let go
             # (``finish``).
-            if self.task_id is not None:  # ``running``: set only here, read by ``let_go`` only then
-                self.running = app_state(task.app).running
-                self.running[threading.get_ident(), self.task_id] = self
+            if self.task_id is not None:
+                state.running[threading.get_ident(), self.task_id] = self
 
     def begin(self) -> bool:
         """Everything before the body: whether it runs (``False``: skipped, or a duplicate).
@@ -299,7 +297,7 @@ class Execution:
         """Nothing of the run is left to finish: out of ``running``, where a run with a lock and a
         task id (a worker's, ``apply()``'s) was put as it was made."""
         if self.lock is not None and self.task_id is not None:
-            self.running.pop((threading.get_ident(), self.task_id), None)
+            state.running.pop((threading.get_ident(), self.task_id), None)
 
     def finish(self) -> None:
         """After the run (``receivers.after_run``, or ``receivers.RunRequests`` as its trace ends, for
@@ -440,11 +438,11 @@ class Execution:
         the process is the worker itself: ``"terminate"`` acts as ``"raise"``,
         with a WARNING the first time (per task).
         """
-        state = app_state(self.task.app)
-        if state.pool_child == current_pid():
+        app = app_state(self.task.app)
+        if app.pool_child == current_pid():
             return True
-        if self.task.name not in state.terminate_warned:
-            state.terminate_warned.add(self.task.name)
+        if self.task.name not in app.terminate_warned:
+            app.terminate_warned.add(self.task.name)
             logger.warning(
                 "task %s: lock_on_lost='terminate' stops a prefork pool child, and this process is "
                 "not one (threads, solo, gevent or eventlet pool, or a direct call): a lost lock "

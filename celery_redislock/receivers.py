@@ -36,7 +36,7 @@ from .config import LockOptions, app_settings, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
 from .protocol import message_ticket, request_ticket
-from .state import Run, app_state
+from .state import app_state, running
 from .telemetry import log_fields
 
 __all__ = ["RunRequests", "after_run", "free_unkeyed_ticket", "install"]
@@ -92,7 +92,7 @@ def after_run(task: Any, task_id: str) -> None:
     exception kept ``__call__`` from letting go (``Execution.finish``). Called by
     ``LockedTask.after_return``, before any ``task_postrun`` receiver (OpenTelemetry's ends the
     task's span there); ``RunRequests.pop`` then finds nothing left to do."""
-    run = app_state(task.app).running.pop((threading.get_ident(), task_id), None)
+    run = running.pop((threading.get_ident(), task_id), None)
     if run is not None:
         run.finish()
 
@@ -108,20 +108,18 @@ class RunRequests:
     run was started with finishes it: a request a direct call pushes (the same task id, inside
     the run) does not."""
 
-    __slots__ = ("_running", "_stack")
+    __slots__ = ("_stack",)
 
-    def __init__(self, stack: Any, running: dict[tuple[int, str], Run]) -> None:
-        """``stack``: the task's request stack (one of these again, for a task bound anew: the
-        runs are then the new app's, ``running``)."""
-        self._stack: Any = stack.celery_stack if isinstance(stack, RunRequests) else stack
-        self._running = running
+    def __init__(self, stack: Any) -> None:
+        """``stack``: the task's request stack (Celery's)."""
+        self._stack = stack
 
     def push(self, request: Any) -> Any:
         return self._stack.push(request)
 
     def pop(self) -> Any:
         try:
-            if self._running:  # else nothing to finish (the common case: after_return did)
+            if running:  # else nothing to finish (the common case: after_return did)
                 self._finish(self._stack.top)
         finally:
             popped = self._stack.pop()  # whatever finishing raised
@@ -132,7 +130,7 @@ class RunRequests:
         if task_id is None:
             return
         key = (threading.get_ident(), task_id)
-        run = self._running.get(key)
+        run = running.get(key)
         if run is None or run.request is not request:
             return
         try:  # the entry goes once the run is finished: until then, the run is not over
@@ -145,12 +143,7 @@ class RunRequests:
                 extra=log_fields(run.key, run.task_id, outcome="error"),
             )
         finally:
-            self._running.pop(key, None)
-
-    @property
-    def celery_stack(self) -> Any:
-        """The Celery stack inside (what a task bound anew wraps again)."""
-        return self._stack
+            running.pop(key, None)
 
     @property
     def top(self) -> Any:

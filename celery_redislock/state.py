@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 import redis
 import redis.cluster
 
-__all__ = ["AppState", "LockClient", "app_state", "forget_client"]
+__all__ = ["AppState", "LockClient", "app_state", "forget_client", "running"]
 
 
 class LockClient(NamedTuple):
@@ -33,7 +33,7 @@ class LockClient(NamedTuple):
 
 
 class Run(Protocol):
-    """A run under way (``execution.Execution``), as ``AppState.running`` holds it."""
+    """A run under way (``execution.Execution``), as ``running`` holds it."""
 
     #: its task, the request it was started with, its task id and its lock's key
     task: Any
@@ -57,16 +57,17 @@ class AppState:
     installed: bool = False
     #: the pid of this process if it is a prefork pool child (``worker_process_init``)
     pool_child: int | None = None
-    #: (thread id, task id) -> the run (an ``Execution`` with an execution lock), from its
-    #: lock's making to its finish (``after_return``, or the end of its trace:
-    #: ``receivers.RunRequests``), which runs in the same thread (two attempts of one task, a
-    #: retry starting while its previous attempt finishes, run in different threads); keyed by
-    #: task id too, as a run may start another in its thread (an eager ``apply()``) before
-    #: either ends
-    running: dict[tuple[int, str], Run] = field(default_factory=dict)
     #: tasks whose WARNING that ``lock_on_lost="terminate"`` acts as ``"raise"`` here was logged
     terminate_warned: set[str] = field(default_factory=set)
 
+
+#: (thread id, task id) -> the run (an ``Execution`` with an execution lock), from its lock's
+#: making to its finish (``after_return``, or the end of its trace: ``receivers.RunRequests``),
+#: which runs in the same thread (two attempts of one task, a retry starting while its previous
+#: attempt finishes, run in different threads); keyed by task id too, as a run may start another
+#: in its thread (an eager ``apply()``) before either ends. One for the process, not one per app:
+#: a task class bound to another app meanwhile (another app registers it) still finds its runs.
+running: dict[tuple[int, str], Run] = {}
 
 #: id(app) -> its state, dropped when the app is (its id is not reused before): a run looks its
 #: app's state up three times, and a ``WeakKeyDictionary`` runs Python code and makes a weak

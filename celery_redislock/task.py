@@ -33,7 +33,6 @@ from .lost_retry import lost_run
 from .protocol import HEADER, REPUBLISH, message_delay, received_arguments
 from .receivers import RunRequests, after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
-from .state import app_state
 
 __all__ = ["LockedTask", "task_lock_key"]
 
@@ -148,8 +147,8 @@ class LockedTask(OnCommit):
         super().on_bound(app)
         cls.lock_settings = app_settings(app)
         cls.lock_options = task_options(cls, app, cls.lock_settings)
-        stack = RunRequests(cls.request_stack, app_state(app).running)  # popping a run's request ends it
-        cls.request_stack = stack  # type: ignore[assignment]  # Celery's stack's interface, not its class
+        if not isinstance(cls.request_stack, RunRequests):  # bound again (another app): wrapped already
+            cls.request_stack = RunRequests(cls.request_stack)  # type: ignore[assignment]  # popping a run's request ends it
         install(app)
 
     def apply_async(

@@ -460,7 +460,7 @@ def _wait_for_postrun(watch: Watch, runs: int = 1) -> None:
     package finished them (a run ``after_return`` did not finish is finished after
     ``task_postrun``, as its trace ends)."""
     wait_for(
-        lambda: watch.kinds().count("postrun") >= runs and runs_over(watch.app, watch.name),
+        lambda: watch.kinds().count("postrun") >= runs and runs_over(watch.name),
         what=lambda: f"task_postrun and the runs' end: {watch.kinds()}",
     )
 
@@ -697,7 +697,7 @@ def test_a_body_that_ends_with_no_after_return_has_its_release_read_at_once(
     assert watch.kinds() == ["prerun", "released", "postrun"]
     assert [released["key"] for released in watch.of("released")] == [key]
     assert not recorder.exists(key)
-    assert runs_over(app, task.name, result.id)
+    assert runs_over(task.name, result.id)
     recorder.close()
 
 
@@ -737,7 +737,7 @@ def test_a_run_after_return_did_not_finish_is_finished_as_its_trace_ends(
     assert watch.kinds()[-2:] == ["postrun", "released"]  # after task_postrun, as the trace ends
     assert [released["key"] for released in watch.of("released")] == [key]
     assert not recorder.exists(key)
-    assert runs_over(app, task.name, result.id)
+    assert runs_over(task.name, result.id)
     recorder.close()
 
 
@@ -770,3 +770,31 @@ def test_a_locked_tasks_request_stack_is_still_callable_as_celerys(app: Celery) 
     assert seen == [result.id]
     with pytest.raises(RuntimeError, match="object unbound"):  # no run: nothing on top, as Celery's
         _ = task.request_stack().id
+
+
+def test_a_run_is_finished_as_its_trace_ends_after_its_task_was_bound_to_another_app(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    """A task class also bound to a second app (which registers the same task object, as a
+    process building apps on demand does), its ``after_return`` not calling ``super()``: a run
+    traced by Celery (``apply()``) is still finished as its trace ends (its release's reply
+    read, ``lock_released`` sent, the run over). The package kept its runs per app: the run was
+    put under the task's ``app`` (a function task's stays the first), and its request stack,
+    wrapped anew for the second app, looked under that one. The run was never finished: no
+    ``lock_released``, and a lock an interrupt kept from being released stayed held, renewed,
+    for as long as the process lived."""
+    task = define(app, "rebound", base=_NoSuperAfterReturn)
+    other = make_app(redis_server.url, prefix, f"q-{prefix}-other")
+    other.register_task(task._get_current_object())
+    key = task_lock_key(task, (7,))
+    recorder = redis.Redis.from_url(app.conf.redislock_url)
+    try:
+        with Sampler(recorder, prefix), watching(app, task) as watch:
+            result = task.apply((7,))
+            assert result.get() == 7
+        assert [released["key"] for released in watch.of("released")] == [key]
+        assert not recorder.exists(key)
+        assert runs_over(task.name, result.id)
+    finally:
+        recorder.close()
+        other.close()

@@ -45,7 +45,7 @@ from celery_redislock.exceptions import LockLost, LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
 from celery_redislock.signals import lock_acquired, lock_released
-from celery_redislock.state import app_state
+from celery_redislock.state import app_state, running
 from celery_redislock.testing import RedisServer
 from tests.interrupts import define
 from tests.taskapp import recorder as recorder_for
@@ -101,7 +101,7 @@ def run_interrupted(app: Celery, task: Any, x: int) -> None:
         result = task.delay(x)
         with pytest.raises(SoftTimeLimitExceeded):
             result.get(timeout=RESULT_TIMEOUT)
-        wait_for(lambda: result.id in done and runs_over(app, task.name, result.id), what="the run's end")
+        wait_for(lambda: result.id in done and runs_over(task.name, result.id), what="the run's end")
 
 
 def events(app: Celery, kind: str, x: object) -> list[list[str]]:
@@ -119,7 +119,7 @@ def run_retry_handed_its_parked_hold(app: Celery, task: Any, x: str) -> None:
         wait_for(lambda: events(app, "busy", x), what="attempt 1 to find attempt 0 running")
         recorder_for(app).open_gate(x)
         wait_for(
-            lambda: done.count(result.id) == 2 and runs_over(app, task.name, result.id),
+            lambda: done.count(result.id) == 2 and runs_over(task.name, result.id),
             what="both attempts' end",
         )
 
@@ -365,7 +365,7 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
         assert [type(failure) for failure in failures] == [LockNotAcquired]
         assert recorder.exists(key), "attempt 0 let go before attempt 1 gave up"
         recorder_for(app).open_gate(x)
-        wait_for(lambda: done.count(result.id) == 2 and runs_over(app, task.name), what="attempt 0 to end")
+        wait_for(lambda: done.count(result.id) == 2 and runs_over(task.name), what="attempt 0 to end")
         if mode == "until_executed":
             assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
             assert released == [result.id]  # before task_postrun, as a release's
@@ -406,7 +406,7 @@ def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
         gates.open_gate(f"{x}-retry")
         wait_for(lambda: [dropped.id for dropped in revoked] == [result.id], what="attempt 1 dropped")
         gates.open_gate(x)
-        wait_for(lambda: done.count(result.id) == 1 and runs_over(app, task.name), what="attempt 0 to end")
+        wait_for(lambda: done.count(result.id) == 1 and runs_over(task.name), what="attempt 0 to end")
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
 
 
@@ -479,7 +479,7 @@ def test_a_failed_republish_of_a_busy_retry_frees_the_messages_enqueue_lock(
         try:
             with postruns(task) as done, threads_worker(app, concurrency=1):
                 result = task.delay(7)
-                wait_for(lambda: result.id in done and runs_over(app, task.name, result.id), what="its end")
+                wait_for(lambda: result.id in done and runs_over(task.name, result.id), what="its end")
             assert result.state == "FAILURE"
             assert not recorder.exists(queued), f"left: {recorder.get(queued)!r}, {recorder.pttl(queued)} ms"
         finally:
@@ -813,7 +813,7 @@ def test_a_soft_time_limit_after_a_busy_retry_republished_keeps_its_enqueue_lock
         try:
             with postruns(task) as done, threads_worker(app, concurrency=1):
                 result = task.delay(9)
-                wait_for(lambda: result.id in done and runs_over(app, task.name, result.id), what="its end")
+                wait_for(lambda: result.id in done and runs_over(task.name, result.id), what="its end")
                 assert fired == [1]
                 # the republished message (countdown 60-180 s) is waiting: its lock stays
                 assert recorder.exists(queued), "the enqueue lock of a republished, queued message was freed"
@@ -887,7 +887,7 @@ def lost_before_the_body(app: Celery, task: Any) -> Iterator[list[str]]:
     def receiver(sender: Any = None, key: str = "", task_id: str | None = None, **_: Any) -> None:
         if sender is not None and sender.name == task.name and task_id is not None:
             client.delete(key)
-            run: Any = app_state(app).running[threading.get_ident(), task_id]  # an Execution
+            run: Any = running[threading.get_ident(), task_id]  # an Execution
             lock = run.lock
             seen.append(wait_for(lambda: lock.lost.is_set() and "lost", 10, "the watchdog to find the loss"))
 

@@ -33,7 +33,7 @@ from celery_redislock import (
     task_lock_key,
 )
 from celery_redislock.connection import client_for, lock_url
-from celery_redislock.state import app_state
+from celery_redislock.state import running
 from celery_redislock.testing import RedisServer
 from tests.workers import threads_worker
 
@@ -275,7 +275,7 @@ def test_on_error_run_runs_unlocked_through_apply_and_in_a_worker(
             assert task.delay().get(timeout=30) is None
     assert "running unlocked" in caplog.text
     assert "after_return handler raised" not in caplog.text
-    assert not app_state(app).running
+    assert not [run for run in running.values() if run.task.name == task.name]
 
 
 def test_acl_credentials_in_the_url_are_used(prefix: str) -> None:

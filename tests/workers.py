@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_redislock.state import app_state
+from celery_redislock.state import running
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -38,14 +38,13 @@ def wait_for(check: Callable[[], T], timeout: float = 60.0, what: str | Callable
         time.sleep(0.01)  # a polling step with a deadline, not a synchronisation
 
 
-def runs_over(app: Celery, task_name: str, task_id: str | None = None) -> bool:
+def runs_over(task_name: str, task_id: str | None = None) -> bool:
     """Whether the package has finished every run of ``task_name`` (``task_id``'s only, if given)
     in this process: a run that ``after_return`` did not finish (a retry, an interrupt) is
     finished as its trace ends (``receivers.RunRequests``), after the ``task_postrun``
     receivers, on the worker's thread: the point to wait for after ``task_postrun``."""
     return not any(
-        run.task.name == task_name and task_id in (None, run.task_id)
-        for run in list(app_state(app).running.values())
+        run.task.name == task_name and task_id in (None, run.task_id) for run in list(running.values())
     )
 
 
