@@ -51,11 +51,11 @@ _pending_request: contextvars.ContextVar[tuple[Any, dict[str, Any], Any] | None]
 def task_lock_key(
     task: Task[Any, Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
 ) -> str:
-    """The Redis key ``task(*args, **kwargs)`` locks.
-
-    Raises ``LockKeyError`` naming an argument that cannot be keyed.
+    """The Redis key a worker's run of ``task.delay(*args, **kwargs)`` locks: a ``lock_on``
+    callable is called with the arguments as that run receives them, through the task's
+    serializer. Raises ``LockKeyError`` naming an argument that cannot be keyed.
     """
-    return _lock_key(task, *_bound_options(task), args or (), kwargs or {})
+    return _lock_key(task, *_bound_options(task), args or (), kwargs or {}, {})
 
 
 def _lock_key(
@@ -67,7 +67,7 @@ def _lock_key(
     sent: Mapping[str, Any] | None = None,
 ) -> str:
     """``task_lock_key`` for a caller that has the task's ``_bound_options`` already; ``sent``: the
-    options of a message about to be sent with these arguments (``apply_async``)."""
+    options of a message sent with these arguments (``{}``: the task's), else they are the run's."""
     dump = getattr(task, "_dump_pydantic_arguments", None)  # pydantic=True (Celery >= 5.7)
     if dump is not None:  # the models Celery sends as dicts, which the worker's run receives
         args, kwargs = dump(args, kwargs)

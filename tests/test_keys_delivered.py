@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import namedtuple
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from celery import Celery
 from celery_redislock import LockedTask, LockKeyError, task_lock_key
 from celery_redislock.protocol import HEADER
 from celery_redislock.testing import RedisServer
+from tests.test_cli import run as run_cli
 from tests.test_task_config import new_app
 from tests.workers import threads_worker, wait_for
 
@@ -184,4 +186,47 @@ def test_a_pydantic_task_keys_its_models_as_celery_sends_them(
             assert first.get(timeout=RESULT_TIMEOUT) == [1, key]
         wait_for(lambda: not under(client, prefix), timeout=10, what="no key left")
     finally:
+        app.close()
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_task_lock_key_and_release_by_task_name_the_key_the_run_locks(
+    redis_server: RedisServer, client: redis.Redis, prefix: str, serializer: str
+) -> None:
+    """``task_lock_key`` called a lock_on callable with the caller's values, the run with the
+    delivered ones: under Celery's JSON an int-keyed dict arrives string-keyed, and
+    ``min(totals)`` was 9 for task_lock_key, "10" in the run: it named a key nobody locks.
+    It now keys as the run does, through the task's serializer (under pickle the ints stay).
+    ``celery redislock release --task`` (which reads its JSON as a worker reads a message's)
+    frees the run's lock."""
+    app = new_app(redis_server.url, prefix, task_serializer=serializer, accept_content=["json", "pickle"])
+    started, gate = threading.Event(), threading.Event()
+
+    def lowest_account(totals: dict[Any, int]) -> Any:
+        return min(totals)
+
+    def settle(self: Any, totals: dict[Any, int]) -> str:
+        started.set()
+        gate.wait(RESULT_TIMEOUT)
+        return self.request.lock_key  # type: ignore[no-any-return]
+
+    task = app.task(base=LockedTask, bind=True, shared=False, name="keys.settle", lock_on=lowest_account)(
+        settle
+    )
+    try:
+        totals = {10: 100, 9: 90}
+        key = task_lock_key(task, (totals,))
+        with threads_worker(app, concurrency=2):
+            result = task.delay(totals)
+            assert started.wait(RESULT_TIMEOUT), "the run did not start"
+            assert client.exists(key), f"{key} is not the key the run locks: {under(client, prefix)}"
+            if serializer == "json":  # a message's JSON: what the CLI reads, as the run received it
+                released = run_cli(app, "release", "--task", task.name, "--args", '[{"10": 100, "9": 90}]')
+                assert released.exit_code == 0, released.output
+                assert released.stdout.startswith(f"released {key} ")
+            gate.set()
+            assert result.get(timeout=RESULT_TIMEOUT) == key
+        wait_for(lambda: not under(client, prefix), timeout=10, what="no key left")
+    finally:
+        gate.set()
         app.close()
