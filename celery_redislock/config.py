@@ -40,6 +40,7 @@ __all__ = [
     "LockOptions",
     "app_settings",
     "check_client",
+    "masked",
     "task_options",
 ]
 
@@ -62,6 +63,14 @@ def bound_options(task: object) -> LockOptions | None:
 
 
 URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis-cluster", "rediss-cluster")
+
+
+def masked(url: str) -> str:
+    """``url`` with every password shown as ``**``: before each host (one per listed URL), and
+    in the query (``?password=``, which redis-py reads as well)."""
+    url = re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)
+    return re.sub(r"([?&]password=)[^&;#]*", r"\1**", url)
+
 
 #: Option name (without ``lock_``) -> library default; ``lock_busy`` and
 #: ``lock_wait_timeout`` have defaults that depend on other options.
@@ -264,7 +273,7 @@ def _check_url(problem: _Problem, url: object) -> None:
     scheme = url.partition("://")[0] if isinstance(url, str) else None
     if not isinstance(url, str) or scheme not in URL_SCHEMES:
         raise problem("redislock_url", url, allowed)
-    shown = re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)  # as kombu masks it
+    shown = masked(url)
     if scheme == "sentinel":
         for part in url.split(";"):
             try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -27,7 +26,7 @@ import redis.cluster
 import redis.sentinel
 
 from ._process import current_pid
-from .config import URL_SCHEMES, app_settings, check_client
+from .config import URL_SCHEMES, app_settings, check_client, masked
 from .exceptions import LockConfigurationError, RedisLockError
 from .state import LockClient, app_state
 from .telemetry import log_fields
@@ -39,7 +38,6 @@ __all__ = [
     "client_for",
     "client_location",
     "lock_url",
-    "masked",
     "redis_client",
 ]
 
@@ -76,11 +74,6 @@ class ClientUnavailable(RedisLockError, redis.exceptions.ConnectionError):
     connects, and raises no ``RedisError``). As Redis being unreachable, so it is also a
     ``redis.ConnectionError``, and every path that handles one (``redislock_on_error``, a
     beat's claim, a receiver) handles it. The exception is its ``__cause__``."""
-
-
-def masked(url: str) -> str:
-    """``url`` with every password (one per listed URL) shown as ``**``."""
-    return re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)
 
 
 def _first_broker_url(app: Any) -> str | None:

@@ -6,6 +6,7 @@ Nothing reaches Redis or the queue.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -17,6 +18,7 @@ from celery import Celery
 
 from celery_redislock import LockConfigurationError
 from celery_redislock.config import app_settings
+from celery_redislock.connection import client_for
 from celery_redislock.testing import RedisServer
 from tests.test_task_config import define, new_app, nothing_under
 
@@ -96,6 +98,14 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
         ),
         (
             "redislock_url",
+            f"redis://127.0.0.1:6379/0?password={SECRET}&socket_keepalive=yes&colour=red",
+            [
+                "redislock_url='redis://127.0.0.1:6379/0?password=**&socket_keepalive=yes&colour=red'",
+                "'colour'",
+            ],
+        ),
+        (
+            "redislock_url",
             "rediss://127.0.0.1:70000/0",
             ["redislock_url='rediss://127.0.0.1:70000/0'", "Port out of range"],
         ),
@@ -149,3 +159,21 @@ def test_the_key_secret_is_not_in_the_settings_repr(redis_server: RedisServer, p
     settings = app_settings(new_app(redis_server.url, prefix, redislock_key_secret=secret))
     assert settings.key_secret == secret.encode()
     assert secret not in repr(settings)
+
+
+def test_a_password_in_the_urls_query_is_masked_where_the_url_is_shown(
+    redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """redis-py reads a password from a URL's query too (``?password=``), where only the one
+    before the host was masked: the INFO log naming where the locks are, and what
+    ``celery redislock`` prints, showed it."""
+    url = f"redis://127.0.0.1:{redis_server.port}/0?username=locks&password={SECRET}&db=0"
+    app = new_app(redis_server.url, prefix, redislock_url=url)
+    try:
+        with caplog.at_level(logging.INFO, logger="celery_redislock.connection"):
+            _, where = client_for(app)  # made, not connected
+        assert where == f"redis://127.0.0.1:{redis_server.port}/0?username=locks&password=**&db=0"
+        assert f"locks in Redis at {where} (from redislock_url)" in caplog.text
+        assert SECRET not in caplog.text
+    finally:
+        app.close()
