@@ -28,6 +28,7 @@ from redis.crc import key_slot
 from ._permit_scripts import RELEASE_PERMIT
 from ._redis import PooledConnection
 from ._scripts import RELEASE, Script, bulks, plain_client
+from ._task_scripts import SETTLE
 from .attempt import companion_key
 from .connection import Client
 from .exceptions import LockConfigurationError
@@ -48,6 +49,7 @@ __all__ = [
     "release_held_by",
     "release_token",
     "scan_keys",
+    "settle_held_by",
     "task_of",
 ]
 
@@ -383,3 +385,19 @@ def release_held_by(client: Client, key: str, holder: str) -> bool:
     if value is None or value.holder != holder:
         return False
     return release_token(client, key, value.token)
+
+
+def settle_held_by(client: Client, key: str, holder: str, period_ms: int) -> str | None:
+    """Keep ``key``, if ``holder`` holds it, until ``period_ms`` after its hold was taken
+    (``"settled"``), or release it if that is past (``"released"``); ``None``: not ``holder``'s.
+
+    As ``release_held_by``, for the hold of a run in a mode that keeps its lock for a period
+    after the run (``until_expired``), run by a process that is gone.
+    """
+    value = parse_value(client.get(key))
+    if value is None or value.holder != holder:
+        return None
+    left = int(SETTLE(client, [key], [value.token, period_ms]))
+    if left > 0:
+        return "settled"
+    return "released" if left == 0 and release_token(client, key, value.token) else None

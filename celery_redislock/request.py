@@ -4,13 +4,15 @@ When a prefork child dies mid-task (SIGKILL, OOM, a hard time limit,
 ``revoke(terminate=True)``, ``lock_on_lost="terminate"``), nothing in it can
 release its lock; the main process learns of the death through the task's
 ``Request`` and releases the lock at once, so the next duplicate does not
-wait for the lease to expire. The release is owner-checked against the
-holder the child wrote (task id, node name and child pid), so a lock taken
-over meanwhile is left alone. The enqueue lock the message carries goes too
-(owner-checked by its token: a no-op once the child adopted or freed it),
-where the message was acknowledged and will not come back, so that a message
-that died waiting for its execution lock is not kept as the one every later
-``delay()`` is a duplicate of. Where Celery retries the task instead
+wait for the lease to expire (``until_expired`` keeps it, as after any run,
+for what is left of ``lock_period``, unless the message comes back). The
+release is owner-checked against the holder the child wrote (task id, node
+name and child pid), so a lock taken over meanwhile is left alone. The
+enqueue lock the message carries goes too (owner-checked by its token: a
+no-op once the child adopted or freed it), where the message was
+acknowledged and will not come back, so that a message that died waiting for
+its execution lock is not kept as the one every later ``delay()`` is a
+duplicate of. Where Celery retries the task instead
 (``task_retry_on_worker_lost``), a mode that keeps the lock across retries
 has the dead run's hold parked for the retry as it is sent (``lost_retry``).
 
@@ -34,10 +36,10 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
 from ._process import current_pid
-from .config import bound_options
+from .config import LockOptions, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
-from .inventory import release_held_by
+from .inventory import release_held_by, settle_held_by
 from .lost_retry import LostRun, retrying
 from .protocol import holder_for, message_ticket
 from .semaphore import release_permit_held_by
@@ -171,22 +173,19 @@ class LockedRequest(Request):
     def _release_orphaned_lock(self, why: str) -> None:
         """Release the execution lock the dead child held for the task, and the enqueue lock its
         message carries if the child died before freeing or adopting it (waiting for the execution
-        lock, say). Both owner-checked: a hold taken over meanwhile, or adopted, is left alone."""
+        lock, say). Both owner-checked: a hold taken over meanwhile, or adopted, is left alone.
+        A mode that keeps its lock for ``lock_period`` after a run (``until_expired``) keeps the
+        dead run's for what is left of it, as after any run, unless the message comes back."""
         pid = self._locking_pid()
-        if pid is None:
+        options = bound_options(self.task)
+        if pid is None or options is None:
             return
         task = self.task
         try:
             key = task_lock_key(task, self.args, self.kwargs)
             client, _ = client_for(task.app)
             holder = self._holder(pid)
-            options = bound_options(task)
-            limit = 1 if options is None else options.limit  # above 1, the run held a permit of the key
-            released = (
-                release_held_by(client, key, holder)
-                if limit == 1
-                else release_permit_held_by(client, key, limit, holder)
-            )
+            outcome = self._let_go(client, key, holder, options)
             ticket = message_ticket(self.request_dict)  # the message's headers
             if ticket is not None and self._delivered_for_good():
                 gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
@@ -199,14 +198,29 @@ class LockedRequest(Request):
                 extra=log_fields(task_id=self.id, outcome="error"),
             )
             return
-        if released:
+        if outcome is None:
+            return
+        if outcome == "released":
             crash_released(self.name)
-            logger.warning(
-                "task %s[%s]: pool child %s gone (%s); released its lock %s",
-                self.name,
-                self.id,
-                self.worker_pid,
-                why,
-                key,
-                extra=log_fields(key, self.id, holder, outcome="crash-released"),
-            )
+            done = "released its lock %s"
+        else:
+            done = "its lock %s kept for what is left of lock_period"
+        logger.warning(
+            "task %s[%s]: pool child %s gone (%s); " + done,
+            self.name,
+            self.id,
+            self.worker_pid,
+            why,
+            key,
+            extra=log_fields(key, self.id, holder, outcome=f"crash-{outcome}"),
+        )
+
+    def _let_go(self, client: Any, key: str, holder: str, options: LockOptions) -> str | None:
+        """Let go of the dead run's hold of ``key``, owner-checked by its ``holder``: ``"released"``,
+        ``"settled"`` (kept for what is left of ``lock_period``: no run of the message will follow),
+        or ``None`` (not the dead run's any more)."""
+        if options.limit > 1:  # the run held a permit of the key
+            return "released" if release_permit_held_by(client, key, options.limit, holder) else None
+        if options.period_ms and self._delivered_for_good():
+            return settle_held_by(client, key, holder, options.period_ms)
+        return "released" if release_held_by(client, key, holder) else None

@@ -23,6 +23,7 @@ import signal
 import socket
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 from billiard.exceptions import WorkerLostError
@@ -184,3 +185,40 @@ def test_a_crash_release_is_counted_by_the_main_process(
         first.get(timeout=RESULT_TIMEOUT)
     wait_for(lambda: crash_releases(port, task.name) == 1, what="the crash release to be counted")
     assert "released its lock" in stage.workers[0].output()
+
+
+@pytest.mark.parametrize("requeued", [False, True])
+def test_until_expired_keeps_a_dead_childs_hold_for_its_period_unless_the_message_comes_back(
+    stage: Stage, requeued: bool
+) -> None:
+    """``until_expired`` keeps its lock ``lock_period`` (600 s) after the run took it, whatever
+    the run's outcome; a run whose pool child was SIGKILLed (an OOM kill after the body's
+    work) had its hold freed at once by the main process, and the next ``delay()`` ran the
+    body again within the period. The hold is now kept for what is left of the period, the
+    next call refused as its duplicate. Unless the message comes back (``task_acks_late`` with
+    ``task_reject_on_worker_lost``: Celery requeues it), as a retry would: the hold is freed and
+    the redelivered message runs the body."""
+    conf: dict[str, Any] = {"task_acks_late": True, "task_reject_on_worker_lost": True} if requeued else {}
+    worker = stage.worker("prefork", "prefork", 2, **conf)
+    x, task = fresh(), stage.task("until_expired")
+    key = task_lock_key(task, (x,), {"gate": True})
+    first = task.delay(x, gate=True)
+    os.kill(int(stage.wait_events("start", x)[0][4]), signal.SIGKILL)
+    if requeued:
+        starts = stage.wait_events("start", x, 2)  # the requeued message, run again
+        assert starts[1][3] == first.id
+        stage.recorder.open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+    else:
+        with pytest.raises(WorkerLostError):
+            first.get(timeout=RESULT_TIMEOUT)
+        wait_for(  # kept (a TTL past the 30 s lease), or freed
+            lambda: stage.client.pttl(key) > 60_000 or not stage.client.exists(key),
+            what=lambda: f"the main process to deal with the hold:\n{worker.output()}",
+        )
+        assert stage.client.exists(key), f"freed within its period:\n{worker.output()}"
+        assert "kept for what is left of lock_period" in worker.output()
+        assert task.delay(x, gate=True).id == first.id  # a duplicate of the dead run, within the period
+    wait_for(lambda: stage.client.pttl(key) > 60_000, what="the hold kept for its period")
+    stage.client.delete(key)
+    assert len(stage.events("start", x)) == (2 if requeued else 1)
