@@ -105,14 +105,14 @@ def _cluster(url: str, options: dict[str, Any]) -> redis.cluster.RedisCluster:
     for address in hosts.split(","):
         host, _, port = address.strip().rpartition(":")
         if not host or not port.isdigit():
-            raise LockConfigurationError(f"{url!r}: each node must be host:port, got {address!r}")
+            raise LockConfigurationError(f"{masked(url)!r}: each node must be host:port, got {address!r}")
         nodes.append(redis.cluster.ClusterNode(host, int(port)))  # type: ignore[no-untyped-call]
     # the credentials, db and query options as redis-py reads them from a one-node URL
     plain = f"{scheme.removesuffix('-cluster')}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}"
     plain += (slash + tail if tail else "") + ("?" + query if query else "")
     kwargs: dict[str, Any] = redis.connection.parse_url(plain)  # type: ignore[no-untyped-call]
     if kwargs.pop("db", 0) not in (0, "0"):
-        raise LockConfigurationError(f"{url!r}: a Redis Cluster has only db 0")
+        raise LockConfigurationError(f"{masked(url)!r}: a Redis Cluster has only db 0")
     for name in ("host", "port", "connection_class"):
         kwargs.pop(name, None)
     if scheme == "rediss-cluster":

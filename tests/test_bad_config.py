@@ -177,3 +177,26 @@ def test_a_password_in_the_urls_query_is_masked_where_the_url_is_shown(
         assert SECRET not in caplog.text
     finally:
         app.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        (f"redis-cluster://:{SECRET}@127.0.0.1:7000,nohostport/0", "each node must be host:port"),
+        (f"rediss-cluster://user:{SECRET}@127.0.0.1:7000/3", "a Redis Cluster has only db 0"),
+    ],
+)
+def test_a_bad_cluster_url_is_refused_with_its_password_masked(
+    redis_server: RedisServer, prefix: str, url: str, problem: str
+) -> None:
+    """A Redis Cluster URL is read when the lock client is made: its error showed the URL
+    with the password."""
+    app = new_app(redis_server.url, prefix, redislock_url=url)
+    try:
+        with pytest.raises(LockConfigurationError) as raised:
+            client_for(app)
+        message = str(raised.value)
+        assert problem in message and ":**@127.0.0.1:7000" in message
+        assert SECRET not in message
+    finally:
+        app.close()
