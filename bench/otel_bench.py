@@ -192,13 +192,23 @@ def wall_of(row: dict[str, Any]) -> float:
     return float(row["wall_s"])
 
 
-def paired_ratio(on: list[dict[str, Any]], off: list[dict[str, Any]], read: Any) -> float:
-    """The median over the rounds of ``read(on) / read(off)``, each round's runs paired."""
-    return statistics.median(read(one) / read(other) for one, other in zip(on, off, strict=True))
+def paired_ratio(on: list[dict[str, Any]], off: list[dict[str, Any]], read: Any) -> float | None:
+    """The median over the rounds of ``read(on) / read(off)``, each round's runs paired; ``None``
+    if a run read 0: a pool's CPU under one clock tick of ``/proc`` (too few tasks to measure it)."""
+    pairs = [(read(one), read(other)) for one, other in zip(on, off, strict=True)]
+    if not all(one and other for one, other in pairs):
+        return None
+    return statistics.median(one / other for one, other in pairs)
+
+
+def shown(ratio: float | None) -> str:
+    """A ratio as printed; ``-``: not measured."""
+    return f"{'-':>5}" if ratio is None else f"{ratio:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     from lock_bench import run_header, write_json
+    from task_bench import CLOCK_TICKS
 
     from celery_redislock.testing import RedisServer
 
@@ -252,17 +262,22 @@ def main(argv: list[str] | None = None) -> int:
         " pool CPU, wall; pool CPU per task"
     )
     # the metrics' cost among a run's other work over off's pool CPU per task: less noise
-    estimate = 1 + in_runs / (pool_cpu["off"] * 1000)
+    estimate = 1 + in_runs / (pool_cpu["off"] * 1000) if pool_cpu["off"] else None
     print(f"  off          {1:.3f}  {1:.3f}  {pool_cpu['off'] * 1000:.0f}us")
     for way in WAYS[1:]:
         cpu, wall = ratios["pool_cpu"][way], ratios["wall"][way]
         based = (
-            f"; x {BASES[way]}: {to_base['pool_cpu'][way]:.3f}  {to_base['wall'][way]:.3f}"
+            f"; x {BASES[way]}: {shown(to_base['pool_cpu'][way])}  {shown(to_base['wall'][way])}"
             if way in BASES and BASES[way] != "off"
             else ""
         )
-        print(f"  {way:<12} {cpu:.3f}  {wall:.3f}  {pool_cpu[way] * 1000:.0f}us{based}")
-    print(f"  metrics, estimated: {estimate:.3f} (+{in_runs:.1f}us a run over off's pool CPU per task)")
+        print(f"  {way:<12} {shown(cpu)}  {shown(wall)}  {pool_cpu[way] * 1000:.0f}us{based}")
+    print(f"  metrics, estimated: {shown(estimate)} (+{in_runs:.1f}us a run over off's pool CPU per task)")
+    if estimate is None or None in ratios["pool_cpu"].values():
+        print(
+            f"  -: a run's pool CPU was under one clock tick ({1000 / CLOCK_TICKS:g} ms, what /proc counts):"
+            f" too few tasks to measure it; give more --tasks than {args.tasks}"
+        )
     print(f"  load average (1, 5, 15 min): before {load_before}, after {load_after}; {os.cpu_count()} CPUs")
     write_json(
         args.json,
