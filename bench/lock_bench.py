@@ -453,6 +453,7 @@ def bench_contention(url: str, prefix: str, processes: int, seconds: float) -> d
         fifo_ideal = (processes - 1) * wall / total
         rows[name] = {
             "critical_sections_per_s": total / wall,
+            "hold_ms": HOLD * 1000,
             "acquisitions": total,
             "wall_s": wall,
             "min_per_process": min(per_process),

@@ -45,8 +45,8 @@ def png_info(path: Path) -> tuple[int, int, dict[str, str]]:
     return size[0], size[1], texts
 
 
-def by_title(panels: list[Any], start: str) -> Any:
-    (panel,) = [panel for panel in panels if panel.title.startswith(start)]
+def by_title(panels: list[Any], part: str) -> Any:
+    (panel,) = [panel for panel in panels if part in panel.title]
     return panel
 
 
@@ -71,14 +71,14 @@ def test_the_panels_hold_the_ratios_of_the_results() -> None:
     for name, row in LOCK["results"]["uncontended"].items():
         if name != "bare":
             assert uncontended[name.replace("watchdog=False", "no watchdog")] == row["ratio_to_bare"]
-    contention = values(by_title(panels, "Lock, 32 processes, 1 ms hold"))
+    contention = values(by_title(panels, "critical sections/s"))
     rows = LOCK["results"]["contention"]
     peers = {name: row["critical_sections_per_s"] for name, row in rows.items() if not chart.ours(name)}
     assert max(contention[name] for name in peers) == 1.0  # the best peer is the baseline
     assert contention["RedisLock fair=True"] == pytest.approx(
         rows["RedisLock fair=True"]["critical_sections_per_s"] / max(peers.values())
     )
-    fairness = values(by_title(panels, "Lock, 32 processes: fairness"))
+    fairness = values(by_title(panels, "fairness"))
     assert fairness == {name: row["min_max_ratio"] for name, row in rows.items()}
     assert chart.paired(TASKS)  # the committed results are in the format bench/task_bench.py writes now
     wall = values(by_title(panels, "Celery, 2,000 tasks"))
@@ -195,3 +195,37 @@ def test_all_cpu_is_noted_on_the_lock_cpu_bars() -> None:
     }
     assert notes["LockedTask"].endswith("\nall 250")
     assert "all" not in notes["celery-once"]
+
+
+def test_the_captions_say_what_the_results_record() -> None:
+    """The contention panels name the run's processes (its ``args``) and hold (its rows), the
+    target lines are those lock_bench checked (its ``summary``): no figure of the chart's own."""
+    lock = copy.deepcopy(LOCK)
+    lock["args"]["processes"] = 8
+    for row in lock["results"]["contention"].values():
+        row["hold_ms"] = 5.0
+    targets = {
+        "uncontended RedisLock/bare pairs/s": ">= 0.97",
+        "contention fair=True min/max acquisitions per process": ">= 0.9",
+    }
+    for check in lock["summary"]:
+        check["target"] = targets.get(check["name"], check["target"])
+    panels = chart.panels(lock, TASKS)
+    assert by_title(panels, "critical sections/s").title.startswith("Lock, 8 processes, 5 ms hold:")
+    assert by_title(panels, "fairness").title == "Lock, 8 processes, 5 ms hold: fairness"
+    assert not [panel.title for panel in panels if "32" in panel.title]
+    assert (0.97, f"target 0.97{chart.X}") in by_title(panels, "Lock, uncontended").lines
+    assert by_title(panels, "fairness").lines == [(0.9, "target, fair=True")]
+    lock["summary"] = []  # no target checked: no target line
+    assert not [line for panel in chart.panels(lock, TASKS) for line in panel.lines if "target" in line[1]]
+
+
+def test_a_hold_the_results_do_not_record_is_not_named() -> None:
+    """Results from before lock_bench recorded its hold (``hold_ms``) name the processes only."""
+    lock = copy.deepcopy(LOCK)
+    for row in lock["results"]["contention"].values():
+        row.pop("hold_ms", None)
+    processes = lock["args"]["processes"]
+    assert by_title(chart.panels(lock, TASKS), "critical sections/s").title.startswith(
+        f"Lock, {processes} processes: "
+    )
