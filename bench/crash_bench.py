@@ -21,9 +21,22 @@ lock server) and each kind of kill:
    ``lock_busy="skip"``) count as not yet.
 
 Reported: seconds from the kill to the duplicate's body starting, or more than
-``--cap`` with the lock's TTL left then (``-1``: no expiry). Results go to
-``bench/results/crash_bench.json``. celery-once and celery-singleton are
-installed from PyPI into this interpreter when missing.
+``--cap`` with the lock's TTL left then (``-1``: no expiry); and that time in
+its parts, each from the kill:
+
+* **Celery noticed**: the worker's main process reports the run lost (its
+  ``task_failure`` signal with ``WorkerLostError``, timed there). Celery's, not
+  the lock's: at once when the pool's check on the child's exit finds it gone,
+  else at the pool's next periodic check, up to 5 s later. Nobody notices a
+  whole worker's kill;
+* **lock freed**: the first run's lock gone, or another run's (polled every
+  20 ms); and **release after notice**, the difference: what the lock takes
+  once Celery has reported the death (``LockedTask``'s main process releases
+  then; the peers never do).
+
+The rest, to the duplicate's start, is the wait for the next send (``--every``)
+and its run. Results go to ``bench/results/crash_bench.json``. celery-once and
+celery-singleton are installed from PyPI into this interpreter when missing.
 """
 
 from __future__ import annotations
@@ -40,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery, Task
+from billiard.exceptions import WorkerLostError
+from celery import Celery, Task, signals
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "crash_bench.json"
@@ -90,6 +104,13 @@ if os.environ.get("CRASH_BENCH_VARIANT"):  # imported by the worker
     app, _ = make_app(
         os.environ["CRASH_BENCH_VARIANT"], os.environ["CRASH_BENCH_BROKER"], os.environ["CRASH_BENCH_LOCKS"]
     )
+    noticed_reports = redis.Redis.from_url(os.environ["CRASH_BENCH_BROKER"])
+
+    @signals.task_failure.connect
+    def noticed(args: Any, exception: BaseException, **_: Any) -> None:
+        """In the worker's main process, Celery reports a run lost: when it noticed its child's death."""
+        if isinstance(exception, WorkerLostError):
+            noticed_reports.rpush(f"lost:{args[0]}", f"{time.monotonic():.6f}")
 
 
 class Worker:
@@ -153,6 +174,12 @@ def send_duplicate(variant: str, task: Task[Any, Any], x: str, queue: str, first
     return bool(result.id != first_id)  # celery-singleton returns the running task's result
 
 
+def freed(lock_client: redis.Redis, first_locks: dict[bytes, bytes]) -> bool:
+    """Whether none of ``first_locks`` (key: value) holds its value any longer."""
+    now = lock_client.mget(list(first_locks))
+    return all(value != held for value, held in zip(now, first_locks.values(), strict=True))
+
+
 def run_once(variant: str, kill: str, broker: Any, locks: Any, cap: float, every: float) -> dict[str, Any]:
     app, task = make_app(variant, broker.url, locks.url)
     reports = redis.Redis.from_url(broker.url)
@@ -165,8 +192,12 @@ def run_once(variant: str, kill: str, broker: Any, locks: Any, cap: float, every
         if kill == "worker":
             ready(app, task, "survivor", reports)
         x = uuid.uuid4().hex
+        before = set(lock_client.keys())
         first = task.apply_async((x,), queue="doomed")
         child = int(wait_until(lambda: reports.lindex(f"started:{x}", 0), 60, "the first run").split()[0])
+        first_locks = {key: lock_client.get(key) for key in set(lock_client.keys()) - before}
+        if not first_locks:
+            raise RuntimeError(f"{variant}: the first run holds no lock")
         killed_at = time.monotonic()
         if kill == "child":
             os.kill(child, signal.SIGKILL)
@@ -174,27 +205,30 @@ def run_once(variant: str, kill: str, broker: Any, locks: Any, cap: float, every
             workers[0].kill()
         queue = "doomed" if kill == "child" else "survivor"
         sends = refused = 0
-        ran_at = None
-        while time.monotonic() - killed_at < cap:
+        freed_at = ran_at = None
+        while ran_at is None and time.monotonic() - killed_at < cap:
             if send_duplicate(variant, task, x, queue, first.id):
                 sends += 1
             else:
                 refused += 1
             deadline = time.monotonic() + every
-            while time.monotonic() < deadline:  # a duplicate sent earlier may start meanwhile
+            while ran_at is None and time.monotonic() < deadline:  # a duplicate sent earlier may start
+                if freed_at is None and freed(lock_client, first_locks):
+                    freed_at = time.monotonic()
                 started = reports.lrange(f"started:{x}", 1, 1)
                 if started:
                     ran_at = float(started[0].split()[1])
-                    break
-                time.sleep(0.02)  # polling the report, between two sends
-            if ran_at is not None:
-                break
+                else:
+                    time.sleep(0.02)  # polling the lock and the report, between two sends
+        lost = reports.lindex(f"lost:{x}", 0)  # timed by the worker's main process, if it noticed
         keys = [key for key in lock_client.scan_iter(match="*") if not key.startswith(b"_kombu")]
         ttls = {key.decode(): lock_client.pttl(key) for key in keys}  # ms; -1: no expiry
         return {
             "variant": variant,
             "kill": kill,
             "recovered_s": None if ran_at is None else ran_at - killed_at,
+            "noticed_s": None if lost is None else float(lost) - killed_at,
+            "lock_freed_s": None if freed_at is None else freed_at - killed_at,
             "cap_s": cap,
             "duplicate_sends": sends,
             "refused_sends": refused,
@@ -214,6 +248,18 @@ def describe(row: dict[str, Any]) -> str:
     ttls = [ttl for ttl in row["lock_ttls_left_ms"].values() if ttl != -2]
     left = ", ".join("no expiry" if ttl == -1 else f"{ttl / 1000:.0f} s left" for ttl in ttls) or "no lock"
     return f"> {row['cap_s']:.0f} s (lock: {left})"
+
+
+def parts(row: dict[str, Any]) -> list[str]:
+    """The time to the duplicate in its parts, from the kill: Celery noticed (``-``: nobody), the
+    release after that, the lock freed, the duplicate running."""
+    noticed, lock_freed = row["noticed_s"], row["lock_freed_s"]
+    return [
+        "-" if noticed is None else f"{noticed:.2f} s",
+        "-" if noticed is None or lock_freed is None else f"{lock_freed - noticed:.2f} s",
+        f"> {row['cap_s']:.0f} s" if lock_freed is None else f"{lock_freed:.2f} s",
+        describe(row),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
             [variant, *(describe(row) for row in rows if row["variant"] == variant)]
             for variant in args.variants
         ],
+    )
+    print_table(
+        "in parts, from the kill: Celery noticed the death (its worker's main process reports the run lost;"
+        " -: nobody did), the lock's release after that, the lock freed, the duplicate running",
+        ["variant", "killed", "Celery noticed", "release after notice", "lock freed", "duplicate running"],
+        [[row["variant"], row["kill"], *parts(row)] for row in rows],
     )
     write_json(
         args.json,
