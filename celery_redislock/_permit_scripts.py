@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ._scripts import Script
 
-__all__ = ["ACQUIRE_PERMIT", "MAX_LIMIT", "RELEASE_PERMIT"]
+__all__ = ["ACQUIRE_PERMIT", "LEAVE_PERMIT_QUEUE", "MAX_LIMIT", "RELEASE_PERMIT"]
 
 #: The highest ``limit`` (every script reads all the permits, in one MGET).
 MAX_LIMIT = 1000
@@ -187,5 +187,22 @@ end
 return 0
 """
 
+_LEAVE_PERMIT_QUEUE = """
+-- LEAVE_PERMIT_QUEUE. KEYS[1] the semaphore's name. ARGV[1] a holder description, ARGV[2] limit.
+-- For a waiter that died waiting: takes every waiter whose member names the holder ARGV[1]
+-- out of the queue, never touching a permit; then a free permit wakes the first waiter left
+-- that can take it (a dead waiter may have taken a release's wake). Returns how many waiters
+-- were taken out.
+local left = leave_all_of(ARGV[1])
+local values = permits(tonumber(ARGV[2]))
+local free = first_free(values)
+if free and redis.call('EXISTS', queue) == 1 then
+  local now_ms, now_us = clock(redis.call('TIME'))
+  pass_on(free, values, 0, now_ms, now_us)
+end
+return left
+"""
+
 ACQUIRE_PERMIT = Script(_PERMITS + _ACQUIRE_PERMIT)
 RELEASE_PERMIT = Script(_PERMITS + _RELEASE_PERMIT)
+LEAVE_PERMIT_QUEUE = Script(_PERMITS + _LEAVE_PERMIT_QUEUE)

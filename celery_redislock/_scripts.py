@@ -98,6 +98,20 @@ local function leave(member, wake_list)
 end
 """,
     """
+-- Takes every waiter whose member names `holder` out of the queue (with its wake list).
+local function leave_all_of(holder)
+  local left = 0
+  for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+    local _, token, _, named = member_fields(member)
+    if named == holder then
+      leave(member, wake_prefix .. token)
+      left = left + 1
+    end
+  end
+  return left
+end
+""",
+    """
 -- Leaves `message` (one only) in `token`'s wake list, for its ttl.
 local function wake(token, message, ttl_ms)
   local list = wake_prefix .. token
@@ -285,6 +299,21 @@ if waited then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unrea
 local now_ms, now_us = clock(redis.call('TIME'))
 wake_next(fence_of(current), now_ms, now_us)
 return 1
+"""
+
+_LEAVE_QUEUE = """
+-- LEAVE_QUEUE. KEYS[1] lock (the queue, deadlines and wake lists are its companions).
+-- ARGV[1] a holder description.
+-- For a waiter that died waiting: takes every waiter whose member names the holder ARGV[1]
+-- out of the queue, never touching a hold (one parked for a token of theirs included); then,
+-- the lock free, wakes the first waiter left (a dead waiter may have taken a release's wake).
+-- Returns how many waiters were taken out.
+local left = leave_all_of(ARGV[1])
+if redis.call('EXISTS', lock) == 0 and redis.call('EXISTS', queue) == 1 then
+  local now_ms, now_us = clock(redis.call('TIME'))
+  wake_next(0, now_ms, now_us)
+end
+return left
 """
 
 _RENEW = """
@@ -561,4 +590,5 @@ def bulks(encoder: Any, values: Iterable[str | int]) -> list[bytes]:
 
 ACQUIRE = Script(_ACQUIRE_FAST, _ACQUIRE_GRANTED, _ACQUIRE, idempotent=True)
 RELEASE = Script(_RELEASE_FAST, _RELEASE)
+LEAVE_QUEUE = Script(_LEAVE_QUEUE)
 RENEW = Script(_RENEW)

@@ -25,9 +25,9 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from ._permit_scripts import RELEASE_PERMIT
+from ._permit_scripts import LEAVE_PERMIT_QUEUE, RELEASE_PERMIT
 from ._redis import PooledConnection
-from ._scripts import RELEASE, Script, bulks, plain_client
+from ._scripts import LEAVE_QUEUE, RELEASE, Script, bulks, plain_client
 from ._task_scripts import SETTLE
 from .attempt import companion_key
 from .connection import Client
@@ -41,6 +41,7 @@ __all__ = [
     "force_release",
     "held_locks",
     "is_queued",
+    "leave_queue_of",
     "parse_lock",
     "permit_of",
     "read_lock",
@@ -401,3 +402,19 @@ def settle_held_by(client: Client, key: str, holder: str, period_ms: int) -> str
     if left > 0:
         return "settled"
     return "released" if left == 0 and release_token(client, key, value.token) else None
+
+
+def leave_queue_of(client: Client, key: str, holder: str, limit: int = 1) -> int:
+    """Take the waits ``holder`` queued for ``key`` (a lock; with ``limit`` above 1, the permits of
+    the semaphore ``key``) out of its waiter queue, and wake the next waiter where the lock, or a
+    permit, is free (``LEAVE_QUEUE``, ``LEAVE_PERMIT_QUEUE``: one round trip, never touching a
+    hold); how many were taken out.
+
+    For a process that cleans up after another that died waiting (the worker's main process
+    after a pool child died): else the next release wakes the dead waiter, and a live one
+    queued behind it sleeps on until its own timer (the holder's TTL, or its deadline) while the
+    lock is free, until the dead waiter is dropped (its ``ttl`` plus 2 s after its last try).
+    """
+    if limit == 1:
+        return int(LEAVE_QUEUE(client, [key], [holder]))
+    return int(LEAVE_PERMIT_QUEUE(client, [key], [holder, limit]))

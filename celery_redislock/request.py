@@ -12,7 +12,9 @@ enqueue lock the message carries goes too (owner-checked by its token: a
 no-op once the child adopted or freed it), where the message was
 acknowledged and will not come back, so that a message that died waiting for
 its execution lock is not kept as the one every later ``delay()`` is a
-duplicate of. Where Celery retries the task instead
+duplicate of. A child that died waiting for the lock (or a permit) leaves
+the waiter queue (``inventory.leave_queue_of``), so that the next release
+wakes a live waiter. Where Celery retries the task instead
 (``task_retry_on_worker_lost``), a mode that keeps the lock across retries
 has the dead run's hold parked for the retry as it is sent (``lost_retry``).
 
@@ -39,7 +41,7 @@ from ._process import current_pid
 from .config import LockOptions, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
-from .inventory import release_held_by, settle_held_by
+from .inventory import leave_queue_of, release_held_by, settle_held_by
 from .lost_retry import LostRun, retrying
 from .protocol import holder_for, message_ticket
 from .semaphore import release_permit_held_by
@@ -173,9 +175,10 @@ class LockedRequest(Request):
     def _release_orphaned_lock(self, why: str) -> None:
         """Release the execution lock the dead child held for the task, and the enqueue lock its
         message carries if the child died before freeing or adopting it (waiting for the execution
-        lock, say). Both owner-checked: a hold taken over meanwhile, or adopted, is left alone.
-        A mode that keeps its lock for ``lock_period`` after a run (``until_expired``) keeps the
-        dead run's for what is left of it, as after any run, unless the message comes back."""
+        lock, say); take the waits it queued for the execution lock out of the queue. All
+        owner-checked: a hold taken over meanwhile, or adopted, is left alone. A mode that keeps
+        its lock for ``lock_period`` after a run (``until_expired``) keeps the dead run's for
+        what is left of it, as after any run, unless the message comes back."""
         pid = self._locking_pid()
         options = bound_options(self.task)
         if pid is None or options is None:
@@ -190,6 +193,7 @@ class LockedRequest(Request):
             if ticket is not None and self._delivered_for_good():
                 gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
                 give_up_ticket(client, ticket, self._retries(), options, gone)
+            leave_queue_of(client, key, holder, options.limit)  # died waiting: the next waiter gets the wake
         except Exception:  # the main process's event loop must go on
             logger.exception(
                 "task %s[%s]: could not release its dead pool child's lock",

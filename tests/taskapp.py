@@ -184,11 +184,20 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         recorder.record("end", self, x)
         return x
 
+    def gated_long(self: Task[Any, Any], x: object, gate: bool = False) -> object:
+        """``gated``, for a gate that may stay shut past the client's 5 s socket timeout."""
+        recorder.record("start", self, x)
+        if gate:
+            recorder.wait_gate(x, poll=1)
+        recorder.record("end", self, x)
+        return x
+
     for busy in ("skip", "retry", "wait", "raise"):
         locked_task(name=f"taskapp.hold_{busy}", lock_busy=busy, lock_retry_delay=0.2)(gated)
 
     for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
         locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
+    locked_task(name="taskapp.waits_long", lock_ttl=300, lock_busy="wait", lock_wait_timeout=120)(gated_long)
     locked_task(name="taskapp.uawe_raise", lock_mode="until_and_while_executing", lock_busy="raise")(gated)
     locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
     locked_task(
@@ -202,6 +211,9 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         # up to 3 runs of one key at once; a long lease: after a kill, only the main process frees in time
         locked_task(name="taskapp.limited", lock_limit=3, lock_ttl=300)(gated)
         locked_task(name="taskapp.limited_acks_late", lock_limit=3, acks_late=True)(gated)
+        locked_task(
+            name="taskapp.limited_wait", lock_limit=2, lock_ttl=300, lock_busy="wait", lock_wait_timeout=120
+        )(gated_long)
         locked_task(
             name="taskapp.limited_queued",
             lock_mode="until_and_while_executing",

@@ -6,7 +6,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -178,3 +178,37 @@ def test_until_and_while_executing_runs_up_to_the_limit_and_retries_the_next(wor
     wait_for(lambda: len(_starts(recorder, x)) == 3, what="the third run to start")
     recorder.open_gate(x, 2)
     assert [run.get(timeout=RESULT_TIMEOUT) for run in runs] == [x] * 3
+
+
+@pytest.mark.parametrize(("name", "limit"), [("limited_wait", 2), ("waits_long", 1)], ids=["permit", "lock"])
+def test_a_pool_child_killed_waiting_leaves_the_queue_and_the_next_waiter_is_woken(
+    worker_app: Celery, name: str, limit: int
+) -> None:
+    """A run waiting for a permit, or a lock (``lock_busy="wait"``), whose pool child is SIGKILLed
+    leaves the waiter queue once the main process sees the death: a release later wakes the live
+    waiter behind it at once, not at its wait's end (the dead waiter would take that wake)."""
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    task, x = worker_app.tasks[f"taskapp.{name}"], uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    holders = [task.delay(x, gate=True) for _ in range(limit)]
+    wait_for(lambda: len(_starts(recorder, x)) == limit, what="runs to hold every place")
+    doomed = task.delay(x, gate=True)
+    wait_for(lambda: _queued(recorder.client, key, doomed.id), what="a run to queue")
+    os.kill(int(_busy(recorder, doomed.id)[0][4]), signal.SIGKILL)
+    wait_for(lambda: doomed.state == "FAILURE", what="the main process to see the death")
+    late = task.delay(x, gate=True)
+    wait_for(lambda: _queued(recorder.client, key, late.id), what="the next run to queue")
+    recorder.open_gate(x)  # a holder ends: its release wakes the first live waiter
+    wait_for(lambda: len(_starts(recorder, x)) == limit + 1, timeout=20, what="the live waiter to run")
+    recorder.open_gate(x, limit)
+    assert [run.get(timeout=RESULT_TIMEOUT) for run in [*holders, late]] == [x] * (limit + 1)
+    with pytest.raises(Exception, match="Worker exited prematurely"):
+        doomed.get(timeout=RESULT_TIMEOUT)
+    assert not _queued(recorder.client, key, doomed.id)
+    assert held_permits(recorder.client, key) == 0 and not recorder.client.exists(key)
+
+
+def _queued(client: redis.Redis, key: str, task_id: str) -> bool:
+    """Whether the run of ``task_id`` waits in the lock's queue (a member names its holder)."""
+    members = cast("list[bytes]", client.zrange(companion_key(key, "queue"), 0, -1))
+    return any(f"task={task_id} ".encode() in member for member in members)
