@@ -3,6 +3,8 @@
 URL kinds (``redislock_url``, or the broker URL):
 
 * ``redis://``, ``rediss://``, ``unix://``: one server, as redis-py reads them;
+* ``redis+socket://``: Celery's spelling of a broker on a Unix socket, read as ``unix://``
+  (its ``virtual_host`` as ``db``);
 * ``redis-cluster://[user:password@]host:port[,host:port...]`` (``rediss-cluster://``
   for TLS): a Redis Cluster, found from any of the nodes listed;
 * ``sentinel://[user:password@]host:port[/db][;sentinel://host:port...]``: the
@@ -19,7 +21,7 @@ import os
 import threading
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 import redis.cluster
@@ -91,6 +93,10 @@ def lock_url(app: Any) -> tuple[str, str]:
     if configured is not None:
         return configured, "redislock_url"
     broker = _first_broker_url(app)
+    if broker is not None and broker.startswith("redis+socket://"):  # Celery's spelling of unix://
+        path, _, query = broker.removeprefix("redis+socket://").partition("?")
+        options = [("db" if name == "virtual_host" else name, value) for name, value in parse_qsl(query)]
+        return f"unix://{path}" + (f"?{urlencode(options)}" if options else ""), "broker_url"
     if broker is not None and broker.partition("://")[0] in URL_SCHEMES:
         return broker, "broker_url"
     return DEFAULT_URL, "default"

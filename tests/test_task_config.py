@@ -116,6 +116,21 @@ def test_the_lock_url_defaults_to_a_redis_broker_then_localhost() -> None:
     assert lock_url(app) == ("unix:///run/redis.sock?db=1", "redislock_url")
 
 
+def test_a_redis_broker_on_a_unix_socket_is_the_lock_url(redis_server: RedisServer) -> None:
+    """Celery spells a Redis broker on a Unix socket ``redis+socket://`` (the db in
+    ``virtual_host``); the locks went to ``redis://localhost:6379/0`` instead."""
+    broker = f"redis+socket://{redis_server.unix_socket}?virtual_host=3"
+    app = Celery("urls", broker=broker, set_as_current=False)
+    try:
+        assert lock_url(app) == (f"unix://{redis_server.unix_socket}?db=3", "broker_url")
+        client, _ = client_for(app)
+        assert isinstance(client, redis.Redis)
+        assert client.connection_pool.connection_kwargs["db"] == 3
+        assert client.ping()
+    finally:
+        app.close()
+
+
 # -- keys ------------------------------------------------------------------------------------
 
 
