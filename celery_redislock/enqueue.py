@@ -30,6 +30,7 @@ delivered again is dropped too.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -88,7 +89,7 @@ def enqueue(
     # task_annotations) under the call's: the message expires then, and so must its lock.
     if "expires" not in options and getattr(task, "expires", None) is not None:
         options = {**options, "expires": task.expires}
-    ttl = _queue_ttl(lock_options, options)
+    ttl = _queue_ttl(task, lock_options, options)
     if lock_options.duplicate == "replace" and (options.get("group_id") or options.get("chord")):
         raise LockConfigurationError(
             f"task {task.name!r}: lock_duplicate='replace' cannot take lock_in_canvas=True: a superseded "
@@ -137,8 +138,29 @@ def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None
         )
 
 
-def _queue_ttl(lock_options: LockOptions, options: Mapping[str, Any]) -> float:
-    """How long the enqueue lock of a message sent with ``options`` lives: while it waits."""
+#: What each option of a message's timing may be (``_queue_ttl`` reads them).
+_TIMING = {
+    "countdown": "seconds (int/float)",
+    "eta": "a datetime or an ISO 8601 string",
+    "expires": "seconds (int/float), a datetime or an ISO 8601 string",
+}
+
+
+def _queue_ttl(task: Any, lock_options: LockOptions, options: Mapping[str, Any]) -> float:
+    """How long the enqueue lock of a message sent with ``options`` lives: while it waits. A
+    ``countdown``, ``eta`` or ``expires`` that is no time raises ``LockConfigurationError`` naming it."""
+    for name, allowed in _TIMING.items():
+        value = options.get(name)
+        try:
+            valid = value is None or math.isfinite(
+                float(value) if name == "countdown" else seconds_until(value)
+            )
+        except (TypeError, ValueError, OverflowError, AttributeError):  # AttributeError: a date
+            valid = False
+        if not valid:
+            raise LockConfigurationError(
+                f"task {task.name!r}: {name}={value!r} is not valid; allowed: {allowed}"
+            )
     ttl = lock_options.queue_ttl + message_delay(options)
     if options.get("expires") is not None:
         ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))

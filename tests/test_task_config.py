@@ -155,6 +155,22 @@ def test_unkeyable_arguments_fail_at_apply_async_before_sending(
     assert nothing_under(client, prefix)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("countdown", float("nan")), ("countdown", "soon"), ("eta", "tomorrow"), ("expires", "never")],
+)
+def test_a_bad_countdown_eta_or_expires_is_named_before_the_enqueue_lock(
+    app: Celery, client: redis.Redis, prefix: str, option: str, value: object
+) -> None:
+    """An enqueue lock's TTL is read from them: a NaN countdown raised ``ttl must be finite``,
+    an option the call never named, and the others a bare ``ValueError`` naming none."""
+    task = define(app, lock_mode="until_executed")
+    with pytest.raises(LockConfigurationError, match=rf"task 'cfg\.add': {option}={value!r} is not valid"):
+        task.apply_async((1,), **{option: value})
+    assert client.llen(f"q-{prefix}") == 0
+    assert nothing_under(client, prefix)
+
+
 def test_the_worker_locks_the_key_apply_async_computed(app: Celery, client: redis.Redis) -> None:
     """The enqueue lock's key and the key the worker locks are one, for every type Celery's
     JSON carries: a tuple arrives as a list and a dict's int keys as strings; today
