@@ -415,7 +415,9 @@ def hold(
 
     The key is the task's execution lock (``task_lock_key``); for an
     ``until_and_while_executing`` task, that is the running task's lock, not
-    the enqueue lock of a queued one (``key + ":queued"``). With
+    the enqueue lock of a queued one (``key + ":queued"``). A lock held already is waited
+    for, without a limit. For a task with ``lock_limit`` above 1, the lock takes one of its
+    places, as one run does: a call still runs while another is free. With
     ``redislock_enabled=False``: ``LockConfigurationError``.
     """
     key = task_lock_key(task, args, kwargs)  # LockConfigurationError unless a bound LockedTask
