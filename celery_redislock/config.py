@@ -219,15 +219,15 @@ def _limit(problem: _Problem, option: str, value: object, mode: str, replicated:
     return limit
 
 
-def _lock_on(problem: _Problem, value: object, run: Callable[..., Any]) -> LockOn:
+def _lock_on(problem: _Problem, option: str, value: object, run: Callable[..., Any]) -> LockOn:
     if value is None or callable(value):
         return value
     allowed = "allowed: None, a tuple of the task's parameter names, or a callable"
     if isinstance(value, str) or not isinstance(value, (tuple, list)):
-        raise problem("lock_on", value, allowed)
+        raise problem(option, value, allowed)
     names = tuple(value)
     if not all(isinstance(name, str) for name in names):
-        raise problem("lock_on", value, allowed)
+        raise problem(option, value, allowed)
     try:
         parameters = inspect.signature(run).parameters
     except (TypeError, ValueError):  # a run() without a signature: checked at call time
@@ -235,7 +235,7 @@ def _lock_on(problem: _Problem, value: object, run: Callable[..., Any]) -> LockO
     unknown = [name for name in names if name not in parameters]
     if unknown:
         listed = ", ".join(parameters)
-        raise problem("lock_on", value, f"{unknown[0]!r} is not a parameter of the task ({listed})")
+        raise problem(option, value, f"{unknown[0]!r} is not a parameter of the task ({listed})")
     return names
 
 
@@ -469,7 +469,7 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
     _check_outcomes(problem, mode, (busy_option, busy), (duplicate_option, duplicate), settings.replicas > 0)
     return LockOptions(
         mode=mode,
-        on=_lock_on(problem, raw("on")[1], _bound_run(task)),
+        on=_lock_on(problem, *raw("on"), _bound_run(task)),
         ttl=ttl,
         busy=busy,
         duplicate=duplicate,

@@ -122,6 +122,8 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
             ["redislock_on_error='ignore' is not valid; allowed: 'fail', 'run'"],
         ),
         ("redislock_busy", "never", ["redislock_busy='never' is not valid"]),
+        ("redislock_on", "a", ["redislock_on='a' is not valid"]),  # was named lock_on, as if set on the task
+        ("redislock_on", ("user",), ["redislock_on=('user',) is not valid", "'user' is not a parameter"]),
         ("redislock_tll", 3, ["unknown setting 'redislock_tll'; did you mean 'redislock_ttl'"]),
     ],
 )
