@@ -26,6 +26,7 @@ from redis.connection import parse_url
 
 from ._durations import seconds, to_ms
 from ._permit_scripts import MAX_LIMIT
+from ._urls import masked
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
 from .keys import LockOn
@@ -40,7 +41,6 @@ __all__ = [
     "LockOptions",
     "app_settings",
     "check_client",
-    "masked",
     "task_options",
 ]
 
@@ -63,13 +63,6 @@ def bound_options(task: object) -> LockOptions | None:
 
 
 URL_SCHEMES = ("redis", "rediss", "unix", "sentinel", "redis-cluster", "rediss-cluster")
-
-
-def masked(url: str) -> str:
-    """``url`` with every password shown as ``**``: before each host (one per listed URL), and
-    in the query (``?password=``, which redis-py reads as well)."""
-    url = re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)
-    return re.sub(r"([?&]password=)[^&;#]*", r"\1**", url)
 
 
 #: Option name (without ``lock_``) -> library default; ``lock_busy`` and

@@ -28,7 +28,8 @@ import redis.cluster
 import redis.sentinel
 
 from ._process import current_pid
-from .config import URL_SCHEMES, app_settings, check_client, masked
+from ._urls import masked
+from .config import URL_SCHEMES, app_settings, check_client
 from .exceptions import LockConfigurationError, RedisLockError
 from .state import LockClient, app_state
 from .telemetry import log_fields

@@ -79,6 +79,9 @@ class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
 
     def __new__(cls, client: Any, *args: Any, **kwargs: Any) -> Any:
         if cls is RedisLock and isinstance(client, (list, tuple)):
+            kwargs.pop("replica_timeout", None)
+            if kwargs.pop("replicas", 0) != 0:  # each server of a Redlock is a primary of its own
+                raise LockConfigurationError("replicas needs a redis.Redis client, not a list of servers")
             return Redlock(client, *args, **kwargs)
         return super().__new__(cls)
 

@@ -41,6 +41,7 @@ import redis
 
 from ._durations import Duration, to_ms
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks
+from ._urls import masked
 from .attempt import Attempt, lease_seconds, owns
 from .exceptions import LockConfigurationError
 from .primitive import LeaseLock
@@ -62,14 +63,15 @@ def _clients(servers: object, timeout: float) -> list[redis.Redis]:
     """The servers as clients (URLs get one of their own, with ``timeout`` for connects and
     reads), or ``LockConfigurationError`` naming what is wrong."""
     if not isinstance(servers, (list, tuple)) or not servers:
-        raise LockConfigurationError(f"client must be a non-empty list of clients or URLs, got {servers!r}")
+        shown = repr(masked(servers)) if isinstance(servers, str) else repr(servers)
+        raise LockConfigurationError(f"client must be a non-empty list of clients or URLs, got {shown}")
     clients: list[redis.Redis] = []
     for server in servers:
         if isinstance(server, str):
             try:
                 server = redis.Redis.from_url(server, socket_timeout=timeout, socket_connect_timeout=timeout)
             except ValueError as exc:
-                raise LockConfigurationError(f"client: bad Redis URL {server!r}: {exc}") from None
+                raise LockConfigurationError(f"client: bad Redis URL {masked(server)!r}: {exc}") from None
         if type(server) is not redis.Redis:
             raise LockConfigurationError(
                 f"client: each server must be a redis.Redis or a redis:// URL, got {type(server).__name__}"
@@ -80,7 +82,8 @@ def _clients(servers: object, timeout: float) -> list[redis.Redis]:
         for client in clients
     }
     if len(addresses) < len(clients):
-        raise LockConfigurationError(f"client: the servers must be distinct, got {servers!r}")
+        listed = ", ".join(masked(server) if isinstance(server, str) else repr(server) for server in servers)
+        raise LockConfigurationError(f"client: the servers must be distinct, got {listed}")
     return clients
 
 

@@ -7,6 +7,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import pytest
 import redis
@@ -177,6 +178,25 @@ def test_bad_input_names_the_argument(redis_server: RedisServer, prefix: str) ->
         RedisLock([redis_server.url], name, fair=True)
     with pytest.raises(LockConfigurationError, match="ttl"):
         RedisLock([redis_server.url], name, ttl=0)
+    with pytest.raises(LockConfigurationError, match=r"replicas needs a redis\.Redis client"):
+        RedisLock([redis_server.url], name, replicas=1)  # was a TypeError from Redlock.__init__
+    lock = RedisLock([redis_server.url], name, replicas=0)  # the default, said
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+def test_bad_servers_are_shown_without_their_passwords(redis_server: RedisServer, prefix: str) -> None:
+    """The errors showed the URLs as given, passwords in them."""
+    url = f"redis://user:s3cret@127.0.0.1:{redis_server.port}/0"
+    cases: list[tuple[Any, str]] = [
+        ([url, url], "distinct"),
+        ([url, "http://:s3cret@example"], "bad Redis URL"),
+        (url, "a non-empty list"),  # a Redlock given one URL, not a list of them
+    ]
+    for servers, problem in cases:
+        with pytest.raises(LockConfigurationError, match=problem) as raised:
+            Redlock(servers, f"{prefix}:k")
+        assert "s3cret" not in str(raised.value) and ":**@" in str(raised.value)
 
 
 @pytest.mark.parametrize("given", ["urls", "clients"])
