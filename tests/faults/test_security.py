@@ -22,7 +22,14 @@ from celery import Celery
 from kombu.exceptions import EncodeError
 
 import celery_redislock
-from celery_redislock import LockedTask, LockNotOwned, RedisLock, RedisLockError, task_lock_key
+from celery_redislock import (
+    LockedTask,
+    LockNotOwned,
+    RedisLock,
+    RedisLockError,
+    RedisSemaphore,
+    task_lock_key,
+)
 from celery_redislock.connection import lock_url
 from celery_redislock.keys import call_digest, lock_key
 from celery_redislock.lock import companion_key
@@ -301,8 +308,8 @@ def lock_workload(url: str, prefix: str, admin: redis.Redis) -> list[str]:
     """Every path of the lock: what went wrong, if anything (empty: all worked).
 
     Free acquire after the server lost its scripts, ``owned``/``locked``, renewals and
-    ``extend``, a first-come waiter woken by a release, a fair waiter handed the lock, and
-    a waiter that gives up.
+    ``extend``, a first-come waiter woken by a release, a fair waiter handed the lock, a
+    waiter that gives up, and a semaphore's permit (``lock_limit`` above 1).
     """
     problems: list[str] = []
     client = redis.Redis.from_url(url, socket_timeout=5)
@@ -363,6 +370,9 @@ def lock_workload(url: str, prefix: str, admin: redis.Redis) -> list[str]:
             problems.append(f"a {'fair' if fair else 'first-come'} waiter did not get the released lock")
     if contended(False, timeout=0.2, released=False) != [False]:
         problems.append("a waiter that gave up did not report it")
+    semaphore = RedisSemaphore(client, f"{prefix}:s", 2, ttl=5, watchdog=False)
+    if attempt("acquire a permit", lambda: semaphore.acquire(blocking=False)):
+        attempt("release a permit", semaphore.release)
     client.close()
     return problems
 
