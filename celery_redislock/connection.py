@@ -4,7 +4,8 @@ URL kinds (``redislock_url``, or the broker URL):
 
 * ``redis://``, ``rediss://``, ``unix://``: one server, as redis-py reads them;
 * ``redis+socket://``: Celery's spelling of a broker on a Unix socket, read as ``unix://``
-  (its ``virtual_host`` as ``db``);
+  (its ``virtual_host`` as ``db``); a broker's ``ssl_cert_reqs=CERT_REQUIRED`` (kombu's
+  spelling) is read as redis-py's ``required``;
 * ``redis-cluster://[user:password@]host:port[,host:port...]`` (``rediss-cluster://``
   for TLS): a Redis Cluster, found from any of the nodes listed;
 * ``sentinel://[user:password@]host:port[/db][;sentinel://host:port...]``: the
@@ -94,13 +95,28 @@ def lock_url(app: Any) -> tuple[str, str]:
     if configured is not None:
         return configured, "redislock_url"
     broker = _first_broker_url(app)
-    if broker is not None and broker.startswith("redis+socket://"):  # Celery's spelling of unix://
-        path, _, query = broker.removeprefix("redis+socket://").partition("?")
-        options = [("db" if name == "virtual_host" else name, value) for name, value in parse_qsl(query)]
-        return f"unix://{path}" + (f"?{urlencode(options)}" if options else ""), "broker_url"
-    if broker is not None and broker.partition("://")[0] in URL_SCHEMES:
-        return broker, "broker_url"
+    if broker is not None and broker.partition("://")[0] in (*URL_SCHEMES, "redis+socket"):
+        return _as_redis_py(broker), "broker_url"
     return DEFAULT_URL, "default"
+
+
+def _as_redis_py(broker: str) -> str:
+    """A Redis broker URL as redis-py reads it: kombu's spellings of a Unix socket
+    (``redis+socket://``, its ``virtual_host`` the ``db``) and of a certificate requirement
+    (``ssl_cert_reqs=CERT_REQUIRED``, ``CERT_OPTIONAL``, ``CERT_NONE``) in redis-py's."""
+    scheme, _, rest = broker.partition("://")
+    where, _, query = rest.partition("?")
+    if scheme != "redis+socket" and "ssl_cert_reqs=CERT_" not in query:
+        return broker
+    scheme = "unix" if scheme == "redis+socket" else scheme
+    options = [
+        (
+            "db" if name == "virtual_host" and scheme == "unix" else name,
+            value.removeprefix("CERT_").lower() if name == "ssl_cert_reqs" else value,
+        )
+        for name, value in parse_qsl(query, keep_blank_values=True)
+    ]
+    return f"{scheme}://{where}" + (f"?{urlencode(options)}" if options else "")
 
 
 def _cluster(url: str, options: dict[str, Any]) -> redis.cluster.RedisCluster:

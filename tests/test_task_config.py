@@ -131,6 +131,26 @@ def test_a_redis_broker_on_a_unix_socket_is_the_lock_url(redis_server: RedisServ
         app.close()
 
 
+@pytest.mark.parametrize("reqs", ["CERT_REQUIRED", "CERT_OPTIONAL", "CERT_NONE"])
+def test_a_tls_brokers_certificate_requirement_in_kombus_spelling_is_read(reqs: str) -> None:
+    """Celery's broker takes ``ssl_cert_reqs=CERT_REQUIRED`` (kombu reads both spellings);
+    redis-py only ``required``: every lock call raised ``Invalid SSL Certificate Requirements Flag``."""
+    app = Celery(
+        "urls", broker=f"rediss://:pw@cache.example:6380/2?ssl_cert_reqs={reqs}", set_as_current=False
+    )
+    try:
+        url, source = lock_url(app)
+        assert (url, source) == (
+            f"rediss://:pw@cache.example:6380/2?ssl_cert_reqs={reqs.removeprefix('CERT_').lower()}",
+            "broker_url",
+        )
+        client, _ = client_for(app)
+        assert isinstance(client, redis.Redis)
+        client.connection_pool.make_connection()  # raised RedisError; nothing is sent
+    finally:
+        app.close()
+
+
 # -- keys ------------------------------------------------------------------------------------
 
 
