@@ -51,6 +51,7 @@ from .inventory import release_token
 from .lock import RedisLock
 from .protocol import (
     HEADER,
+    canvas_member,
     holder_for,
     message_delay,
     parse_holder,
@@ -90,10 +91,10 @@ def enqueue(
     if "expires" not in options and getattr(task, "expires", None) is not None:
         options = {**options, "expires": task.expires}
     ttl = _queue_ttl(task, lock_options, options)
-    if lock_options.duplicate == "replace" and (options.get("group_id") or options.get("chord")):
+    if lock_options.duplicate == "replace" and canvas_member(options):
         raise LockConfigurationError(
             f"task {task.name!r}: lock_duplicate='replace' cannot take lock_in_canvas=True: a superseded "
-            "group or chord member would leave its chord waiting forever"
+            "group, chord or chain member would leave its canvas waiting forever"
         )
     take = _replace if lock_options.duplicate == "replace" else _acquire
     token = secrets.token_hex(16)  # the message's, drawn first: a take cut off after it ran is undone too

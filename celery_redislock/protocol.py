@@ -31,6 +31,7 @@ __all__ = [
     "HEADER",
     "REPUBLISH",
     "LockValue",
+    "canvas_member",
     "holder_for",
     "message_delay",
     "message_ticket",
@@ -138,6 +139,15 @@ def request_slot(request: Any) -> dict[str, Any] | None:
     ):
         return dict(slot)
     return None
+
+
+def canvas_member(options: Mapping[str, Any]) -> bool:
+    """Whether a message sent with ``options`` is a member of a group or chord, or of a chain (its
+    head, sent with the rest of the chain, or a member the worker sends as the previous one
+    ends, ``chain=[]`` for the last): the canvas holds the result of its last member, frozen
+    before anything is sent, so a member not sent leaves it waiting forever. (A retry's
+    ``chain`` is ``None`` outside a chain.)"""
+    return bool(options.get("group_id") or options.get("chord")) or options.get("chain") is not None
 
 
 def message_delay(options: Mapping[str, Any]) -> float:

@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any
 
 import pytest
-from celery import Celery, chord, group
+from celery import Celery, chain, chord, group
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, LockedTask, task_lock_key
@@ -258,6 +258,30 @@ def test_a_chord_of_identical_signatures_runs_every_member(app: Celery) -> None:
         result = chord([task.s(x) for _ in range(3)])(app.tasks["taskapp.collect"].s())
         assert result.get(timeout=RESULT_TIMEOUT) == [x, x, x]
     assert len(starts(app, x)) == 3
+
+
+@pytest.mark.parametrize("member", ["head", "last"])
+def test_a_chain_with_a_member_queued_already_completes(app: Celery, member: str) -> None:
+    """A chain's result is its last member's, frozen before anything is sent: a member refused
+    at enqueue as a duplicate (its head, sent by the caller, or the last, sent by the worker as
+    the one before it ends) sends nothing, and the chain's ``.get()`` waited forever. Members
+    of a chain pass the enqueue check as a group's do; the worker's check skips the duplicate."""
+    x, task, collect = fresh(), app.tasks["taskapp.until_executed"], app.tasks["taskapp.collect"]
+    twin = task.si(x, gate=True)  # the signature of the one queued first
+    steps = [twin, collect.s()] if member == "head" else [collect.si([x]), twin]
+    with worker(app):
+        first = task.delay(x, gate=True)
+        wait_for(lambda: starts(app, x))
+        result = chain(*steps).apply_async()
+        wait_for(
+            lambda: any(event[0] == "busy" and event[3] != first.id for event in recorder(app).events()),
+            timeout=RESULT_TIMEOUT,
+            what="the chain's duplicate to reach the worker (refused at enqueue, the chain waits forever)",
+        )
+        recorder(app).open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+        assert result.get(timeout=RESULT_TIMEOUT) is None  # the duplicate skipped (lock_busy="skip")
+    assert len(starts(app, x)) == 1
 
 
 def test_group_members_opted_in_are_deduplicated_at_enqueue(app: Celery) -> None:
