@@ -211,10 +211,13 @@ def skipped(task: Any, request: Any) -> None:
     """What a run whose body did not run returns (skipped, a duplicate, superseded): ``None``
     (``SUCCESS`` with ``None``); with ``redislock_skip_state`` set, a worker's run stores that
     state as its result and raises ``Ignore``, so that Celery stores nothing over it (not a
-    member of a group or chord, whose ``Ignore`` would leave it waiting forever, nor a run
-    whose result is ignored: the request's ``ignore_result`` or the task's)."""
+    member of a group or chord, whose ``Ignore`` would leave it waiting forever, nor a chain's
+    member with members after it, which ``Ignore`` would leave unsent, nor a run whose result
+    is ignored: the request's ``ignore_result`` or the task's)."""
     state = task.lock_settings.skip_state
     if state is None or request is None or request.is_eager or request.group or request.chord:
+        return
+    if request.chain:
         return
     if request.ignore_result or task.ignore_result:
         return

@@ -598,6 +598,26 @@ def test_a_group_member_is_never_ignored_with_a_skip_state(skip_app: Celery) -> 
     assert state(task.AsyncResult("a-member")) == "PENDING"  # nothing stored
 
 
+def test_a_skipped_chain_member_lets_its_chain_go_on_with_a_skip_state(skip_app: Celery) -> None:
+    """``Ignore`` ends a run without sending the rest of its chain: a skipped member that raised it
+    (to keep its skip state) left the chain's result ``PENDING`` forever. It succeeds with
+    ``None``, as a group member does, and the chain goes on."""
+    app = skip_app
+    task, collect = app.tasks["taskapp.hold_skip"], app.tasks["taskapp.collect"]
+    with threads_worker(app):
+        holder = task.delay("x", gate=True)
+        wait_for(lambda: [e for e in recorder(app).events() if e[0] == "start"], what="the holder's run")
+        result = (task.si("x", gate=True) | collect.s()).apply_async()
+        wait_for(
+            lambda: [e for e in recorder(app).events() if e[0] == "busy" and e[3] != holder.id],
+            what="the chain's head to find the lock held",
+        )
+        recorder(app).open_gate("x")
+        assert holder.get(timeout=RESULT_TIMEOUT) == "x"
+        assert result.get(timeout=RESULT_TIMEOUT) is None  # the head skipped: None passed on
+        assert state(cast(AsyncResult[Any], result.parent)) == "SUCCESS"  # no skip state stored
+
+
 def test_a_skip_state_is_not_stored_for_a_task_that_ignores_its_results(skip_app: Celery) -> None:
     task = define(skip_app, "ignoring", ignore_result=True)
     skip(task, id="ignored")  # returns: no Ignore
