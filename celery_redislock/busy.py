@@ -31,7 +31,7 @@ from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .inventory import release_token
-from .protocol import REPUBLISH, parse_holder, request_ticket
+from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
 from .run_lock import ExecutionLock, acquired, adopt, release
 
 __all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "skipped", "when_busy"]
@@ -95,6 +95,8 @@ def policy_for(found: Found) -> BusyPolicy:
     if request is not None and held_by.get("task") == request.id:
         held_try, attempt = int(held_by["try"]), request.retries or 0
         if held_try == attempt and held_by.get("state") == "running":
+            if int(held_by.get("rep") or 0) < replaced_nesting(request):
+                return _wait  # the run this message replaces (``task.replace()``), letting go now
             return _redelivered
         if held_try > attempt:
             return _stale_copy

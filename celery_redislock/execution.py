@@ -47,7 +47,7 @@ from .connection import ClientUnavailable, client_for
 from .enqueue import give_up_ticket, superseded
 from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
-from .protocol import holder_for, parse_holder, request_slot, request_ticket, text
+from .protocol import holder_for, parse_holder, replaced_nesting, request_slot, request_ticket, text
 from .run_lock import (
     EMPTY_BLOCK,
     ExecutionLock,
@@ -129,7 +129,9 @@ class Execution:
                 self.client,
                 key,
                 options.ttl,
-                holder_for(self.task_id, self.retries, self.node, current_pid()),
+                holder_for(
+                    self.task_id, self.retries, self.node, current_pid(), replaced=replaced_nesting(request)
+                ),
                 settings,
                 task_name=task.name,
                 raise_on_lost=options.on_lost != "log",

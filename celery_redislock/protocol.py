@@ -38,6 +38,8 @@ __all__ = [
     "parse_holder",
     "parse_value",
     "received_arguments",
+    "replaced_nesting",
+    "replaces",
     "request_slot",
     "request_ticket",
     "seconds_until",
@@ -84,14 +86,34 @@ def parse_value(value: object) -> LockValue | None:
     return LockValue(token, int(fence), holder)
 
 
-def holder_for(task_id: str | None, retries: int, node: str, pid: int, state: str = "running") -> str:
+def holder_for(
+    task_id: str | None, retries: int, node: str, pid: int, state: str = "running", replaced: int = 0
+) -> str:
     """How a task's lock names its holder: task id, attempt (retries so far), ``queued`` or
-    ``running``, and the node and process that queued or run it.
+    ``running``, and the node and process that queued or run it; for the run of a message that
+    replaces another of its task id (``task.replace()``), how deep (``rep``, ``replaced``).
 
     Fields are separated by spaces; the task id and node are %-encoded where they hold a
     space, ``=``, ``%`` or a non-ASCII character, so that any task id reads back whole.
     """
-    return f"task={_field(task_id or '-')} try={retries} state={state} node={_field(node)} pid={pid}"
+    holder = f"task={_field(task_id or '-')} try={retries} state={state} node={_field(node)} pid={pid}"
+    return f"{holder} rep={replaced}" if replaced else holder
+
+
+def replaced_nesting(request: Any) -> int:
+    """How many runs of its task id the message of ``request`` replaced (``task.replace()``:
+    Celery's ``replaced_task_nesting``), 0 for one that replaces none."""
+    return int(getattr(request, "replaced_task_nesting", None) or 0)
+
+
+def replaces(task: Any, task_id: str | None, options: Mapping[str, Any]) -> bool:
+    """Whether a message of ``task`` for ``task_id`` sent with ``options`` replaces the run of
+    ``task`` under way here (``task.replace()``, from inside it: the same task id, one
+    replacement deeper). ``task.request`` is read only for a message that names its task id."""
+    if task_id is None or not options.get("replaced_task_nesting"):
+        return False
+    request = task.request
+    return bool(request.id == task_id and int(options["replaced_task_nesting"]) > replaced_nesting(request))
 
 
 def _field(value: str) -> str:

@@ -157,7 +157,8 @@ class LockedRequest(Request):
 
     def _holder(self, pid: int) -> str:
         """The holder the lock of this request's run names, run in the pool child ``pid``."""
-        return holder_for(self.id, self._retries(), self.hostname, pid)
+        replaced = int(self.request_dict.get("replaced_task_nesting") or 0)
+        return holder_for(self.id, self._retries(), self.hostname, pid, replaced=replaced)
 
     def _delivered_for_good(self) -> bool:
         """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery

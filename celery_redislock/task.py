@@ -30,7 +30,7 @@ from .exceptions import LockConfigurationError, LockKeyError, LockLost
 from .execution import Execution
 from .keys import call_digest, lock_key
 from .lost_retry import lost_run
-from .protocol import HEADER, REPUBLISH, canvas_member, message_delay, received_arguments
+from .protocol import HEADER, REPUBLISH, canvas_member, message_delay, received_arguments, replaces
 from .receivers import RunRequests, after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
 
@@ -168,8 +168,9 @@ class LockedTask(OnCommit):
         (``lock_duplicate="return"``), raises ``DuplicateTask``, or takes the lock over from the
         queued message and is sent (``"replace"``). A republish of a message that carries its
         lock, a busy retry's republish (whatever the message carries: it is queued again, not a
-        new call), and a member of a group, chord or chain (unless sent with ``lock_in_canvas=True``),
-        pass. So does a retry of the attempt running here (``self.retry``, autoretry), however its
+        new call), a member of a group, chord or chain (unless sent with ``lock_in_canvas=True``)
+        and a replacement of the run under way (``task.replace()``: it waits for that run) pass.
+        So does a retry of the attempt running here (``self.retry``, autoretry), however its
         first attempt was sent: in the modes that keep the lock between attempts, its message
         carries a token of its own, for which the attempt parks its hold when it lets go; and
         Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise.
@@ -179,7 +180,7 @@ class LockedTask(OnCommit):
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)
-        in_canvas = canvas_member(options) and not in_canvas_opt_in
+        in_canvas = (canvas_member(options) and not in_canvas_opt_in) or replaces(self, task_id, options)
         headers = dict(options.pop("headers", None) or {})
 
         def send(task_id: str | None) -> Any:

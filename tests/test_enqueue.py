@@ -6,12 +6,13 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 from typing import Any
 
 import pytest
 from celery import Celery, chain, chord, group
+from celery.signals import after_task_publish
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, LockedTask, task_lock_key
@@ -282,6 +283,43 @@ def test_a_chain_with_a_member_queued_already_completes(app: Celery, member: str
         assert first.get(timeout=RESULT_TIMEOUT) == x
         assert result.get(timeout=RESULT_TIMEOUT) is None  # the duplicate skipped (lock_busy="skip")
     assert len(starts(app, x)) == 1
+
+
+@pytest.mark.parametrize("mode", ["while_executing", "until_executed", "until_and_while_executing"])
+def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(app: Celery, mode: str) -> None:
+    """``self.replace(sig)`` sends ``sig`` under the run's own task id, then ends the run
+    (``Ignore``): its result is the replacement's. One of the same key must run: not be refused
+    at enqueue as a duplicate of the run it replaces (``until_executed``), nor, finding that run
+    still letting go, ignored at the worker as a copy of itself delivered again. Here the
+    replaced run lets go only once the replacement has found the lock held."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"enqueue.replaced_{mode}",
+        lock_mode=mode,
+        lock_on=("x",),
+    )
+    def step(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"step{n}", self, x)
+        if n == 0:
+            raise self.replace(step.si(x, 1))
+        return n
+
+    def replacement_sent(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender == step.name and (headers or {}).get("replaced_task_nesting"):
+            with suppress(AssertionError):  # the assertions below tell what happened
+                wait_for(lambda: any(e[0] == "busy" for e in recorder(app).events()), timeout=10)
+
+    x = fresh()
+    after_task_publish.connect(replacement_sent, weak=False)
+    try:
+        with worker(app):
+            assert step.delay(x).get(timeout=RESULT_TIMEOUT) == 1
+    finally:
+        after_task_publish.disconnect(replacement_sent)
+    assert [e[0] for e in recorder(app).events() if e[0].startswith("step")] == ["step0", "step1"]
 
 
 def test_group_members_opted_in_are_deduplicated_at_enqueue(app: Celery) -> None:
