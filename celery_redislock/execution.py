@@ -109,8 +109,8 @@ class Execution:
         self.retries: int = 0 if request is None else request.retries or 0
         self.node: str = (None if request is None else request.hostname) or hostname()
         self.lock: ExecutionLock | None = None
-        #: the body raised ``Retry``, ``Ignore`` or ``Reject``: Celery calls no ``after_return``
-        self.unreturned = False
+        #: what the body raised of ``Retry``, ``Ignore`` or ``Reject`` (Celery calls no ``after_return``)
+        self.unreturned: BaseException | None = None
         if not settings.enabled:  # redislock_enabled=False: no ticket, slot, lock; ``client``, ``url`` unset
             self.ticket = self.slot = None
             return
@@ -345,8 +345,12 @@ class Execution:
         return None
 
     def _settles(self) -> bool:
-        """Whether the mode keeps the lock for ``lock_period`` after the run."""
-        return self.options.rules.settles and self.options.period is not None
+        """Whether the mode keeps the lock for ``lock_period`` after the run: not for a retry that
+        ``apply()`` (or ``task_always_eager``) runs next, at once in this thread, with no message
+        to park the hold for: it takes the lock again, its period counted from then."""
+        if not (self.options.rules.settles and self.options.period is not None):
+            return False
+        return not (isinstance(self.unreturned, Retry) and getattr(self.request, "is_eager", False))
 
     def _released_later(self, lock: ExecutionLock) -> bool:
         """Send the release without waiting for its reply, where a worker's trace follows whose

@@ -285,8 +285,8 @@ class LockedTask(OnCommit):
                         result = super().__call__(*args, **kwargs)
                     finally:
                         _pending_request.reset(pending)
-        except (Retry, Ignore, Reject):  # Celery calls no after_return then: the reply is read now
-            run.unreturned = True
+        except (Retry, Ignore, Reject) as exc:  # Celery calls no after_return then: the reply is read now
+            run.unreturned = exc
             raise
         finally:  # the body's own exception, if any, stands, lost lock or not (the loss is logged)
             _held_locks.reset(held_token)

@@ -22,7 +22,7 @@ import redis
 from celery import Celery, chord, group
 from redis.connection import AbstractConnection
 
-from celery_redislock import RedisLock, task_lock_key
+from celery_redislock import LockedTask, RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
 from celery_redislock._task_scripts import ADOPT, DECLINE, PARK
 from celery_redislock.inventory import read_lock, release_token
@@ -112,6 +112,41 @@ def test_every_retry_path_runs_its_next_attempt(
     assert outcome == ([x] if path in ("group", "chord", "in_canvas") else x)
     assert attempts(app, x) == ["attempt@0", "attempt@1"]
     assert not recorder(app).client.exists(task_lock_key(task, (x,)))
+
+
+@pytest.mark.parametrize("how", ["apply", "always_eager"])
+def test_an_until_expired_task_retried_eagerly_runs_its_next_attempt(app: Celery, how: str) -> None:
+    """``apply()`` and ``task_always_eager`` run a retry at once, in the same thread, once the
+    attempt has ended (Celery's ``apply``, not a message the attempt parks its hold for): the
+    attempt kept its hold for ``lock_period`` as after any run, and its retry waited
+    ``lock_wait_timeout`` for a hold parked for it, then failed with ``LockNotAcquired``."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="attempts.expiring_retry",
+        lock_mode="until_expired",
+        lock_period=60,
+        lock_wait_timeout=5,
+    )
+    def expiring_retry(self: Any, x: str) -> str:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return x
+
+    x = fresh()
+    key = task_lock_key(expiring_retry, (x,))
+    if how == "always_eager":
+        app.conf.task_always_eager = True
+        result = expiring_retry.delay(x)
+    else:
+        result = expiring_retry.apply((x,))
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    assert attempts(app, x) == ["attempt@0", "attempt@1"]
+    assert 0 < recorder(app).client.pttl(key) <= 60_000  # kept for lock_period after the last run
+    recorder(app).client.delete(key)
 
 
 # -- each attempt owns its own hold -------------------------------------------------------------------
