@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
@@ -61,9 +62,24 @@ from .run_lock import (
 )
 from .state import app_state
 
-__all__ = ["Execution"]
+__all__ = ["Execution", "replacing"]
 
 logger = logging.getLogger(__name__)
+
+
+def replacing(task: Any, task_id: str | None, options: Mapping[str, Any]) -> bool:
+    """Whether a message of ``task`` for ``task_id`` sent with ``options`` replaces the run of
+    ``task`` under way here (``task.replace()``, from inside it: the same task id, one
+    replacement deeper). If so, that run is marked (``lock_replaced``): it lets go of its lock
+    when it ends, never keeping it for ``lock_period``, and the replacement, which waits for
+    that, takes it. ``task.request`` is read only for a message that names its task id."""
+    if task_id is None or not options.get("replaced_task_nesting"):
+        return False
+    request = task.request
+    if request.id != task_id or int(options["replaced_task_nesting"]) <= replaced_nesting(request):
+        return False
+    request.lock_replaced = True
+    return True
 
 
 class Execution:
@@ -345,10 +361,13 @@ class Execution:
         return None
 
     def _settles(self) -> bool:
-        """Whether the mode keeps the lock for ``lock_period`` after the run: not for a retry that
-        ``apply()`` (or ``task_always_eager``) runs next, at once in this thread, with no message
-        to park the hold for: it takes the lock again, its period counted from then."""
+        """Whether the mode keeps the lock for ``lock_period`` after the run: not for a run that sent
+        its replacement (``replacing``), nor for a retry that ``apply()`` (or
+        ``task_always_eager``) runs next, at once in this thread, with no message to park the hold
+        for: they take the lock again, its period counted from then."""
         if not (self.options.rules.settles and self.options.period is not None):
+            return False
+        if getattr(self.request, "lock_replaced", False):  # its replacement takes the lock
             return False
         return not (isinstance(self.unreturned, Retry) and getattr(self.request, "is_eager", False))
 

@@ -39,7 +39,6 @@ __all__ = [
     "parse_value",
     "received_arguments",
     "replaced_nesting",
-    "replaces",
     "request_slot",
     "request_ticket",
     "seconds_until",
@@ -104,16 +103,6 @@ def replaced_nesting(request: Any) -> int:
     """How many runs of its task id the message of ``request`` replaced (``task.replace()``:
     Celery's ``replaced_task_nesting``), 0 for one that replaces none."""
     return int(getattr(request, "replaced_task_nesting", None) or 0)
-
-
-def replaces(task: Any, task_id: str | None, options: Mapping[str, Any]) -> bool:
-    """Whether a message of ``task`` for ``task_id`` sent with ``options`` replaces the run of
-    ``task`` under way here (``task.replace()``, from inside it: the same task id, one
-    replacement deeper). ``task.request`` is read only for a message that names its task id."""
-    if task_id is None or not options.get("replaced_task_nesting"):
-        return False
-    request = task.request
-    return bool(request.id == task_id and int(options["replaced_task_nesting"]) > replaced_nesting(request))
 
 
 def _field(value: str) -> str:

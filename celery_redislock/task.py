@@ -27,10 +27,10 @@ from .config import AppSettings, LockOptions, app_settings, bound_options, task_
 from .django import OnCommit
 from .enqueue import enqueue
 from .exceptions import LockConfigurationError, LockKeyError, LockLost
-from .execution import Execution
+from .execution import Execution, replacing
 from .keys import call_digest, lock_key
 from .lost_retry import lost_run
-from .protocol import HEADER, REPUBLISH, canvas_member, message_delay, received_arguments, replaces
+from .protocol import HEADER, REPUBLISH, canvas_member, message_delay, received_arguments
 from .receivers import RunRequests, after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
 
@@ -180,7 +180,7 @@ class LockedTask(OnCommit):
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)
-        in_canvas = (canvas_member(options) and not in_canvas_opt_in) or replaces(self, task_id, options)
+        in_canvas = (canvas_member(options) and not in_canvas_opt_in) or replacing(self, task_id, options)
         headers = dict(options.pop("headers", None) or {})
 
         def send(task_id: str | None) -> Any:

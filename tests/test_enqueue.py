@@ -285,13 +285,17 @@ def test_a_chain_with_a_member_queued_already_completes(app: Celery, member: str
     assert len(starts(app, x)) == 1
 
 
-@pytest.mark.parametrize("mode", ["while_executing", "until_executed", "until_and_while_executing"])
+@pytest.mark.parametrize(
+    "mode", ["while_executing", "until_executed", "until_and_while_executing", "until_expired"]
+)
 def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(app: Celery, mode: str) -> None:
     """``self.replace(sig)`` sends ``sig`` under the run's own task id, then ends the run
     (``Ignore``): its result is the replacement's. One of the same key must run: not be refused
     at enqueue as a duplicate of the run it replaces (``until_executed``), nor, finding that run
     still letting go, ignored at the worker as a copy of itself delivered again. Here the
-    replaced run lets go only once the replacement has found the lock held."""
+    replaced run lets go only once the replacement has found the lock held. ``until_expired``:
+    the replaced run does not keep its lock for ``lock_period``: its replacement takes it, and
+    keeps it for that long after its own run."""
 
     @app.task(
         base=LockedTask,
@@ -300,6 +304,8 @@ def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(app: Cele
         name=f"enqueue.replaced_{mode}",
         lock_mode=mode,
         lock_on=("x",),
+        lock_period=60,
+        lock_wait_timeout=5,
     )
     def step(self: Any, x: str, n: int = 0) -> int:
         recorder(app).record(f"step{n}", self, x)
@@ -320,6 +326,10 @@ def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(app: Cele
     finally:
         after_task_publish.disconnect(replacement_sent)
     assert [e[0] for e in recorder(app).events() if e[0].startswith("step")] == ["step0", "step1"]
+    if mode == "until_expired":
+        key = task_lock_key(step, (x,))
+        assert 0 < recorder(app).client.pttl(key) <= 60_000  # the replacement's period
+        recorder(app).client.delete(key)
 
 
 def test_group_members_opted_in_are_deduplicated_at_enqueue(app: Celery) -> None:
