@@ -180,7 +180,7 @@ class LockedTask(OnCommit):
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)
-        in_canvas = (canvas_member(options) and not in_canvas_opt_in) or replacing(self, task_id, options)
+        in_canvas = replacing(self, task_id, options) or (canvas_member(options) and not in_canvas_opt_in)
         headers = dict(options.pop("headers", None) or {})
 
         def send(task_id: str | None) -> Any:

@@ -286,16 +286,26 @@ def test_a_chain_with_a_member_queued_already_completes(app: Celery, member: str
 
 
 @pytest.mark.parametrize(
-    "mode", ["while_executing", "until_executed", "until_and_while_executing", "until_expired"]
+    ("mode", "sent"),
+    [
+        ("while_executing", "delay"),
+        ("until_executed", "delay"),
+        ("until_and_while_executing", "delay"),
+        ("until_expired", "delay"),
+        ("until_expired", "group"),
+    ],
 )
-def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(app: Celery, mode: str) -> None:
+def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(
+    app: Celery, mode: str, sent: str
+) -> None:
     """``self.replace(sig)`` sends ``sig`` under the run's own task id, then ends the run
     (``Ignore``): its result is the replacement's. One of the same key must run: not be refused
     at enqueue as a duplicate of the run it replaces (``until_executed``), nor, finding that run
     still letting go, ignored at the worker as a copy of itself delivered again. Here the
     replaced run lets go only once the replacement has found the lock held. ``until_expired``:
     the replaced run does not keep its lock for ``lock_period``: its replacement takes it, and
-    keeps it for that long after its own run."""
+    keeps it for that long after its own run; also as a group member, whose replacement is one
+    too."""
 
     @app.task(
         base=LockedTask,
@@ -322,7 +332,10 @@ def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(app: Cele
     after_task_publish.connect(replacement_sent, weak=False)
     try:
         with worker(app):
-            assert step.delay(x).get(timeout=RESULT_TIMEOUT) == 1
+            if sent == "group":
+                assert group([step.s(x)]).apply_async().get(timeout=RESULT_TIMEOUT) == [1]
+            else:
+                assert step.delay(x).get(timeout=RESULT_TIMEOUT) == 1
     finally:
         after_task_publish.disconnect(replacement_sent)
     assert [e[0] for e in recorder(app).events() if e[0].startswith("step")] == ["step0", "step1"]
