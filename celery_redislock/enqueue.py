@@ -120,7 +120,14 @@ def enqueue(
         unlocked = log_fields(key, task_id, outcome="unlocked")
         logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
         return send(task_id)
-    return duplicate(task, key, *busy)
+    return duplicate(task, key, *busy, dispatched=_dispatched(options))
+
+
+def _dispatched(options: Mapping[str, Any]) -> bool:
+    """Whether a message sent with ``options`` is a callback Celery's worker sends for the task
+    that just ended (with its ``parent_id``); not a retry, which carries one too, with its
+    ``retries``: a retry refused must not pass for one sent."""
+    return bool(options.get("parent_id")) and "retries" not in options
 
 
 def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None:
@@ -247,15 +254,20 @@ def give_up_ticket(
     return outcome
 
 
-def duplicate(task: Any, key: str, holder: str | None, ttl: float | None) -> Any:
-    """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``."""
+def duplicate(task: Any, key: str, holder: str | None, ttl: float | None, *, dispatched: bool = False) -> Any:
+    """An enqueue found ``key`` held: the existing task's result, or ``DuplicateTask``.
+
+    ``dispatched``: the message is one Celery's worker sends for the task that just ended (a
+    ``link`` callback, sent with its ``parent_id``, before that task's result is stored): it
+    gets the existing task's result (``None`` if unknown) whatever ``lock_duplicate`` says;
+    raised there, ``DuplicateTask`` would fail the task that succeeded."""
     existing = parse_holder(holder).get("task")
     fields = log_fields(key, None, holder, None, "duplicate-refused")
     logger.info("task %s: not sent, duplicate of %s (lock %s)", task.name, existing, key, extra=fields)
     counted(task.name, task.lock_options.mode, "duplicate-refused")
     signals.task_deduplicated.send(sender=task, key=key, existing_task_id=existing)
-    if task.lock_options.duplicate != "raise" and existing:
-        return task.AsyncResult(existing)
+    if dispatched or (task.lock_options.duplicate != "raise" and existing):
+        return task.AsyncResult(existing) if existing else None
     raise DuplicateTask(key, existing, holder, ttl)
 
 

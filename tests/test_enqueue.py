@@ -345,6 +345,27 @@ def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(
         recorder(app).client.delete(key)
 
 
+def test_a_link_callback_refused_as_a_duplicate_leaves_its_parents_success(app: Celery) -> None:
+    """``lock_duplicate="raise"``: Celery's worker sends a task's ``link`` callback once the task
+    has succeeded, before it stores the result; a ``DuplicateTask`` from that send failed the
+    task that succeeded (``FAILURE``, its errbacks called). A callback Celery sends gets the
+    ``"return"`` outcome: not sent, nothing raised into the worker."""
+
+    @app.task(shared=False, name="enqueue.parent")
+    def parent(x: str) -> str:
+        return x
+
+    x, refuse = fresh(), app.tasks["taskapp.refuse"]
+    with worker(app):
+        first = refuse.delay(x, gate=True)
+        wait_for(lambda: starts(app, x))
+        result = parent.apply_async((x,), link=refuse.si(x, gate=True))
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+        recorder(app).open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+    assert len(starts(app, x)) == 1
+
+
 def test_group_members_opted_in_are_deduplicated_at_enqueue(app: Celery) -> None:
     x, task = fresh(), app.tasks["taskapp.until_executed"]
     # celery-types lists only Celery's own options; Signature.set passes on any other
