@@ -27,11 +27,11 @@ test: $(VENV)/.installed
 matrix: $(VENV)/.installed
 	$(BIN)/nox --report matrix.json
 
-# ruff over the tree (the Python files formatted as ruff formats them); mypy --strict over the
-# package, tests/ and examples/ (pyproject.toml, [tool.mypy] files)
+# ruff over the tree (its Python and the Markdown's Python blocks formatted as ruff formats
+# them); mypy --strict over the package, tests/ and examples/ (pyproject.toml, [tool.mypy] files)
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check celery_redislock tests examples bench
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # The documentation site (mkdocs.yml) in site/; strict: a broken link or anchor fails it
