@@ -33,13 +33,14 @@ from .attempt import companion_key
 from .connection import Client
 from .exceptions import LockConfigurationError
 from .modes import QUEUED_SUFFIXES
-from .protocol import parse_holder, parse_value, text
+from .protocol import LockValue, parse_holder, parse_value, text
 from .telemetry import log_fields
 
 __all__ = [
     "HeldLock",
     "force_release",
     "held_locks",
+    "hold_of",
     "is_queued",
     "leave_queue_of",
     "parse_lock",
@@ -382,10 +383,15 @@ def release_held_by(client: Client, key: str, holder: str) -> bool:
     after a pool child died): the token comes from the lock itself, and the
     release is still owner-checked, so a lock taken over meanwhile is left alone.
     """
+    value = hold_of(client, key, holder)
+    return value is not None and release_token(client, key, value.token)
+
+
+def hold_of(client: Client, key: str, holder: str) -> LockValue | None:
+    """The value of ``key`` if ``holder`` holds it (one round trip), else ``None``: how a process
+    that cleans up after another finds the token of that one's hold."""
     value = parse_value(client.get(key))
-    if value is None or value.holder != holder:
-        return False
-    return release_token(client, key, value.token)
+    return value if value is not None and value.holder == holder else None
 
 
 def settle_held_by(client: Client, key: str, holder: str, period_ms: int) -> str | None:
@@ -395,8 +401,8 @@ def settle_held_by(client: Client, key: str, holder: str, period_ms: int) -> str
     As ``release_held_by``, for the hold of a run in a mode that keeps its lock for a period
     after the run (``until_expired``), run by a process that is gone.
     """
-    value = parse_value(client.get(key))
-    if value is None or value.holder != holder:
+    value = hold_of(client, key, holder)
+    if value is None:
         return None
     left = int(SETTLE(client, [key], [value.token, period_ms]))
     if left > 0:

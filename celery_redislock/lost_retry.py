@@ -36,7 +36,8 @@ import redis
 from .config import LockOptions
 from .connection import client_for
 from .enqueue import give_up_ticket
-from .protocol import HEADER, message_delay, parse_value
+from .inventory import hold_of
+from .protocol import HEADER, message_delay
 from .run_lock import park
 from .telemetry import log_fields
 
@@ -69,11 +70,11 @@ class LostRun:
             return send(self.task_id)
         try:
             client, _ = client_for(task.app)
-            value = parse_value(client.get(key))
+            value = hold_of(client, key, self.holder)
         except redis.RedisError as exc:  # its hold is released (or runs out), as without a retry
             self._not_kept(task, key, exc)
             return send(self.task_id)
-        if value is None or value.holder != self.holder:  # the retry carries its message's ticket, if any
+        if value is None:  # not the dead run's: the retry carries its message's ticket, if any
             return send(self.task_id)
         token = secrets.token_hex(16)  # carried whatever PARK's outcome: a lost reply may hide a park
         headers[HEADER] = {"key": key, "token": token}

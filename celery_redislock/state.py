@@ -70,8 +70,8 @@ class AppState:
 running: dict[tuple[int, str], Run] = {}
 
 #: id(app) -> its state, dropped when the app is (its id is not reused before): a run looks its
-#: app's state up three times, and a ``WeakKeyDictionary`` runs Python code and makes a weak
-#: reference on every lookup.
+#: app's state up for its lock client, and a ``WeakKeyDictionary`` runs Python code and makes a
+#: weak reference on every lookup.
 _STATES: dict[int, AppState] = {}
 
 
