@@ -11,8 +11,8 @@ URL kinds (``redislock_url``, or the broker URL):
 * ``sentinel://[user:password@]host:port[/db][;sentinel://host:port...]``: the
   primary that Sentinel names, Celery's spelling, with the master name in the
   transport options (``{"master_name": ...}``; also ``sentinel_kwargs`` and
-  ``min_other_sentinels``, as kombu reads them). The credentials and db are
-  the primary's, as with kombu.
+  ``min_other_sentinels``, as kombu reads them). Every sentinel listed is asked in
+  turn; the first URL's credentials and db are the primary's, as with kombu.
 """
 
 from __future__ import annotations
@@ -80,13 +80,16 @@ class ClientUnavailable(RedisLockError, redis.exceptions.ConnectionError):
     beat's claim, a receiver) handles it. The exception is its ``__cause__``."""
 
 
-def _first_broker_url(app: Any) -> str | None:
-    url = app.conf.broker_url
-    if isinstance(url, (list, tuple)):
-        url = url[0] if url else None
-    if isinstance(url, str) and not url.startswith("sentinel://"):  # one sentinel URL lists them all
-        url = url.split(";")[0].strip()
-    return url if isinstance(url, str) else None
+def _broker_url(app: Any) -> str | None:
+    """The broker URL the locks share: the first listed (Celery takes several, for failover, as a
+    list or joined with ``;``), or every ``sentinel://`` one listed, joined with ``;``, when the
+    first is one: kombu asks each sentinel in turn."""
+    given = app.conf.broker_url
+    listed = given if isinstance(given, (list, tuple)) else [given]
+    urls = [part.strip() for url in listed if isinstance(url, str) for part in url.split(";") if part.strip()]
+    if urls and urls[0].startswith("sentinel://"):
+        return ";".join(url for url in urls if url.startswith("sentinel://"))
+    return urls[0] if urls else None
 
 
 def lock_url(app: Any) -> tuple[str, str]:
@@ -94,7 +97,7 @@ def lock_url(app: Any) -> tuple[str, str]:
     configured = app_settings(app).url
     if configured is not None:
         return configured, "redislock_url"
-    broker = _first_broker_url(app)
+    broker = _broker_url(app)
     if broker is not None and broker.partition("://")[0] in (*URL_SCHEMES, "redis+socket"):
         return _as_redis_py(broker), "broker_url"
     return DEFAULT_URL, "default"
@@ -151,19 +154,19 @@ def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str,
             "e.g. redislock_transport_options={'master_name': 'mymaster'}"
         )
     sentinels: list[tuple[str, int]] = []
-    master: dict[str, Any] = {}
     for part in url.split(";"):
         parsed = urlsplit(part.strip())
         if parsed.scheme != "sentinel" or not parsed.hostname:
-            safe = masked(url)
-            raise LockConfigurationError(f"{safe!r}: {part!r} is not a sentinel://host:port URL")
+            raise LockConfigurationError(
+                f"{masked(url)!r}: {masked(part.strip())!r} is not a sentinel://host:port URL"
+            )
         sentinels.append((parsed.hostname, parsed.port or 26379))
-        if parsed.username and "username" not in master:
-            master["username"] = unquote(parsed.username)
-        if parsed.password and "password" not in master:
-            master["password"] = unquote(parsed.password)
-        if parsed.path.strip("/") and "db" not in master:
-            master["db"] = int(parsed.path.strip("/"))
+    first = urlsplit(url.split(";")[0].strip())  # the primary's credentials and db, as kombu reads them
+    master: dict[str, Any] = {"db": int(first.path.strip("/") or 0)}
+    if first.username:
+        master["username"] = unquote(first.username)
+    if first.password:
+        master["password"] = unquote(first.password)
     sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
         sentinels,
         min_other_sentinels=int(transport_options.get("min_other_sentinels", 0)),

@@ -202,3 +202,21 @@ def test_a_bad_cluster_url_is_refused_with_its_password_masked(
         assert SECRET not in message
     finally:
         app.close()
+
+
+def test_a_sentinel_list_with_a_url_not_a_sentinels_is_refused_with_its_passwords_masked(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A sentinel:// URL is read when the lock client is made: its error quoted the wrong URL
+    of the list as given, its password with it."""
+    url = f"sentinel://:{SECRET}@127.0.0.1:26379;redis://:{SECRET}@127.0.0.1:6379"
+    options = {"master_name": "m"}
+    app = new_app(redis_server.url, prefix, redislock_url=url, redislock_transport_options=options)
+    try:
+        with pytest.raises(LockConfigurationError) as raised:
+            client_for(app)
+        message = str(raised.value)
+        assert "'redis://:**@127.0.0.1:6379' is not a sentinel://host:port URL" in message
+        assert SECRET not in message
+    finally:
+        app.close()

@@ -17,11 +17,13 @@ from celery_redislock import (
     LockNotReplicated,
     RedisLock,
     RedisLockError,
+    task_lock_key,
 )
 from celery_redislock.connection import client_for, lock_url, redis_client
-from celery_redislock.testing import RedisSentinelServers, RedisServer
-from tests.taskapp import make_app
-from tests.workers import threads_worker
+from celery_redislock.testing import RedisSentinelServers, RedisServer, forget_client
+from tests.ports import held_port
+from tests.taskapp import make_app, recorder
+from tests.workers import threads_worker, wait_for
 
 
 def test_a_sentinel_broker_url_is_used_with_its_master_name(
@@ -40,6 +42,70 @@ def test_a_sentinel_broker_url_is_used_with_its_master_name(
     app.conf.redislock_url = sentinels.url
     with pytest.raises(LockConfigurationError, match="master name"):
         client_for(app)
+
+
+@pytest.mark.parametrize("spelling", ["joined", "list"])
+def test_a_task_locks_through_the_next_sentinel_when_the_first_listed_is_down(
+    sentinels: RedisSentinelServers, prefix: str, spelling: str
+) -> None:
+    # Celery takes several sentinels as one ';'-joined URL or as a list, and kombu asks each in turn.
+    with held_port() as down:
+        listed = [f"sentinel://127.0.0.1:{down.getsockname()[1]}", *sentinels.url.split(";")]
+        app = make_app(
+            sentinels.primary.url,  # the results and the recorder's events
+            prefix,
+            f"q-{prefix}",
+            broker_url=";".join(listed) if spelling == "joined" else listed,
+            broker_transport_options={
+                "master_name": sentinels.master_name,
+                # redis-py retries a refused sentinel (for ~5 s) before it asks the next
+                "sentinel_kwargs": {"retry": None, "socket_connect_timeout": 5, "socket_timeout": 5},
+            },
+            redislock_url=None,  # from the broker URL
+        )
+        try:
+            task = app.tasks["taskapp.hold_skip"]
+            with threads_worker(app, concurrency=2), sentinels.primary.client() as primary:
+                first = task.delay("x", gate=True)
+                wait_for(lambda: recorder(app).events() or first.ready(), what="the run to start or end")
+                assert not first.ready(), first.result  # it started: it had its lock
+                assert primary.exists(task_lock_key(task, ("x",), {"gate": True})) == 1  # on the primary
+                assert task.delay("x", gate=True).get(timeout=30) is None  # the duplicate finds it busy
+                recorder(app).open_gate("x")
+                assert first.get(timeout=30) == "x"
+            assert lock_url(app) == (";".join(listed), "broker_url")
+        finally:
+            app.close()
+
+
+@pytest.mark.parametrize(
+    ("broker", "shown", "primary"),
+    [
+        (
+            ["sentinel://u:s3cret@127.0.0.1:1/2", "sentinel://v:other@127.0.0.1:2/5"],
+            "sentinel://u:**@127.0.0.1:1/2;sentinel://v:**@127.0.0.1:2/5",
+            ("u", "s3cret", 2),
+        ),
+        (
+            "sentinel://127.0.0.1:1;sentinel://v:other@127.0.0.1:2/5",
+            "sentinel://127.0.0.1:1;sentinel://v:**@127.0.0.1:2/5",
+            (None, None, 0),
+        ),
+    ],
+)
+def test_the_first_sentinel_urls_credentials_and_db_are_the_primarys_as_kombus(
+    broker: str | list[str], shown: str, primary: tuple[str | None, str | None, int]
+) -> None:
+    app = Celery("sentinel", set_as_current=False)
+    app.conf.update(broker_url=broker, broker_transport_options={"master_name": "mymaster"})
+    with app.connection_for_write() as kombus:
+        assert (kombus.userid, kombus.password, int(kombus.virtual_host.strip("/") or 0)) == primary
+    client, where = client_for(app)  # made without connecting
+    assert where == shown  # every sentinel, every password masked
+    assert isinstance(client, redis.Redis)
+    made = client.connection_pool.connection_kwargs
+    assert (made.get("username"), made.get("password"), made.get("db")) == primary
+    forget_client(app)
 
 
 def test_replicas_acknowledge_an_acquisition(sentinels: RedisSentinelServers, prefix: str) -> None:
