@@ -15,8 +15,9 @@
   master name ``master_name``), all on 127.0.0.1, all stopped by pid.
 * ``use_redis(app, url)``: the app's locks go to ``url`` for a ``with`` block (a
   ``redislock_client`` set aside meanwhile).
-* ``hold(task, args, kwargs)``: hold the lock of one call, as a task running
-  elsewhere would, to test what a busy lock or a duplicate does.
+* ``hold(task, args, kwargs)``: hold the lock of one call (every place of a task with
+  ``lock_limit`` above 1), as a task running elsewhere would, to test what a busy lock
+  or a duplicate does.
 * ``locks_left(app)`` and ``assert_no_locks(app)``: what a test left behind.
 
 With pytest, the fixtures ``redislock_server`` (a ``RedisServer`` for the
@@ -37,7 +38,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from .inventory import HeldLock, held_locks
 from .keys import slot_markers
 from .lock import RedisLock
 from .protocol import holder_for, text
+from .semaphore import RedisSemaphore
 from .state import forget_client
 from .task import task_lock_key
 
@@ -407,27 +409,45 @@ def hold(
     *,
     task_id: str = "held-by-test",
     ttl: Duration = 30.0,
-) -> Iterator[RedisLock]:
+    places: int | None = None,
+) -> Iterator[RedisLock | RedisSemaphore]:
     """Hold the lock of ``task(*args, **kwargs)`` for the block, as a run of it with id
     ``task_id`` elsewhere would: a call of the task meanwhile finds its lock busy
     (``lock_busy`` applies), and an enqueue in the ``until_*`` modes is refused as a
-    duplicate of ``task_id``. Released (owner-checked) when the block ends.
+    duplicate of ``task_id``. Released (owner-checked) when the block ends; yields the hold.
 
     The key is the task's execution lock (``task_lock_key``); for an
     ``until_and_while_executing`` task, that is the running task's lock, not
     the enqueue lock of a queued one (``key + ":queued"``). A lock held already is waited
-    for, without a limit. For a task with ``lock_limit`` above 1, the lock takes one of its
-    places, as one run does: a call still runs while another is free. With
-    ``redislock_enabled=False``: ``LockConfigurationError``.
+    for, without a limit. For a task with ``lock_limit`` N above 1, every one of its N
+    places is taken (``places``: that many, 1 to N), as N runs hold them: a permit each, the
+    first as ``task_id``, the others as ``task_id-2``, ``task_id-3``... (one run holds one
+    place); the first is yielded. With ``redislock_enabled=False``: ``LockConfigurationError``.
     """
     key = task_lock_key(task, args, kwargs)  # LockConfigurationError unless a bound LockedTask
     if not app_settings(task.app).enabled:  # the tasks would ignore the lock held
         raise LockConfigurationError(f"task {task.name!r}: hold() needs redislock_enabled=True")
+    limit = task.lock_options.limit
+    count = limit if places is None else places
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= limit:
+        raise LockConfigurationError(
+            f"task {task.name!r}: places must be an int from 1 to its lock_limit {limit}, got {places!r}"
+        )
     client, _ = client_for(task.app)
-    holder = holder_for(task_id, 0, "celery_redislock.testing", current_pid())
-    lock = RedisLock(client, key, ttl, holder=holder)
-    with lock:
-        yield lock
+
+    def place(i: int) -> RedisLock | RedisSemaphore:
+        holder = holder_for(
+            task_id if i == 1 else f"{task_id}-{i}", 0, "celery_redislock.testing", current_pid()
+        )
+        if limit == 1:
+            return RedisLock(client, key, ttl, holder=holder)
+        return RedisSemaphore(client, key, limit, ttl, holder=holder)
+
+    taken = [place(i) for i in range(1, count + 1)]
+    with ExitStack() as held:  # every place taken is given back, at the block's end or on an error
+        for lock in taken:
+            held.enter_context(lock)
+        yield taken[0]
 
 
 def locks_left(app: Any) -> list[str]:

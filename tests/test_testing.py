@@ -14,9 +14,13 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired
+from celery_redislock import LockConfigurationError, LockedTask, LockNotAcquired, task_lock_key
+from celery_redislock.lock import companion_key
 from celery_redislock.state import app_state
 from celery_redislock.testing import RedisServer, _free_port, assert_no_locks, hold, locks_left, use_redis
+from tests import invariants
+from tests.taskapp import make_app, recorder
+from tests.workers import threads_worker, wait_for
 
 TESTING_PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 NOWHERE = "redis://127.0.0.1:9/0"  # the discard port: nothing answers there
@@ -155,6 +159,61 @@ def test_hold_makes_a_call_find_its_lock_busy_and_an_enqueue_a_duplicate(
         with hold(once, (3,), task_id="queued-once"):
             assert once.delay(3).id == "queued-once"  # refused, nothing sent
         assert_no_locks(app)
+
+
+def held_places(client: redis.Redis, key: str, limit: int) -> int:
+    """How many of the ``limit`` places of the semaphore ``key`` are held: its permits and its own key."""
+    return int(client.exists(key, *(companion_key(key, f"permit:{i}") for i in range(1, limit + 1))))
+
+
+@pytest.mark.parametrize(("name", "limit"), [("limited", 3), ("limited_wait", 2)])
+def test_hold_takes_every_place_of_a_task_with_lock_limit(
+    redis_server: RedisServer, prefix: str, name: str, limit: int
+) -> None:
+    """A test of "all N runs are going on": while held, a call finds the task busy (``limited``
+    skips, ``limited_wait`` waits and runs once the hold ends); every key has a TTL meanwhile,
+    and nothing is left after."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    task, key = app.tasks[f"taskapp.{name}"], task_lock_key(app.tasks[f"taskapp.{name}"], ("x",))
+
+    def kinds() -> set[str]:
+        return {event[0] for event in recorder(app).events()}
+
+    try:
+        with threads_worker(app, concurrency=2), redis_server.client() as client:
+            with hold(task, ("x",)):
+                called = task.delay("x")
+                wait_for(lambda: kinds() & {"busy", "start"}, what="the call to find the task busy or run")
+                assert kinds() == {"busy"}  # busy, and never started
+                if name == "limited":
+                    assert called.get(timeout=30) is None  # skipped
+                assert held_places(client, key, limit) == limit
+                assert invariants.keys_without_ttl(client, prefix) == []
+            assert called.get(timeout=30) == ("x" if name == "limited_wait" else None)
+            invariants.check(client, prefix)  # every place and companion key freed
+            assert held_places(client, key, limit) == 0
+            assert_no_locks(app)
+    finally:
+        app.close()
+
+
+def test_hold_with_places_takes_that_many(redis_server: RedisServer, prefix: str) -> None:
+    """``places=1``: one of the task's runs going on elsewhere; a call still runs beside it."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    task = app.tasks["taskapp.limited"]
+    try:
+        with threads_worker(app, concurrency=2), redis_server.client() as client:
+            with hold(task, ("x",), places=1):
+                assert held_places(client, task_lock_key(task, ("x",)), 3) == 1
+                assert task.delay("x").get(timeout=30) == "x"
+            assert_no_locks(app)
+        for wrong in (0, 4):
+            with pytest.raises(LockConfigurationError, match="places"):
+                hold(task, ("x",), places=wrong).__enter__()
+        with pytest.raises(LockConfigurationError, match="places"):
+            hold(app.tasks["taskapp.hold_skip"], ("x",), places=2).__enter__()
+    finally:
+        app.close()
 
 
 def test_hold_needs_a_bound_locked_task(app: Celery) -> None:
