@@ -167,10 +167,15 @@ def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str,
         master["username"] = unquote(first.username)
     if first.password:
         master["password"] = unquote(first.password)
+    # The sentinels' own options as redis-py makes them (``sentinel_kwargs``, else the client's
+    # socket options), but not retried unless they say so: redis-py's default policy tries a
+    # failing sentinel again for seconds before the next one listed, which is the lock's retry.
+    given = transport_options.get("sentinel_kwargs")
+    own = {k: v for k, v in options.items() if k.startswith("socket_")} if given is None else given
     sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
         sentinels,
         min_other_sentinels=int(transport_options.get("min_other_sentinels", 0)),
-        sentinel_kwargs=transport_options.get("sentinel_kwargs"),
+        sentinel_kwargs={"retry": None, **own},
         **options,
     )
     client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -58,7 +60,7 @@ def test_a_task_locks_through_the_next_sentinel_when_the_first_listed_is_down(
             broker_url=";".join(listed) if spelling == "joined" else listed,
             broker_transport_options={
                 "master_name": sentinels.master_name,
-                # redis-py retries a refused sentinel (for ~5 s) before it asks the next
+                # kombu's broker connections retry a refused sentinel (~5 s) before the next
                 "sentinel_kwargs": {"retry": None, "socket_connect_timeout": 5, "socket_timeout": 5},
             },
             redislock_url=None,  # from the broker URL
@@ -201,3 +203,31 @@ def test_a_task_lock_not_acknowledged_follows_redislock_on_error(
                 assert app.tasks["taskapp.until_executed"].delay("y").get(timeout=30) == "y"  # sent unlocked
     finally:
         app.close()
+
+
+def test_a_sentinel_that_fails_is_asked_once_before_the_next(
+    sentinels: RedisSentinelServers, prefix: str
+) -> None:
+    # redis-py's sentinel clients retry a failing sentinel with backoff (redis-py 8: ~5 s) before
+    # the next is asked: for the locks, the next sentinel listed is the retry.
+    accepted = 0
+    with socket.socket() as failing:
+        failing.bind(("127.0.0.1", 0))
+        failing.listen(16)
+
+        def hang_up() -> None:  # a sentinel that accepts and closes each connection at once
+            nonlocal accepted
+            while True:
+                try:
+                    connection, _ = failing.accept()
+                except OSError:  # closed: the test is over
+                    return
+                accepted += 1
+                connection.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        url = f"sentinel://127.0.0.1:{failing.getsockname()[1]};{sentinels.url}"
+        lock = RedisLock(redis_client(url, {"master_name": sentinels.master_name}), f"{prefix}:k", ttl=5)
+        assert lock.acquire(blocking=False)
+        lock.release()
+        assert accepted == 1
