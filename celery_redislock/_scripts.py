@@ -3,7 +3,9 @@
 A lock is one string at ``KEYS[1]``: ``"<token>:<fence>:<holder>"``, where the
 token is the owner's 128-bit random token (32 hex digits), the fence is the
 fencing token of this hold (decimal) and the holder a free-form description of
-the owner. Ownership is the token prefix.
+the owner. Ownership is the token prefix. A second token may follow the owner's:
+a waiter watching how the hold ends, which its release hands the hold to (``WATCH``,
+in ``_task_scripts``).
 
 Waiters of a blocking acquire use companion keys, named in the scripts from
 the lock's name as ``attempt.companion_key`` names them, so that they share its
@@ -268,7 +270,8 @@ _RELEASE_FAST = """
 -- ARGV[1] token, ARGV[2] the caller's waiter member (absent or '' when it
 -- never waited).
 -- Returns 1 when the caller owned the lock and it is released (the first
--- waiter woken, or if fair handed the lock), 0 when the caller did not own it:
+-- waiter woken, or if fair handed the lock; a watched hold is handed to the
+-- copy watching it, see below), 0 when the caller did not own it:
 -- then the lock is untouched and the caller, if it was queued, leaves the queue
 -- (waking the first waiter if the lock is free: the caller may have taken a wake).
 local token, member = ARGV[1], ARGV[2]
@@ -296,6 +299,23 @@ if not owned then
   return 0
 end
 if waited then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unread
+-- A hold watched by a copy of its run's message (WATCH: the copy's token follows the owner's)
+-- goes to that copy while it is queued, its fence kept: the copy learns that the run let go of
+-- it, rather than letting its lease run out. Only a release that finds waiters comes here.
+if string.byte(current, 33) ~= 58 then
+  local watcher = string.sub(current, 33, 64)
+  for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+    local ttl_ms, copy, _, holder = member_fields(member)
+    if copy == watcher then
+      local fence = fence_of(current)
+      redis.call('SET', lock, hold(copy, fence, holder), 'PX', ttl_ms)
+      redis.call('ZREM', queue, member)
+      redis.call('ZREM', deadlines, member)
+      wake(copy, string.format('%.0f', fence), ttl_ms)
+      return 1
+    end
+  end
+end
 local now_ms, now_us = clock(redis.call('TIME'))
 wake_next(fence_of(current), now_ms, now_us)
 return 1

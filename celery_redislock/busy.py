@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from collections.abc import Mapping
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Protocol, cast
 
@@ -32,7 +33,7 @@ from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .inventory import release_token
 from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
-from .run_lock import ExecutionLock, acquired, adopt, release
+from .run_lock import ExecutionLock, acquired, adopt, release, watch
 
 __all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "skipped", "when_busy"]
 
@@ -241,53 +242,97 @@ def _stale_copy(found: Found) -> bool:
 
 def _redelivered(found: Found) -> bool:
     """A redelivered message (acks_late, visibility timeout, a dead consumer's messages), its lock
-    held by its own first delivery: ignored while that delivery runs, run if its worker died."""
-    task = found.task
-    if _first_delivery_died(found):
+    held by its own first delivery: ignored while that delivery runs, and once it ended; run if
+    its worker died, or, where another run of the key took the lock first, handled as any run
+    that finds the lock busy."""
+    task, lock = found.task, found.lock
+    if not _first_delivery_died(found):
+        logger.info(
+            "task %s[%s]: redelivered while its first delivery runs; ignored",
+            task.name,
+            found.task_id,
+            extra=found.log_fields("busy-skip"),
+        )
+        raise Ignore()
+    if lock.held() or lock.acquire(blocking=False):
         logger.warning(
             "task %s[%s]: redelivered after its first delivery's worker died (its lease on %s "
             "ran out); running it",
             task.name,
             found.task_id,
-            found.lock.name,
+            lock.name,
             extra=found.log_fields("busy-wait"),
         )
         return found.took()
-    logger.info(
-        "task %s[%s]: redelivered while its first delivery runs; ignored",
+    holder, ttl = lock.busy
+    logger.warning(
+        "task %s[%s]: redelivered after its first delivery's worker died (its lease on %s ran "
+        "out); %s took the lock first, lock_busy applies",
         task.name,
         found.task_id,
-        extra=found.log_fields("busy-skip"),
+        lock.name,
+        holder,
+        extra=found.log_fields("busy-wait"),
     )
-    raise Ignore()
+    return when_busy(replace(found, holder=holder, ttl=ttl))
+
+
+#: Seconds: a hold found gone this close to the end of its lease, or later, may have run out.
+_MARGIN = 0.1
 
 
 def _first_delivery_died(found: Found) -> bool:
-    """Whether the first delivery holding the lock, ``found.ttl`` seconds from expiry, died.
+    """Whether the first delivery holding the lock, ``found.ttl`` seconds from the end of its
+    lease, died: ``True`` once that lease ran out unrenewed (the lock is then held here, or
+    ``lock.busy`` names the run that took it first); ``False`` if the first delivery is alive
+    (it renewed the lease) or ended (it let go: it ran to its end, retried, or its pool child
+    died and the worker released for it).
 
-    ``True`` (the lock now held here) if that holder died: its lease ran out
-    unrenewed. ``False`` if it is alive (it renewed the lease or released
-    it: it ran to its end, or its pool child died and the worker released
-    for it). A live holder renews every ``lock_ttl/3``, so this waits at most
-    one renewal interval for a live holder, and the rest of the lease for a
-    dead one; it is woken at once by a release.
+    This copy watches the hold (``run_lock.watch``): its release hands it over here, whoever
+    else waits for it, so a hold gone otherwise ran out (unless it went well before the end
+    of its lease, let go of otherwise). A live holder renews every ``lock_ttl/3``, so this
+    waits at most one renewal interval for a live holder, and the rest of the lease for a dead
+    one; it is woken at once by a release.
     """
-    lock, holder, left = found.lock, found.holder, found.ttl or 0.0
-    margin = 0.1  # seconds: a release this close to the lease's end counts as its running out
-    began = time.monotonic()
-    if left > margin:  # watch for one renewal interval, never up to the end of the lease
-        if lock.acquire(timeout=min(found.options.ttl / 3, left - margin)):
-            release(found.task, lock, None, announce=False)  # freed early: by its holder, who is done
-            return False
-        now_holder, now_left = lock.busy
-        if now_holder != holder or (now_left or 0.0) > left - (time.monotonic() - began) + margin:
-            return False  # renewed (alive), or released and taken by another
-        began, left = time.monotonic(), now_left or 0.0
-    if lock.acquire(timeout=left + margin):  # not renewed for an interval: wait for the lease to end
-        if time.monotonic() - began >= left - margin:
-            return True  # it ran out: the holder is dead
-        release(found.task, lock, None, announce=False)  # released late: it was alive after all
-    return False
+    ends = time.monotonic() + (found.ttl or 0.0)  # unless renewed
+    interval = min(found.options.ttl / 3, ends - time.monotonic() - _MARGIN)
+    died = _watch(found, ends, time.monotonic() + interval) if interval > 0 else None
+    if died is None:  # not renewed for an interval: watch it until its lease ends
+        died = _watch(found, ends, ends + _MARGIN)
+    return bool(died)
+
+
+def _watch(found: Found, ends: float, until: float) -> bool | None:
+    """Watch the first delivery's hold, its lease ending at monotonic ``ends`` unless renewed,
+    until monotonic ``until``: whether it died, as ``_first_delivery_died`` says, or ``None``
+    when it still holds the lock, not renewed. A semaphore's permit (``lock_limit`` above 1)
+    is waited for unwatched: taken by another run, it counts as let go of."""
+    lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
+    # the hold's fence once watched; -1, which no fence is, for a permit (not watched)
+    watched = watch(lock, found.holder or "", token) if found.options.limit == 1 else -1
+    if watched == 0:
+        return False  # another copy of the message watches it, and acts on its end
+    if watched is None:  # gone already (``lock.busy`` names who holds the lock now)
+        return _ran_out(ends)
+    fence = lock.wait_as(token, until)
+    if fence == watched:  # handed over by its release: the first delivery let go of it
+        release_token(lock.client, lock.name, token)
+        return False
+    if fence is not None:  # free, taken here
+        lock.take_hold(token, fence, sent_at)
+        if _ran_out(ends):
+            return True
+        release(found.task, lock, None, announce=False)  # let go of early: gone, never handed
+        return False
+    holder, left = lock.busy
+    if holder == found.holder:
+        return False if (left or 0.0) > ends - time.monotonic() + _MARGIN else None  # renewed: alive
+    return watched > 0 and _ran_out(ends)  # another run took it; only a watched hold tells
+
+
+def _ran_out(ends: float) -> bool:
+    """Whether a lease ending at monotonic ``ends`` may have run out by now."""
+    return time.monotonic() >= ends - _MARGIN
 
 
 @dataclass(frozen=True)

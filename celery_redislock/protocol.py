@@ -3,7 +3,10 @@
 * A lock is one string: ``"<token>:<fence>:<holder>"`` (``LockValue``), where
   the token is the owner's 128-bit random token (32 hex digits), the fence is
   the fencing token of the hold (decimal) and the holder a free-form
-  description of the owner. Ownership is the token prefix. The Lua side of the
+  description of the owner. Ownership is the token prefix. A run's hold that a
+  copy of its message, delivered again, watches carries the copy's token after
+  the owner's (``"<token><copy's token>:<fence>:<holder>"``, ``_task_scripts``'
+  ``WATCH``), read as the same hold. The Lua side of the
   same format is in ``_scripts``' shared pieces (``owns``, ``fence_of``, ``holder_of``,
   ``hold``).
 * A task's lock names its holder with ``holder_for`` (fields ``task``, ``try``,
@@ -58,7 +61,8 @@ REPUBLISH = "lock_republish"
 _FIELD_SAFE = "!\"#$&'()*+,-./:;<>?@[\\]^_`{|}~"
 #: A field every character of which ``quote`` keeps (ASCII letters, digits, ``_.-~``, ``_FIELD_SAFE``).
 _KEPT = re.compile(f"[A-Za-z0-9_.~{re.escape(_FIELD_SAFE)}-]*")
-_VALUE = re.compile(r"([0-9a-f]{32}):(\d+):(.*)", re.DOTALL)
+#: A lock value (a copy's token after the owner's, where one watches the hold, is skipped).
+_VALUE = re.compile(r"([0-9a-f]{32})(?:[0-9a-f]{32})?:(\d+):(.*)", re.DOTALL)
 
 
 def text(value: Any) -> str:

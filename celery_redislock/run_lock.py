@@ -23,8 +23,8 @@ from . import signals, telemetry
 from ._durations import to_ms
 from ._process import current_pid
 from ._redis import settle_later
-from ._task_scripts import ADOPT, PARK
-from .attempt import busy_reply, hostname
+from ._task_scripts import ADOPT, PARK, WATCH
+from .attempt import busy_reply, hostname, seconds_left
 from .config import AppSettings, LockOptions
 from .connection import Client
 from .exceptions import LockLost, LockNotOwned, LockNotReplicated
@@ -44,6 +44,7 @@ __all__ = [
     "raise_if_lost",
     "release",
     "release_later",
+    "watch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,21 @@ def park(
     queued = holder_for(retry[0], retry[1], hostname(), current_pid(), "queued")
     ttl = to_ms(options.queue_ttl + delay)
     return int(PARK(client, [key], [hold[0], hold[1], token, queued, ttl, options.period_ms]))
+
+
+def watch(lock: RedisLock, holder: str, token: str) -> int | None:
+    """Watch, as ``token``, how the hold of ``lock`` by ``holder`` ends (``WATCH``), for a copy of
+    the message whose first delivery has it: ``token`` is queued for ``lock`` (wait with
+    ``lock.wait_as(token, ...)``), and is handed the hold, its fence kept, if it is released
+    meanwhile; not if its lease runs out. Returns the hold's fence once watched, 0 when another
+    copy of the message watches it, ``None`` when ``holder`` no longer holds it (``lock.busy``
+    then names who does)."""
+    reply = WATCH(lock.client, [lock.name], [holder, lock.member(token)])
+    if isinstance(reply, int):
+        return reply
+    found, pttl_ms = busy_reply(reply)
+    lock.busy = (found, seconds_left(pttl_ms))
+    return None
 
 
 def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool = True) -> str | None:

@@ -26,7 +26,8 @@ from celery_redislock.keys import slot_markers
 
 __all__ = ["Sampler", "check", "keys_of", "keys_without_ttl", "leftover_locks", "stored"]
 
-LOCK_VALUE = re.compile(rb"^[0-9a-f]{32}:\d+:")
+#: A lock value (``protocol.parse_value``), a watched hold's too (the watching copy's token second).
+LOCK_VALUE = re.compile(rb"^[0-9a-f]{32}(?:[0-9a-f]{32})?:\d+:")
 COMPANIONS = (b"}:queue", b"}:waiters", b"}:wake:")
 
 

@@ -3,6 +3,7 @@ the lock handed to the worker, kept or released as each mode says."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from celery.signals import after_task_publish
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, LockedTask, task_lock_key
+from celery_redislock.lock import companion_key
 from celery_redislock.protocol import HEADER
 from tests.invariants import stored
 from tests.taskapp import recorder
@@ -395,3 +397,28 @@ def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run(app: C
         assert first.get(timeout=RESULT_TIMEOUT) == x
     assert len(starts(app, x)) == 1
     assert not recorder(app).client.exists(key)
+
+
+def test_a_redelivered_copy_whose_first_delivery_ends_while_another_call_waits_does_not_run(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first delivery ends while its redelivered copy watches its hold and another call of the
+    key (``lock_busy="wait"``) waits, queued before the copy: the release hands the hold to the
+    copy, which learns that its first delivery ended and is ignored; the other call runs next."""
+    x, task = fresh(), app.tasks["taskapp.hold_wait"]
+    key = task_lock_key(task, (x,), {"gate": True})
+    client = recorder(app).client
+    first = task.delay(x, gate=True)
+    with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock.busy"):
+        wait_for(lambda: starts(app, x))
+        other = task.delay(x, gate=True)
+        wait_for(lambda: client.zcard(companion_key(key, "queue")) == 1, what="the other call to wait")
+        task.apply_async((x,), {"gate": True}, task_id=first.id)  # the message delivered again
+        wait_for(lambda: stored(client, key)[32:33] != b":", what="the copy to watch the hold")
+        recorder(app).open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+        wait_for(lambda: "redelivered while its first delivery runs; ignored" in caplog.text)
+        wait_for(lambda: len(starts(app, x)) == 2, what="the other call to run")
+        recorder(app).open_gate(x)
+        assert other.get(timeout=RESULT_TIMEOUT) == x
+    assert [event[3] for event in starts(app, x)] == [first.id, other.id]

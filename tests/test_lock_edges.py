@@ -19,8 +19,12 @@ from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, Red
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
 from celery_redislock.attempt import waiter_member
+from celery_redislock.inventory import release_token
 from celery_redislock.lock import companion_key
+from celery_redislock.protocol import parse_value
+from celery_redislock.run_lock import watch
 from celery_redislock.testing import RedisServer
+from tests.invariants import stored
 from tests.taskapp import LEASE, text
 from tests.workers import renewed, wait_for
 
@@ -291,3 +295,89 @@ def test_an_acquire_on_another_thread_during_the_last_release_does_not_reenter_a
             other.release()
         if shared.held():
             shared.release()
+
+
+# -- a run's hold watched by a copy of its message, delivered again (``run_lock.watch``) ----------
+
+#: The holders of a run and of its message's copy: the same task and attempt, another process.
+RUN = "task=t1 try=0 state=running node=first@host pid=1"
+COPY = "task=t1 try=0 state=running node=copy@host pid=2"
+
+
+def waiting_as(lock: RedisLock, token: str) -> tuple[threading.Thread, list[int | None]]:
+    """``lock.wait_as(token)`` on a thread of its own, for up to 10 s: the thread, and the list
+    that gets what it returned."""
+    got: list[int | None] = []
+    thread = threading.Thread(target=lambda: got.append(lock.wait_as(token, time.monotonic() + 10)))
+    thread.start()
+    return thread, got
+
+
+def test_a_watched_hold_goes_to_its_watcher_at_release_before_any_other_waiter(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A copy watching a run's hold is handed it when the run releases it, its fence kept, even
+    with another waiter queued first: the copy learns that the run let go of it. Meanwhile the
+    run's hold reads, renews and is owned as before."""
+    name = f"{prefix}:k"
+    run, copy, other = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY, None))
+    run.acquire()
+    other_thread = threading.Thread(target=other.acquire)
+    other_thread.start()
+    wait_until_queued(client, name)
+    token, fence = secrets.token_hex(16), run.fence
+    assert watch(copy, RUN, token) == fence
+    assert text(stored(client, name))[32:64] == token  # the copy's token, after the run's
+    assert parse_value(stored(client, name)) == (run.token, fence, RUN)
+    assert run.owned()
+    run.extend(2 * LEASE)
+    assert client.pttl(name) > LEASE * 1000
+    thread, got = waiting_as(copy, token)
+    wait_until_queued(client, name, 2)
+    run.release()
+    thread.join()
+    assert got == [fence]
+    assert parse_value(stored(client, name)) == (token, fence, COPY)
+    assert other_thread.is_alive()  # still waiting: the hold went to the copy
+    assert release_token(client, name, token)  # the copy lets go: the other waiter is woken
+    other_thread.join()
+    assert other.owned()
+    other.release()
+
+
+def test_a_watched_hold_whose_watcher_left_is_released_as_any_other(client: redis.Redis, prefix: str) -> None:
+    """A copy that stopped waiting (its first delivery alive) leaves its token on the hold: the
+    release finds it no longer queued, and wakes the next waiter as ever."""
+    name = f"{prefix}:k"
+    run, copy, other = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY, None))
+    run.acquire()
+    token = secrets.token_hex(16)
+    assert watch(copy, RUN, token) == run.fence
+    assert copy.wait_as(token, time.monotonic() + 0.1) is None  # gave up: out of the queue
+    assert copy.busy[0] == RUN
+    other_thread = threading.Thread(target=other.acquire)
+    other_thread.start()
+    wait_until_queued(client, name)
+    run.release()
+    other_thread.join()
+    assert other.owned()
+    other.release()
+
+
+def test_a_hold_watched_by_a_queued_copy_is_left_to_it(client: redis.Redis, prefix: str) -> None:
+    """A second copy of the message (delivered once more) does not take the watch over from a
+    copy still queued; a hold its run no longer has is not watched (``busy`` names the holder)."""
+    name = f"{prefix}:k"
+    run, copy, again = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY, COPY))
+    run.acquire()
+    token, fence = secrets.token_hex(16), run.fence
+    assert watch(copy, RUN, token) == fence
+    assert watch(again, RUN, secrets.token_hex(16)) == 0
+    assert text(stored(client, name))[32:64] == token
+    thread, got = waiting_as(copy, token)
+    run.release()
+    thread.join()
+    assert got == [fence]
+    assert watch(again, RUN, secrets.token_hex(16)) is None  # the copy's hold now, not the run's
+    assert again.busy[0] == COPY
+    assert release_token(client, name, token)

@@ -118,3 +118,58 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     assert "redelivered after its first delivery's worker died" in survivor.output()
     stage.recorder.open_gate(x)
     assert result.get(timeout=RESULT_TIMEOUT) == x
+
+
+@pytest.mark.parametrize(
+    "name", ["hold_wait", "until_and_while_executing"], ids=["while_executing-wait", "uawe-retry"]
+)
+def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took_the_lock_first(
+    stage: Stage, name: str
+) -> None:
+    """The whole prefork worker running a message dies (``acks_late``: the message comes back).
+    While its lease lasts, another call of the same key (``lock_busy`` ``"wait"`` or
+    ``"retry"``) and the redelivered message both wait for it; when it runs out, the other
+    call takes the lock first (here always: the redelivered copy's worker is paused until it
+    has). The copy must not take the lock passing to another call for its first delivery
+    having ended (its release would have handed the lock to the copy): its first delivery
+    died, so it is a run like any other, which ``lock_busy`` makes wait for the other call
+    (``"wait"``) or try again until it is done (``"retry"``), then run. Ignored, it was
+    acknowledged, and the message lost.
+
+    Each worker's sweep puts a message back once it has been unacknowledged for
+    ``visibility_timeout``: 10 s here, so that the message comes back while the dead worker's
+    lease (16 s) lasts, and the copy, which decides within 7 s, is not delivered again
+    meanwhile. The other call is acknowledged on receipt (no ``acks_late``): never put back."""
+    ttl = 16.0
+    conf = acks_late(ttl) | {"broker_transport_options": TRANSPORT | {"visibility_timeout": 10}}
+    doomed = stage.worker("doomed", "prefork", 1, **conf)
+    x, task = fresh(), stage.task(name)
+    first = task.delay(x, gate=True)
+    stage.wait_events("start", x)
+    os.killpg(doomed.pid, signal.SIGKILL)  # the main process and its pool child: nobody releases
+    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    stage.worker("other", "prefork", 1, queue="other", **(conf | {"task_acks_late": False}))
+    other = task.apply_async((x,), {"gate": True}, queue="other")
+    stage.wait_events("busy", x)  # the other call waits for the dead worker's lease
+    survivor = stage.worker("survivor", "prefork", 1, **conf)
+    wait_for(
+        lambda: [event for event in stage.events("busy", x) if event[3] == first.id],
+        timeout=ttl,
+        what="kombu to redeliver the message to the survivor while the dead worker's lease lasts",
+    )
+    os.killpg(survivor.pid, signal.SIGSTOP)  # the copy waits; the other call wins the race
+    try:
+        starts = stage.wait_events("start", x, 2, timeout=ttl + 10)
+    finally:
+        os.killpg(survivor.pid, signal.SIGCONT)
+    assert starts[1][3] == other.id  # the lease ran out, and the other call took the lock
+    wait_for(lambda: "its first delivery" in survivor.output(), timeout=ttl, what="the copy to decide")
+    assert "redelivered while its first delivery runs; ignored" not in survivor.output()
+    assert "redelivered after its first delivery's worker died" in survivor.output()
+    stage.recorder.open_gate(x)
+    assert other.get(timeout=RESULT_TIMEOUT) == x
+    starts = stage.wait_events("start", x, 3)  # the copy, once the other call let go
+    assert starts[2][3] == first.id and int(starts[2][5]) > int(starts[1][5])
+    stage.recorder.open_gate(x)
+    assert first.get(timeout=RESULT_TIMEOUT) == x
+    assert [event[3] for event in stage.events("start", x)] == [first.id, other.id, first.id]
