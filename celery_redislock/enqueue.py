@@ -13,6 +13,9 @@ worker. A call that finds the lock held gets what ``lock_duplicate`` says:
   run's hold, and one parked for a retry, are never taken over: a replacing
   call that finds one gets its ``AsyncResult``, as with ``"return"``.
 
+The retry of a run with other arguments (``enqueue_retry``) is never refused: it
+continues a message sent already. Finding the lock held, it is sent without it.
+
 Failure timeline: the lock is taken before the message is sent, for the
 token the message carries, drawn before the take. Any exception from the
 take to the end of the send (a failed send, a lost reply, an interrupt such
@@ -62,7 +65,7 @@ from .protocol import (
 )
 from .telemetry import counted, log_fields
 
-__all__ = ["duplicate", "enqueue", "superseded"]
+__all__ = ["duplicate", "enqueue", "enqueue_retry", "superseded"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,48 @@ def enqueue(
     headers: dict[str, Any],
     send: Callable[[str | None], Any],
 ) -> Any:
-    """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the lock.
+    """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the
+    lock; a call that finds it held gets what ``lock_duplicate`` says (``duplicate``)."""
+    sent, busy = _send_locked(task, key, task_id, options, headers, send)
+    return sent if busy is None else duplicate(task, key, *busy, dispatched=_dispatched(options))
 
+
+def enqueue_retry(
+    task: Any,
+    key: str,
+    task_id: str,
+    options: Mapping[str, Any],
+    headers: dict[str, Any],
+    send: Callable[[str | None], Any],
+) -> Any:
+    """``enqueue`` for the retry of the run under way here with other arguments, another key
+    (``self.retry(args=...)``): it continues a message sent already, so it is never refused as
+    a duplicate. When another message holds ``key``, it is sent without the lock, and its
+    worker finds the key held (``lock_busy``)."""
+    sent, busy = _send_locked(task, key, task_id, options, headers, send)
+    if busy is None:
+        return sent
+    logger.info(
+        "task %s[%s]: its retry is sent without enqueue lock %s, held by task %s (lock_busy applies)",
+        task.name,
+        task_id,
+        key,
+        parse_holder(busy[0]).get("task"),
+        extra=log_fields(key, task_id, busy[0], outcome="retry-sent"),
+    )
+    return send(task_id)
+
+
+def _send_locked(
+    task: Any,
+    key: str,
+    task_id: str,
+    options: Mapping[str, Any],
+    headers: dict[str, Any],
+    send: Callable[[str | None], Any],
+) -> tuple[Any, _Busy | None]:
+    """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the
+    lock: (what ``send`` returned, ``None``), or, the lock held, (``None``, who holds it), unsent.
     Whatever exception comes between the take and the end of the send, the lock is given back:
     it never names a message that was not sent."""
     lock_options: LockOptions = task.lock_options
@@ -106,7 +149,7 @@ def enqueue(
         if busy is None:
             headers[HEADER] = {"key": key, "token": token}
             sending = True
-            return send(task_id)
+            return send(task_id), None
     except BaseException as exc:
         failed = not sending and isinstance(exc, (redis.RedisError, LockNotReplicated))
         if undo is not None and not failed:  # a failed take gave back what it may have taken itself
@@ -119,8 +162,8 @@ def enqueue(
             raise RedisLockError(where) from exc
         unlocked = log_fields(key, task_id, outcome="unlocked")
         logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
-        return send(task_id)
-    return duplicate(task, key, *busy, dispatched=_dispatched(options))
+        return send(task_id), None
+    return None, busy
 
 
 def _dispatched(options: Mapping[str, Any]) -> bool:

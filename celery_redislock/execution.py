@@ -28,9 +28,10 @@ Where each outcome is handled:
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
@@ -48,7 +49,16 @@ from .connection import ClientUnavailable, client_for
 from .enqueue import give_up_ticket, superseded
 from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
-from .protocol import holder_for, parse_holder, replaced_nesting, request_slot, request_ticket, text
+from .protocol import (
+    HEADER,
+    holder_for,
+    message_delay,
+    parse_holder,
+    replaced_nesting,
+    request_slot,
+    request_ticket,
+    text,
+)
 from .run_lock import (
     EMPTY_BLOCK,
     ExecutionLock,
@@ -62,7 +72,7 @@ from .run_lock import (
 )
 from .state import app_state
 
-__all__ = ["Execution", "replacing"]
+__all__ = ["Execution", "replacing", "retried_attempt", "send_parked_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +90,36 @@ def replacing(task: Any, task_id: str | None, options: Mapping[str, Any]) -> boo
         return False
     request.lock_replaced = True
     return True
+
+
+def retried_attempt(task: Any, task_id: str | None, options: Mapping[str, Any]) -> Any:
+    """The request of the locked run of ``task`` under way here that a message for ``task_id``
+    sent with ``options`` retries (``self.retry``, autoretry: the same task id, the next retry
+    count), whatever its arguments, if any. ``task.request`` is read only for a message that
+    names its task id."""
+    if task_id is None:  # the common send: no need to read the request (a few µs, Celery's)
+        return None
+    running = task.request
+    if (
+        running.id != task_id
+        or not hasattr(running, "lock_key")
+        or (options.get("retries") or 0) != (running.retries or 0) + 1
+    ):
+        return None
+    return running
+
+
+def send_parked_for(
+    running: Any, key: str, options: Mapping[str, Any], headers: dict[str, Any], send: Callable[[str], Any]
+) -> Any:
+    """Send (``send``, with ``headers``) the retry of the attempt ``running`` under the lock
+    ``key`` that it holds, in a mode that keeps the lock between attempts: its message carries
+    a token of its own, for which the attempt parks its hold when it lets go (``keep``)."""
+    token = secrets.token_hex(16)
+    headers[HEADER] = {"key": key, "token": token}
+    result = send(running.id)
+    running.lock_retry = (key, token, message_delay(options))  # once sent: let_go parks for it
+    return result
 
 
 class Execution:

@@ -13,7 +13,6 @@ is a ``celery_redislock.execution.Execution``.
 from __future__ import annotations
 
 import contextvars
-import secrets
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -25,12 +24,12 @@ from kombu.utils.uuid import uuid
 from .busy import skipped
 from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
 from .django import OnCommit
-from .enqueue import enqueue
+from .enqueue import enqueue, enqueue_retry
 from .exceptions import LockConfigurationError, LockKeyError, LockLost
-from .execution import Execution, replacing
+from .execution import Execution, replacing, retried_attempt, send_parked_for
 from .keys import call_digest, lock_key
 from .lost_retry import lost_run
-from .protocol import HEADER, REPUBLISH, canvas_member, message_delay, received_arguments
+from .protocol import HEADER, REPUBLISH, canvas_member, received_arguments
 from .receivers import RunRequests, after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
 
@@ -172,8 +171,9 @@ class LockedTask(OnCommit):
         and a replacement of the run under way (``task.replace()``: it waits for that run) pass.
         So does a retry of the attempt running here (``self.retry``, autoretry), however its
         first attempt was sent: in the modes that keep the lock between attempts, its message
-        carries a token of its own, for which the attempt parks its hold when it lets go; and
-        Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise.
+        carries a token of its own, for which the attempt parks its hold when it lets go; one
+        with other arguments goes without their enqueue lock when it is held (``enqueue_retry``).
+        And Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise.
         """
         lock_options, settings = _bound_options(self)
         key = _lock_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
@@ -190,30 +190,15 @@ class LockedTask(OnCommit):
 
         if (lost := lost_run(task_id, options)) is not None:  # a worker's main process: a lost pool child
             return lost.send(self, key, options, headers, send)
-        running = self._retried_attempt(key, task_id, options)
-        if running is not None and rules.parks_for_retry and running.lock_fence is not None:
-            token = secrets.token_hex(16)
-            headers[HEADER] = {"key": key, "token": token}
-            result = send(task_id)
-            running.lock_retry = (key, token, message_delay(options))  # once sent: let_go parks for it
-            return result
+        running = retried_attempt(self, task_id, options)
+        moved = running is not None and running.lock_key != key  # retried with other arguments
+        if running is not None and not moved and rules.parks_for_retry and running.lock_fence is not None:
+            return send_parked_for(running, key, options, headers, send)
+        if moved and rules.enqueue_lock and HEADER not in headers and not in_canvas:
+            return enqueue_retry(self, key + rules.queued_suffix, running.id, options, headers, send)
         if running is not None or republish or not rules.enqueue_lock or HEADER in headers or in_canvas:
             return send(task_id)
         return enqueue(self, key + rules.queued_suffix, task_id or uuid(), options, headers, send)
-
-    def _retried_attempt(self, key: str, task_id: str | None, options: Mapping[str, Any]) -> Any:
-        """The request of the attempt running here that a message for ``task_id`` with
-        ``options`` retries (same task id and key, the next retry count), if any."""
-        if task_id is None:  # the common send: no need to read the request (a few µs, Celery's)
-            return None
-        running = self.request
-        if (
-            running.id != task_id
-            or getattr(running, "lock_key", None) != key
-            or (options.get("retries") or 0) != (running.retries or 0) + 1
-        ):
-            return None
-        return running
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         pending = _pending_request.get()

@@ -149,6 +149,86 @@ def test_an_until_expired_task_retried_eagerly_runs_its_next_attempt(app: Celery
     recorder(app).client.delete(key)
 
 
+@pytest.mark.parametrize(
+    ("mode", "duplicate", "held_by", "sent", "how"),
+    [
+        (mode, duplicate, held_by, "send_task", "args")
+        for mode in ("until_executed", "until_expired")
+        for duplicate in ("return", "raise")
+        for held_by in ("queued", "running")
+    ]
+    + [
+        (mode, "return", "running", "send_task", "kwargs_countdown")
+        for mode in ("until_executed", "until_expired")
+    ]
+    + [(mode, "raise", "running", "delay", "args") for mode in ("until_executed", "until_expired")],
+)
+def test_a_retry_with_arguments_of_a_held_key_is_sent_and_meets_lock_busy(
+    app: Celery, mode: str, duplicate: str, held_by: str, sent: str, how: str
+) -> None:
+    """An attempt retries with other arguments (``self.retry(args=...)``, or ``kwargs=`` with a
+    countdown) whose key another message holds, queued or running. The retry continues a message
+    already sent: it is sent whatever ``lock_duplicate`` says, and its worker finds the key held
+    (``lock_busy="skip"``: it succeeds with ``None``). Before, the retry of a first attempt sent
+    without an enqueue lock (``send_task``) was refused at enqueue as a duplicate: with
+    ``"return"`` nothing was sent while Celery took it for sent (``RETRY`` forever); with
+    ``"raise"``, Celery rejected the message for the ``DuplicateTask`` (``FAILURE``:
+    ``Reject(DuplicateTask(...))``), the retry never run. (The retry of one sent with ``delay``
+    passed, on the enqueue lock header it inherits from its attempt, whose key it is not.) The
+    attempt's own hold goes as after any run: released, or kept for ``lock_period``."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="attempts.moves_on",
+        lock_mode=mode,
+        lock_duplicate=duplicate,
+        lock_on=("x", "n"),
+        lock_period=60,
+    )
+    def moves_on(self: Any, x: str, n: int = 0, gate: bool = False) -> int:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if n == 0 and how == "args":
+            raise self.retry(args=(x, 1), countdown=0)
+        if n == 0:
+            raise self.retry(kwargs={"n": 1}, countdown=1)
+        if gate:
+            recorder(app).wait_gate(x)
+        return n
+
+    x, client = fresh(), recorder(app).client
+    first_key, next_key = task_lock_key(moves_on, (x, 0)), task_lock_key(moves_on, (x, 1))
+    idle = f"{app.conf.task_default_queue}-idle"  # no worker consumes it
+    # One thread for the first attempt: its retry runs once it has stored RETRY (Celery checks,
+    # then writes: a RETRY stored after the retry's SUCCESS would stand).
+    with threads_worker(app, concurrency=1 if held_by == "queued" else 2):
+        if held_by == "queued":
+            other = moves_on.apply_async((x, 1), queue=idle)
+        else:
+            other = moves_on.delay(x, 1, gate=True)
+            wait_for(lambda: [e for e in events(app, x) if e[3] == other.id], what="the other to run")
+        first = moves_on.delay(x) if sent == "delay" else app.send_task(moves_on.name, (x,))
+        wait_for(first.ready, timeout=RESULT_TIMEOUT, what=lambda: f"the retry to end (state {first.state})")
+        assert first.get(timeout=RESULT_TIMEOUT) is None  # the retry met the other's hold: skipped
+        if held_by == "running":
+            recorder(app).open_gate(x)
+            assert other.get(timeout=RESULT_TIMEOUT) == 1
+    ran = [
+        (e[0], e[6])
+        for e in events(app, x)
+        if e[3] == first.id and e[0] in ("attempt@0", "attempt@1", "busy")
+    ]
+    assert ran == [("attempt@0", "0"), ("busy", "1")]
+    if mode == "until_expired":  # both kept for lock_period after their run
+        assert 0 < client.pttl(first_key) <= 60_000
+        client.delete(first_key)
+    assert not client.exists(first_key)
+    if held_by == "queued" or mode == "until_expired":
+        assert client.exists(next_key)
+        client.delete(next_key, idle)
+
+
 # -- each attempt owns its own hold -------------------------------------------------------------------
 
 
