@@ -169,12 +169,11 @@ class LockedTask(OnCommit):
         lock, a busy retry's republish (whatever the message carries: it is queued again, not a
         new call), a member of a group, chord or chain (unless sent with ``lock_in_canvas=True``)
         and a replacement of the run under way (``task.replace()``: it waits for that run) pass.
-        So does a retry of the attempt running here (``self.retry``, autoretry), however its
-        first attempt was sent: in the modes that keep the lock between attempts, its message
-        carries a token of its own, for which the attempt parks its hold when it lets go; one
-        with other arguments goes without their enqueue lock when it is held (``enqueue_retry``).
-        And Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise.
-        """
+        So does a retry of the attempt running here (``self.retry``, autoretry), however its first
+        attempt was sent: in the modes that keep the lock between attempts, its message carries a
+        token of its own, for which the attempt parks its hold when it lets go; with other
+        arguments, it takes their enqueue lock, or goes without it when held (``enqueue_retry``).
+        So does Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise."""
         lock_options, settings = _bound_options(self)
         key = _lock_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
         rules = lock_options.rules
@@ -194,8 +193,10 @@ class LockedTask(OnCommit):
         moved = running is not None and running.lock_key != key  # retried with other arguments
         if running is not None and not moved and rules.parks_for_retry and running.lock_fence is not None:
             return send_parked_for(running, key, options, headers, send)
-        if moved and rules.enqueue_lock and HEADER not in headers and not in_canvas:
-            return enqueue_retry(self, key + rules.queued_suffix, running.id, options, headers, send)
+        if moved:  # the ticket it inherits from its attempt (Celery copies the headers) is not its own
+            headers.pop(HEADER, None)
+            if rules.enqueue_lock and not in_canvas:
+                return enqueue_retry(self, key + rules.queued_suffix, running.id, options, headers, send)
         if running is not None or republish or not rules.enqueue_lock or HEADER in headers or in_canvas:
             return send(task_id)
         return enqueue(self, key + rules.queued_suffix, task_id or uuid(), options, headers, send)

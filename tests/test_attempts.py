@@ -8,6 +8,7 @@ then finds no lock left.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -227,6 +228,52 @@ def test_a_retry_with_arguments_of_a_held_key_is_sent_and_meets_lock_busy(
     if held_by == "queued" or mode == "until_expired":
         assert client.exists(next_key)
         client.delete(next_key, idle)
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_retry_with_arguments_of_a_free_key_holds_it_while_it_waits(app: Celery, mode: str) -> None:
+    """An attempt of a message sent with ``delay`` retries with other arguments, whose key is
+    free; the retry waits (here in a queue no worker consumes). It must hold that key's enqueue
+    lock meanwhile, its message carrying the ticket, so that a ``delay()`` of those arguments is
+    refused as a duplicate of it, as one of a message sent by ``send_task`` was. Before, the
+    retry inherited its attempt's enqueue lock header (the key of the attempt's arguments) and
+    passed the enqueue check on it: nothing held the new key, and the ``delay()`` was sent
+    beside the retry, to run the same arguments twice."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="attempts.moves_away",
+        lock_mode=mode,
+        lock_on=("x", "n"),
+        lock_period=60,
+    )
+    def moves_away(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if n == 0:
+            raise self.retry(args=(x, 1), countdown=0, queue=idle)
+        return n
+
+    x, client = fresh(), recorder(app).client
+    idle = f"{app.conf.task_default_queue}-idle"  # no worker consumes it
+    first_key, next_key = task_lock_key(moves_away, (x, 0)), task_lock_key(moves_away, (x, 1))
+    with threads_worker(app):
+        first = moves_away.delay(x)
+        wait_for(lambda: first.state == "RETRY", what="the retry to be sent")  # stored once let go
+    held = parse_value(client.get(next_key))
+    assert held is not None and parse_holder(held.holder)["task"] == first.id
+    assert parse_holder(held.holder)["try"] == "1" and parse_holder(held.holder)["state"] == "queued"
+    message = client.lindex(idle, 0)
+    assert isinstance(message, bytes)
+    ticket = json.loads(message)["headers"][HEADER]
+    assert ticket == {"key": next_key, "token": held.token}
+    assert moves_away.delay(x, 1).id == first.id  # refused: the retry is queued
+    assert client.llen(app.conf.task_default_queue) == 0
+    client.delete(next_key, idle)
+    if mode == "until_expired":  # kept for lock_period after its run
+        client.delete(first_key)
+    assert not client.exists(first_key)
 
 
 # -- each attempt owns its own hold -------------------------------------------------------------------
