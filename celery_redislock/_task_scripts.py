@@ -6,21 +6,22 @@ or by the worker that runs it, for the token the message carries.
 An enqueue lock is taken by ``apply_async`` (``ACQUIRE``) with a holder
 ``task=<id> try=<n> state=queued ...`` and the token that the message carries
 (header ``redislock``). The worker that runs the message adopts it (``ADOPT``),
-giving it a token of its own and a greater fence. An attempt that retries parks
-its hold (``PARK``) for the token its retry's message carries; the retry adopts
-that. A retry that will never adopt its hold (it failed before adopting, was revoked,
-its pool child died) lets go of it (``DECLINE``), or, when its previous attempt has
-not parked it yet, marks its token declined, so that the park lets go of the hold
-instead (kept for what is left of ``lock_period``, else freed). A message's token therefore
-owns a hold only while it is queued: a copy of
-the message (a redelivery, a stale attempt) can neither adopt a running hold nor
-release it. With ``lock_duplicate="replace"``, ``apply_async`` takes the enqueue
-lock over from the queued message (``REPLACE``), marking it superseded, and gives it
-back if its own message could not be sent (``UNREPLACE``); the worker that meets a
-superseded message drops it (``DROP``, which also frees a message's lock where the mode
-frees it, in the same step). Lock values are as in
-``_scripts``: ``"<token>:<fence>:<holder>"``, read and written by the shared pieces
-of ``_scripts`` (``owns``, ``fence_of``, ``holder_of``, ``hold``).
+giving it a token of its own and a greater fence. A run that retries, or replaces
+itself with a call of the same key, parks its hold (``PARK``) for the token its
+retry's or replacement's message carries; that message adopts it. One that will
+never adopt its hold (it failed before adopting, was revoked, its pool child died)
+lets go of it (``DECLINE``), or, when the run has not parked it yet, marks its
+token declined, so that the park lets go of the hold instead (kept for what is
+left of ``lock_period``, else freed). A message's token therefore owns a hold
+only while it is queued: a copy of the message (a redelivery, a stale attempt)
+can neither adopt a running hold nor release it. With
+``lock_duplicate="replace"``, ``apply_async`` takes the enqueue lock over from
+the queued message (``REPLACE``), marking it superseded, and gives it back if its
+own message could not be sent (``UNREPLACE``); the worker that meets a superseded
+message drops it (``DROP``, which also frees a message's lock where the mode frees
+it, in the same step). Lock values are as in ``_scripts``:
+``"<token>:<fence>:<holder>"``, read and written by the shared pieces of
+``_scripts`` (``owns``, ``fence_of``, ``holder_of``, ``hold``).
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ _REPLACE = """
 -- superseded: its mark 'superseded:<its token>' reads 's:<ARGV[1]>:<ARGV[4]>' until a
 -- worker drops it (DROP), and 'replaced:<ARGV[1]>' keeps '<its expiry, server ms>:<its
 -- value>' for UNREPLACE; both live as long as either message's lock could. A run's hold,
--- or one parked for a retry, is left untouched. Scripts run one at a time, so the lock
--- always names exactly one message, the last to take it. A hold ARGV[1] owns already is
--- this call's own, sent again: the same answer is returned.
+-- or one queued for a retry or a replacement (try above 0, or a rep field), is left
+-- untouched. Scripts run one at a time, so the lock always names exactly one message, the
+-- last to take it. A hold ARGV[1] owns already is this call's own, sent again: the same
+-- answer is returned.
 -- Returns {'taken'}, {'replaced', the old value} or {'busy', PTTL, holder or false}.
 local record = prefix .. 'replaced:' .. ARGV[1]
 local value = redis.call('GET', lock)
@@ -205,7 +207,8 @@ if not value then
 end
 local fields = ' ' .. (holder_of(value) or '') .. ' '
 local ttl = redis.call('PTTL', lock)
-if not (string.find(fields, ' state=queued ', 1, true) and string.find(fields, ' try=0 ', 1, true)) then
+local first = string.find(fields, ' try=0 ', 1, true) and not string.find(fields, ' rep=', 1, true)
+if not (string.find(fields, ' state=queued ', 1, true) and first) then
   return {'busy', ttl, holder_of(value) or false}
 end
 local keep = math.max(ttl, tonumber(ARGV[3]))

@@ -1,13 +1,14 @@
 """What a run does when it finds its execution lock held: the ``lock_busy`` policies.
 
 ``when_busy`` first decides whose hold it is (``policy_for``): the run's own
-message delivered again, a stale copy of an earlier attempt, the run's own
-previous attempt letting go, or a group or chord member, which is never
-skipped. Only then does the task's ``lock_busy`` (``skip``, ``retry``,
-``wait``, ``raise``) apply, with ``retry`` as ``wait`` where the run cannot
-be retried later (an eager or direct call). Each outcome is a small policy
-object: ``True`` runs the body (the lock is now held), ``False`` skips it;
-the others raise (``Ignore``, ``Retry``, ``LockNotAcquired``).
+message delivered again, a stale copy of an earlier attempt or replaced run,
+the run it continues (its previous attempt, or the run it replaces) letting
+go, or a group or chord member, which is never skipped. Only then does the
+task's ``lock_busy`` (``skip``, ``retry``, ``wait``, ``raise``) apply, with
+``retry`` as ``wait`` where the run cannot be retried later (an eager or
+direct call). Each outcome is a small policy object: ``True`` runs the body
+(the lock is now held), ``False`` skips it; the others raise (``Ignore``,
+``Retry``, ``LockNotAcquired``).
 """
 
 from __future__ import annotations
@@ -94,14 +95,15 @@ def policy_for(found: Found) -> BusyPolicy:
     request = found.request
     held_by = parse_holder(found.holder)
     if request is not None and held_by.get("task") == request.id:
-        held_try, attempt = int(held_by["try"]), request.retries or 0
-        if held_try == attempt and held_by.get("state") == "running":
-            if int(held_by.get("rep") or 0) < replaced_nesting(request):
-                return _wait  # the run this message replaces (``task.replace()``), letting go now
+        # a message of a task id is later than another when it replaced one more run, or as many
+        # and is a later retry: (replacement depth, retries), as its holders name them
+        held = (int(held_by.get("rep") or 0), int(held_by["try"]))
+        this = (replaced_nesting(request), request.retries or 0)
+        if held == this and held_by.get("state") == "running":
             return _redelivered
-        if held_try > attempt:
+        if held > this:
             return _stale_copy
-        if held_try < attempt:  # this task's previous attempt published this retry, letting go now
+        if held < this:  # the run this message continues (its retry or replacement), letting go now
             ticket = request_ticket(request)
             if found.options.rules.parks_for_retry and ticket is not None and ticket[0] == found.lock.name:
                 return AdoptParked(ticket[1])
@@ -337,12 +339,12 @@ def _ran_out(ends: float) -> bool:
 
 @dataclass(frozen=True)
 class AdoptParked:
-    """A retry carrying ``token`` found its previous attempt still holding the lock."""
+    """A retry or replacement carrying ``token`` found the run it continues still holding the lock."""
 
     token: str
 
     def __call__(self, found: Found) -> bool:
-        """Wait (at most ``lock_wait_timeout``) until that attempt parks the hold for ``token`` (its
+        """Wait (at most ``lock_wait_timeout``) until that run parks the hold for ``token`` (its
         park wakes this waiter) or frees it, then adopt it; else ``LockNotAcquired``."""
         lock = found.lock
         fence = lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout)

@@ -10,8 +10,8 @@ worker. A call that finds the lock held gets what ``lock_duplicate`` says:
   message (``REPLACE``, one atomic step: the lock always names exactly one
   message, the last to take it) and is sent. The message it superseded is
   dropped by the worker that meets it (``superseded``), its body never run. A
-  run's hold, and one parked for a retry, are never taken over: a replacing
-  call that finds one gets its ``AsyncResult``, as with ``"return"``.
+  run's hold, and one queued for a retry or a replacement, are never taken over:
+  a replacing call that finds one gets its ``AsyncResult``, as with ``"return"``.
 
 The retry of a run with other arguments (``enqueue_retry``) is never refused: it
 continues a message sent already. Finding the lock held, it is sent without it.
@@ -47,7 +47,7 @@ from ._durations import to_ms
 from ._process import current_pid
 from ._task_scripts import DECLINE, DROP, LET_GO, REPLACE, UNREPLACE
 from .attempt import MAX_TTL, busy_reply, hostname, seconds_left
-from .config import AppSettings, LockOptions
+from .config import LockOptions
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
 from .inventory import release_token
@@ -61,6 +61,7 @@ from .protocol import (
     parse_value,
     request_ticket,
     seconds_until,
+    sent_attempt,
     text,
 )
 from .telemetry import counted, log_fields
@@ -127,8 +128,8 @@ def _send_locked(
     Whatever exception comes between the take and the end of the send, the lock is given back:
     it never names a message that was not sent."""
     lock_options: LockOptions = task.lock_options
-    settings: AppSettings = task.lock_settings
-    holder = holder_for(task_id, options.get("retries") or 0, hostname(), current_pid(), "queued")
+    retries, depth = sent_attempt(options)
+    holder = holder_for(task_id, retries, hostname(), current_pid(), "queued", depth)
     # Celery's Task.apply_async adds the task's own ``expires`` (``@app.task(expires=...)``, or
     # task_annotations) under the call's: the message expires then, and so must its lock.
     if "expires" not in options and getattr(task, "expires", None) is not None:
@@ -158,7 +159,7 @@ def _send_locked(
             raise
         # the take failed (not replicated: as unreachable): as ``redislock_on_error`` says
         where = f"task {task.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
-        if settings.on_error == "fail":
+        if task.lock_settings.on_error == "fail":
             raise RedisLockError(where) from exc
         unlocked = log_fields(key, task_id, outcome="unlocked")
         logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
@@ -274,19 +275,19 @@ def _replace(
 
 
 def give_up_ticket(
-    client: Any, ticket: tuple[str, str], retries: int, options: LockOptions | None, why: str
+    client: Any, ticket: tuple[str, str], continues: bool, options: LockOptions | None, why: str
 ) -> str | None:
-    """A message carrying ``ticket`` (``retries`` retries so far) will never adopt the hold
-    queued for it (``why``: it failed before adopting it, was revoked, its pool child died).
-    Free that hold, owner-checked by the token, and log it: ``"released"``, ``"settled"``
-    (kept for what is left of ``lock_period``), or ``None`` (not the token's, or not parked
-    yet: marked).
+    """A message carrying ``ticket`` will never adopt the hold queued for it (``why``: it failed
+    before adopting it, was revoked, its pool child died). Free that hold, owner-checked by
+    the token, and log it: ``"released"``, ``"settled"`` (kept for what is left of
+    ``lock_period``), or ``None`` (not the token's, or not parked yet: marked).
 
-    A retry's hold, in a mode that parks one, may not be parked for it yet: ``DECLINE`` then
-    marks its token (for ``lock_queue_ttl``), and the park lets go of the hold instead. A
-    parked hold's previous attempt ran: it is kept for what is left of ``lock_period``, as
-    after any run of an ``until_expired`` task."""
-    if not (retries and options is not None and options.rules.parks_for_retry):
+    ``continues``: the message continues a run, a retry or a replacement (``protocol.continues``),
+    whose hold, in a mode that parks one, may not be parked for it yet: ``DECLINE`` then marks
+    its token (for ``lock_queue_ttl``), and the park lets go of the hold instead. A parked
+    hold's run ran: it is kept for what is left of ``lock_period``, as after any run of an
+    ``until_expired`` task."""
+    if not (continues and options is not None and options.rules.parks_for_retry):
         outcome = "released" if release_token(client, *ticket) else None
     else:
         done = int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms]))

@@ -46,17 +46,19 @@ from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions
 from .connection import ClientUnavailable, client_for
-from .enqueue import give_up_ticket, superseded
+from .enqueue import enqueue_retry, give_up_ticket, superseded
 from .exceptions import LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import (
     HEADER,
+    continues,
     holder_for,
     message_delay,
     parse_holder,
     replaced_nesting,
     request_slot,
     request_ticket,
+    sent_attempt,
     text,
 )
 from .run_lock import (
@@ -72,54 +74,64 @@ from .run_lock import (
 )
 from .state import app_state
 
-__all__ = ["Execution", "replacing", "retried_attempt", "send_parked_for"]
+__all__ = ["Execution", "continued_run", "send_continuation"]
 
 logger = logging.getLogger(__name__)
 
-
-def replacing(task: Any, task_id: str | None, options: Mapping[str, Any]) -> bool:
-    """Whether a message of ``task`` for ``task_id`` sent with ``options`` replaces the run of
-    ``task`` under way here (``task.replace()``, from inside it: the same task id, one
-    replacement deeper). If so, that run is marked (``lock_replaced``): it lets go of its lock
-    when it ends, never keeping it for ``lock_period``, and the replacement, which waits for
-    that, takes it. ``task.request`` is read only for a message that names its task id."""
-    if task_id is None or not options.get("replaced_task_nesting"):
-        return False
-    request = task.request
-    if request.id != task_id or int(options["replaced_task_nesting"]) <= replaced_nesting(request):
-        return False
-    request.lock_replaced = True
-    return True
+#: The retry or replacement a run sent, which it parks its hold for (``request.lock_retry``):
+#: the key, the token its message carries, its delay (s) and its (retries, replacement depth).
+Continuation = tuple[str, str, float, tuple[int, int]]
 
 
-def retried_attempt(task: Any, task_id: str | None, options: Mapping[str, Any]) -> Any:
+def continued_run(task: Any, task_id: str | None, options: Mapping[str, Any]) -> Any:
     """The request of the locked run of ``task`` under way here that a message for ``task_id``
-    sent with ``options`` retries (``self.retry``, autoretry: the same task id, the next retry
-    count), whatever its arguments, if any. ``task.request`` is read only for a message that
-    names its task id."""
+    sent with ``options`` continues, whatever its arguments: its retry (``self.retry``,
+    autoretry: the next retry count) or its replacement (``task.replace()``: one replacement
+    deeper), if any. ``task.request`` is read only for a message that names its task id."""
     if task_id is None:  # the common send: no need to read the request (a few µs, Celery's)
         return None
     running = task.request
-    if (
-        running.id != task_id
-        or not hasattr(running, "lock_key")
-        or (options.get("retries") or 0) != (running.retries or 0) + 1
-    ):
+    if running.id != task_id or not hasattr(running, "lock_key"):
         return None
-    return running
+    retries, depth = sent_attempt(options)
+    if retries == (running.retries or 0) + 1 or depth > replaced_nesting(running):
+        return running
+    return None
 
 
-def send_parked_for(
-    running: Any, key: str, options: Mapping[str, Any], headers: dict[str, Any], send: Callable[[str], Any]
+def send_continuation(
+    task: Any,
+    running: Any,
+    key: str,
+    options: Mapping[str, Any],
+    headers: dict[str, Any],
+    send: Callable[[str | None], Any],
+    in_canvas: bool,
 ) -> Any:
-    """Send (``send``, with ``headers``) the retry of the attempt ``running`` under the lock
-    ``key`` that it holds, in a mode that keeps the lock between attempts: its message carries
-    a token of its own, for which the attempt parks its hold when it lets go (``keep``)."""
-    token = secrets.token_hex(16)
-    headers[HEADER] = {"key": key, "token": token}
-    result = send(running.id)
-    running.lock_retry = (key, token, message_delay(options))  # once sent: let_go parks for it
-    return result
+    """Send (``send``, with ``headers``) the message that continues the run ``running`` (its
+    retry or replacement, ``continued_run``), for the lock ``key``: never refused as a duplicate
+    of that run, nor of another message.
+
+    * The key ``running`` holds, in a mode that keeps the lock between runs: the message carries
+      a token of its own, for which the run parks its hold when it lets go (``keep``), and which
+      only that message adopts;
+    * another key (other arguments): the run lets go of its own hold as after any run, and the
+      ticket the message inherited from it (Celery copies a retry's headers) is dropped. It
+      takes that key's enqueue lock (not as a member of a canvas), or goes without it when
+      another message holds it: its worker then finds the key held (``enqueue_retry``)."""
+    rules = task.lock_options.rules
+    if running.lock_key == key and rules.parks_for_retry and running.lock_fence is not None:
+        token = secrets.token_hex(16)
+        headers[HEADER] = {"key": key, "token": token}
+        result = send(running.id)
+        # once sent: the run parks its hold for it as it lets go
+        running.lock_retry = (key, token, message_delay(options), sent_attempt(options))
+        return result
+    if running.lock_key != key:
+        headers.pop(HEADER, None)
+        if rules.enqueue_lock and not in_canvas:
+            return enqueue_retry(task, key + rules.queued_suffix, running.id, options, headers, send)
+    return send(running.id)
 
 
 class Execution:
@@ -267,12 +279,12 @@ class Execution:
         return taken
 
     def _free_unadopted_hold(self, failure: BaseException) -> None:
-        """Where the mode adopts the message's enqueue lock (or the hold parked for a retry's
-        message), and the run failed (``failure``) before adopting it (an interrupt such as a soft
-        time limit before ``ADOPT`` was sent, or as a retry adopts the hold its previous attempt
-        parked and handed it, or as a retry gives up waiting for that attempt to park it): free
-        the hold still queued for the message, owner-checked by its token, never one a run
-        adopted; a retry's hold not parked yet is let go of by the park (``give_up_ticket``).
+        """Where the mode adopts the message's enqueue lock (or the hold parked for a retry's or a
+        replacement's message), and the run failed (``failure``) before adopting it (an interrupt
+        such as a soft time limit before ``ADOPT`` was sent, or as a retry adopts the hold its
+        previous attempt parked and handed it, or as a retry gives up waiting for that attempt to
+        park it): free the hold still queued for the message, owner-checked by its token, never
+        one a run adopted; a hold not parked yet is let go of by the park (``give_up_ticket``).
         Nothing will adopt it any more: left, it would refuse every ``delay()`` for
         ``lock_queue_ttl``.
 
@@ -288,7 +300,7 @@ class Execution:
         if not (adopts and ticket is not None and ticket[0] == self.key):
             return
         why = f"task {self.task.name}[{self.task_id}] failed before adopting its hold"
-        give_up_ticket(self.client, ticket, self.retries, self.options, why)
+        give_up_ticket(self.client, ticket, continues(self.request), self.options, why)
 
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
@@ -373,41 +385,38 @@ class Execution:
             self.finish()
 
     def keep(self) -> str | None:
-        """Keep the lock, still held, where the mode says: parked for the retry on its way, or kept
-        for ``lock_period``. The outcome (``"parked"``, ``"taken-over"``, ``"settled"``,
-        ``"error"``; ``"released"``: the retry declined it, ``_park``), or ``None``: not kept,
-        the caller releases it.
+        """Keep the lock, still held, where the mode says: parked for the retry or replacement on
+        its way, or kept for ``lock_period``. The outcome (``"parked"``, ``"taken-over"``,
+        ``"settled"``, ``"error"``; ``"released"``: that message declined it, ``_park``), or
+        ``None``: not kept, the caller releases it.
 
-        An attempt that sent its retry (``apply_async``) parks its hold for the token the
-        retry's message carries, whether the body then raised the ``Retry`` or not. Also
+        A run that sent its retry or replacement (``send_continuation``) parks its hold for the
+        token that message carries, whether the body then raised the ``Retry`` or not. Also
         the trace's end's (``finish``), for a hold an asynchronous exception
         kept ``let_go`` from letting go: a lock the mode keeps is never released there.
         """
         lock = self.lock
         if lock is None or not lock.held():
             return None
-        park = self._parked_for(lock)
-        if park is not None:
-            return self._park(lock, park[1], park[2])
+        then = self._parked_for(lock)
+        if then is not None:
+            return self._park(lock, then)
         if self._settles():
             return self._settle(lock)
         return None
 
-    def _parked_for(self, lock: ExecutionLock) -> tuple[str, str, float] | None:
-        """The retry (key, token, delay) sent by this attempt that ``lock`` is parked for, if any."""
-        retry: tuple[str, str, float] | None = getattr(lock.request, "lock_retry", None)
-        if self.options.rules.parks_for_retry and retry is not None and retry[0] == lock.name:
-            return retry
+    def _parked_for(self, lock: ExecutionLock) -> Continuation | None:
+        """The retry or replacement sent by this run that ``lock`` is parked for, if any."""
+        then: Continuation | None = getattr(lock.request, "lock_retry", None)
+        if self.options.rules.parks_for_retry and then is not None and then[0] == lock.name:
+            return then
         return None
 
     def _settles(self) -> bool:
-        """Whether the mode keeps the lock for ``lock_period`` after the run: not for a run that sent
-        its replacement (``replacing``), nor for a retry that ``apply()`` (or
-        ``task_always_eager``) runs next, at once in this thread, with no message to park the hold
-        for: they take the lock again, its period counted from then."""
+        """Whether the mode keeps the lock for ``lock_period`` after the run: not for a retry that
+        ``apply()`` (or ``task_always_eager``) runs next, at once in this thread, with no message
+        to park the hold for: it takes the lock again, its period counted from then."""
         if not (self.options.rules.settles and self.options.period is not None):
-            return False
-        if getattr(self.request, "lock_replaced", False):  # its replacement takes the lock
             return False
         return not (isinstance(self.unreturned, Retry) and getattr(self.request, "is_eager", False))
 
@@ -426,20 +435,20 @@ class Execution:
         ending = telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans)
         return release_later(self.task, lock, self.task_id, ending)
 
-    def _park(self, lock: ExecutionLock, token: str, delay: float) -> str:
-        """Keep ``lock`` for the retry whose message carries ``token`` (due in ``delay`` s):
-        ``"parked"``, ``"released"`` (announced, as a release is) or ``"settled"`` (that retry
-        will not adopt it: ``enqueue.give_up_ticket``), ``"taken-over"`` (usually adopted by the
-        retry already), ``"error"``."""
+    def _park(self, lock: ExecutionLock, then: Continuation) -> str:
+        """Keep ``lock`` for the retry or replacement ``then`` sent by this run: ``"parked"``,
+        ``"released"`` (announced, as a release is) or ``"settled"`` (that message will not
+        adopt it: ``enqueue.give_up_ticket``), ``"taken-over"`` (usually adopted by that message
+        already), ``"error"``."""
         current, fence = lock.holder or "", lock.fence
         running = lock.stop_renewing()
         held = time.monotonic() - lock.taken_at  # until PARK is sent: the hold may end there
         try:  # once PARK is sent, the hold is forgotten, whatever its outcome
-            retry = (self.task_id, self.retries + 1)
-            parked = park(lock.client, lock.name, (running, current), token, retry, self.options, delay)
+            message = (self.task_id, *then[3])
+            parked = park(lock.client, lock.name, (running, current), then[1], message, self.options, then[2])
         except redis.RedisError as exc:
             logger.warning(
-                "task %s[%s]: could not keep lock %s for its retry: %s",
+                "task %s[%s]: could not keep lock %s for its retry or replacement: %s",
                 self.task.name,
                 self.task_id,
                 lock.name,
@@ -456,7 +465,7 @@ class Execution:
             announce_released(self.task, lock.name, self.task_id, held, fence)
         if outcome is not None:
             logger.info(
-                "task %s[%s]: its retry will not adopt lock %s; %s",
+                "task %s[%s]: its retry or replacement will not adopt lock %s; %s",
                 self.task.name,
                 self.task_id,
                 lock.name,
@@ -464,8 +473,8 @@ class Execution:
                 extra=telemetry.log_fields(lock.name, self.task_id, current, fence, outcome),
             )
             return outcome
-        logger.info(  # usually the retry already adopted it; else it was lost
-            "task %s[%s]: lock %s was already taken over at its retry",
+        logger.info(  # usually that message already adopted it; else it was lost
+            "task %s[%s]: lock %s was already taken over at its retry or replacement",
             self.task.name,
             self.task_id,
             lock.name,

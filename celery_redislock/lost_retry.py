@@ -37,7 +37,7 @@ from .config import LockOptions
 from .connection import client_for
 from .enqueue import give_up_ticket
 from .inventory import hold_of
-from .protocol import HEADER, message_delay
+from .protocol import HEADER, message_delay, sent_attempt
 from .run_lock import park
 from .telemetry import log_fields
 
@@ -78,26 +78,32 @@ class LostRun:
             return send(self.task_id)
         token = secrets.token_hex(16)  # carried whatever PARK's outcome: a lost reply may hide a park
         headers[HEADER] = {"key": key, "token": token}
-        parked = self._park(task, client, key, (value.token, token), lock_options, message_delay(options))
+        parked = self._park(task, client, key, (value.token, token), lock_options, options)
         try:
             return send(self.task_id)
         except BaseException:  # not sent: nothing will adopt the hold
             why = f"task {task.name}[{self.task_id}]: its retry after a lost pool child was not sent"
             with suppress(redis.RedisError):  # the send's exception stands (the hold runs out)
                 if parked:
-                    give_up_ticket(client, (key, token), self.retries + 1, lock_options, why)
+                    give_up_ticket(client, (key, token), True, lock_options, why)
             raise
 
     def _park(
-        self, task: Any, client: Any, key: str, tokens: tuple[str, str], options: LockOptions, delay: float
+        self,
+        task: Any,
+        client: Any,
+        key: str,
+        tokens: tuple[str, str],
+        lock_options: LockOptions,
+        options: Mapping[str, Any],
     ) -> bool:
         """Park the dead run's hold of ``key`` (``tokens``: its token, and the one the retry
-        carries) for the retry due in ``delay`` s, owner-checked by its holder: whether it was
+        carries) for the retry sent with ``options``, owner-checked by its holder: whether it was
         (or, after a Redis error, may have been) parked. Not parked: the main process releases
         it, and the retry takes the lock afresh."""
-        hold, retry = (tokens[0], self.holder or ""), (self.task_id, self.retries + 1)
+        hold, retry = (tokens[0], self.holder or ""), (self.task_id, *sent_attempt(options))
         try:
-            return park(client, key, hold, tokens[1], retry, options, delay) == 1
+            return park(client, key, hold, tokens[1], retry, lock_options, message_delay(options)) == 1
         except redis.RedisError as exc:
             self._not_kept(task, key, exc)
             return True

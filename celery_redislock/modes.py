@@ -23,7 +23,8 @@ class ModeRules:
     execution_lock: bool
     #: the enqueue lock is the execution lock (same key): the run adopts the message's hold
     adopts_ticket: bool
-    #: an attempt that sends its retry parks its hold for the retry's message, which adopts it
+    #: a run that sends its retry, or its replacement of the same key, parks its hold for that
+    #: message, which adopts it
     parks_for_retry: bool
     #: the run frees the message's enqueue lock once the message is dealt with here (run,
     #: skipped or failed); a busy retry republishes the message with its enqueue lock renewed

@@ -35,6 +35,7 @@ __all__ = [
     "REPUBLISH",
     "LockValue",
     "canvas_member",
+    "continues",
     "holder_for",
     "message_delay",
     "message_ticket",
@@ -45,6 +46,7 @@ __all__ = [
     "request_slot",
     "request_ticket",
     "seconds_until",
+    "sent_attempt",
     "text",
 ]
 
@@ -107,6 +109,20 @@ def replaced_nesting(request: Any) -> int:
     """How many runs of its task id the message of ``request`` replaced (``task.replace()``:
     Celery's ``replaced_task_nesting``), 0 for one that replaces none."""
     return int(getattr(request, "replaced_task_nesting", None) or 0)
+
+
+def sent_attempt(options: Mapping[str, Any]) -> tuple[int, int]:
+    """(retries so far, replacement depth) of a message sent with ``options``: the attempt its
+    holders name (``try``, ``rep``). A message of a task id is later than another when it is a
+    replacement deeper, or as deep and a later retry."""
+    return int(options.get("retries") or 0), int(options.get("replaced_task_nesting") or 0)
+
+
+def continues(request: Any) -> bool:
+    """Whether the message of ``request`` continues a run of its task id: a retry (``self.retry``,
+    autoretry) or a replacement (``task.replace()``), for which that run parks its hold, in the
+    modes that keep the lock, rather than one sent by a new call."""
+    return bool(getattr(request, "retries", None) or replaced_nesting(request))
 
 
 def _field(value: str) -> str:

@@ -155,10 +155,13 @@ class LockedRequest(Request):
         """The retries of the task so far (the attempt this request runs)."""
         return int(self.request_dict.get("retries") or 0)
 
+    def _replaced(self) -> int:
+        """How many runs of its task id the message replaced (``task.replace()``)."""
+        return int(self.request_dict.get("replaced_task_nesting") or 0)
+
     def _holder(self, pid: int) -> str:
         """The holder the lock of this request's run names, run in the pool child ``pid``."""
-        replaced = int(self.request_dict.get("replaced_task_nesting") or 0)
-        return holder_for(self.id, self._retries(), self.hostname, pid, replaced=replaced)
+        return holder_for(self.id, self._retries(), self.hostname, pid, replaced=self._replaced())
 
     def _delivered_for_good(self) -> bool:
         """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery
@@ -193,7 +196,7 @@ class LockedRequest(Request):
             ticket = message_ticket(self.request_dict)  # the message's headers
             if ticket is not None and self._delivered_for_good():
                 gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
-                give_up_ticket(client, ticket, self._retries(), options, gone)
+                give_up_ticket(client, ticket, bool(self._retries() or self._replaced()), options, gone)
             leave_queue_of(client, key, holder, options.limit)  # died waiting: the next waiter gets the wake
         except Exception:  # the main process's event loop must go on
             logger.exception(

@@ -204,14 +204,15 @@ def park(
     key: str,
     hold: tuple[str, str],
     token: str,
-    retry: tuple[str | None, int],
+    then: tuple[str | None, int, int],
     options: LockOptions,
     delay: float,
 ) -> int:
     """Park the hold of ``key`` (``hold``: its token and the holder it must still name) for the
-    retry (``retry``: its task id and attempt) whose message carries ``token``, due in ``delay``
-    s, queued for ``lock_queue_ttl`` past that (``PARK``): its reply, 1 once parked."""
-    queued = holder_for(retry[0], retry[1], hostname(), current_pid(), "queued")
+    message that continues its run, a retry or a replacement (``then``: its task id, retries
+    and replacement depth), which carries ``token``, due in ``delay`` s, queued for
+    ``lock_queue_ttl`` past that (``PARK``): its reply, 1 once parked."""
+    queued = holder_for(then[0], then[1], hostname(), current_pid(), "queued", then[2])
     ttl = to_ms(options.queue_ttl + delay)
     return int(PARK(client, [key], [hold[0], hold[1], token, queued, ttl, options.period_ms]))
 

@@ -24,9 +24,9 @@ from kombu.utils.uuid import uuid
 from .busy import skipped
 from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
 from .django import OnCommit
-from .enqueue import enqueue, enqueue_retry
+from .enqueue import enqueue
 from .exceptions import LockConfigurationError, LockKeyError, LockLost
-from .execution import Execution, replacing, retried_attempt, send_parked_for
+from .execution import Execution, continued_run, send_continuation
 from .keys import call_digest, lock_key
 from .lost_retry import lost_run
 from .protocol import HEADER, REPUBLISH, canvas_member, received_arguments
@@ -167,19 +167,19 @@ class LockedTask(OnCommit):
         (``lock_duplicate="return"``), raises ``DuplicateTask``, or takes the lock over from the
         queued message and is sent (``"replace"``). A republish of a message that carries its
         lock, a busy retry's republish (whatever the message carries: it is queued again, not a
-        new call), a member of a group, chord or chain (unless sent with ``lock_in_canvas=True``)
-        and a replacement of the run under way (``task.replace()``: it waits for that run) pass.
-        So does a retry of the attempt running here (``self.retry``, autoretry), however its first
-        attempt was sent: in the modes that keep the lock between attempts, its message carries a
-        token of its own, for which the attempt parks its hold when it lets go; with other
-        arguments, it takes their enqueue lock, or goes without it when held (``enqueue_retry``).
-        So does Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise."""
+        new call) and a member of a group, chord or chain (unless sent with ``lock_in_canvas=True``)
+        pass. So does a message that continues the run under way here, however that run's
+        message was sent: its retry (``self.retry``, autoretry) or its replacement
+        (``task.replace()``). In the modes that keep the lock between runs, it carries a token of
+        its own, for which the run parks its hold when it lets go; with other arguments, it takes
+        their enqueue lock, or goes without it when held (``execution.send_continuation``). So
+        does Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise."""
         lock_options, settings = _bound_options(self)
         key = _lock_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)
-        in_canvas = replacing(self, task_id, options) or (canvas_member(options) and not in_canvas_opt_in)
+        in_canvas = canvas_member(options) and not in_canvas_opt_in
         headers = dict(options.pop("headers", None) or {})
 
         def send(task_id: str | None) -> Any:
@@ -189,15 +189,9 @@ class LockedTask(OnCommit):
 
         if (lost := lost_run(task_id, options)) is not None:  # a worker's main process: a lost pool child
             return lost.send(self, key, options, headers, send)
-        running = retried_attempt(self, task_id, options)
-        moved = running is not None and running.lock_key != key  # retried with other arguments
-        if running is not None and not moved and rules.parks_for_retry and running.lock_fence is not None:
-            return send_parked_for(running, key, options, headers, send)
-        if moved:  # the ticket it inherits from its attempt (Celery copies the headers) is not its own
-            headers.pop(HEADER, None)
-            if rules.enqueue_lock and not in_canvas:
-                return enqueue_retry(self, key + rules.queued_suffix, running.id, options, headers, send)
-        if running is not None or republish or not rules.enqueue_lock or HEADER in headers or in_canvas:
+        if (running := continued_run(self, task_id, options)) is not None:  # its retry or replacement
+            return send_continuation(self, running, key, options, headers, send, in_canvas)
+        if republish or not rules.enqueue_lock or HEADER in headers or in_canvas:
             return send(task_id)
         return enqueue(self, key + rules.queued_suffix, task_id or uuid(), options, headers, send)
 

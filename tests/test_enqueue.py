@@ -8,20 +8,22 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
 
 import pytest
 from celery import Celery, chain, chord, group
-from celery.signals import after_task_publish
+from celery.result import GroupResult
+from celery.signals import after_task_publish, task_prerun
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, LockedTask, task_lock_key
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import HEADER
+from celery_redislock.protocol import HEADER, parse_holder, parse_value
 from tests.invariants import stored
 from tests.taskapp import recorder
-from tests.workers import threads_worker, wait_for
+from tests.workers import runs_over, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
 
@@ -345,6 +347,211 @@ def test_a_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(
         key = task_lock_key(step, (x,))
         assert 0 < recorder(app).client.pttl(key) <= 60_000  # the replacement's period
         recorder(app).client.delete(key)
+
+
+@pytest.mark.parametrize(
+    ("mode", "sent", "duplicate"),
+    [
+        ("until_executed", "delay", "return"),
+        ("until_expired", "delay", "return"),
+        ("until_expired", "group", "return"),
+        ("until_executed", "delay", "replace"),
+    ],
+)
+def test_a_call_of_the_key_a_run_replaces_itself_with_is_refused_until_the_replacement_runs(
+    app: Celery, mode: str, sent: str, duplicate: str
+) -> None:
+    """A run replaced by a call of the same key (``self.replace(sig)``) hands its hold over to
+    its replacement, as an attempt parks its hold for its retry: a ``delay()`` of that key
+    between the run's end and the replacement's start is refused as a duplicate of the task
+    (the replacement runs under its id), and the replacement runs. Here the replacement's
+    worker starts it only once that ``delay()`` was made. Before, the run released its lock for
+    the replacement to take it afresh: the ``delay()`` took the enqueue lock and was sent, and
+    the replacement found it held, a new call's: skipped (``None``) or, a group member, failed
+    its group after ``lock_wait_timeout``. With ``lock_duplicate="replace"`` the call does not
+    take the hold over either: it is the task's, handed to its replacement, as a retry's is."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"enqueue.handed_{mode}",
+        lock_mode=mode,
+        lock_duplicate=duplicate,
+        lock_on=("x",),
+        lock_period=60,
+        lock_wait_timeout=5,
+    )
+    def step(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"step{n}", self, x)
+        if n == 0:
+            raise self.replace(step.si(x, 1))
+        return n
+
+    go = threading.Event()
+
+    def replacement_starts(sender: Any = None, args: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == step.name and list(args or ())[1:] == [1]:
+            go.wait(timeout=RESULT_TIMEOUT)
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(step, (x,))
+
+    def let_go() -> bool:
+        held = client.get(key)
+        return any(e[0] == "step0" for e in recorder(app).events()) and (
+            held is None or b" state=running " not in held
+        )
+
+    task_prerun.connect(replacement_starts, weak=False)
+    try:
+        with worker(app):
+            first = group([step.s(x)]).apply_async() if sent == "group" else step.delay(x)
+            wait_for(let_go, what=lambda: f"the replaced run to let go: {client.get(key)!r}")
+            again = step.delay(x)
+            assert again.id == (first.results[0].id if isinstance(first, GroupResult) else first.id)
+            go.set()
+            assert first.get(timeout=RESULT_TIMEOUT) == ([1] if sent == "group" else 1)
+    finally:
+        go.set()
+        task_prerun.disconnect(replacement_starts)
+    assert [e[0] for e in recorder(app).events() if e[0].startswith("step")] == ["step0", "step1"]
+    if mode == "until_expired":
+        assert 0 < client.pttl(key) <= 60_000  # the replacement's period
+        client.delete(key)
+
+
+def test_a_replacement_that_never_runs_gives_its_handed_hold_up(app: Celery) -> None:
+    """``until_expired``: a run hands its hold over to its replacement of the same key, which
+    expires before it runs (revoked at the worker). Nothing will adopt the hold: it is given up
+    as a retry's is, kept for what is left of the run's ``lock_period`` (that run ran), not for
+    ``lock_queue_ttl`` as a hold parked for no one, nor freed, which would let a call of the
+    same arguments run again within the period."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="enqueue.replaced_expiring",
+        lock_mode="until_expired",
+        lock_on=("x",),
+        lock_period=60,
+    )
+    def step(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"step{n}", self, x)
+        if n == 0:
+            gone = datetime.now(timezone.utc) - timedelta(seconds=1)
+            raise self.replace(step.si(x, 1).set(expires=gone))
+        return n
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(step, (x,))
+    with worker(app):
+        first = step.delay(x)
+        wait_for(lambda: starts_of_step(app, x), what="the run to start")
+        wait_for(lambda: runs_over(step.name), what="the replaced run to let go")
+        wait_for(
+            lambda: 0 < client.pttl(key) <= 60_000,
+            what=lambda: f"the hold to be kept for the period ({client.get(key)!r}, {client.pttl(key)} ms)",
+        )
+        assert step.delay(x).id == first.id  # within the period: refused
+    assert [e[0] for e in recorder(app).events() if e[0].startswith("step")] == ["step0"]
+    client.delete(key)
+
+
+def starts_of_step(app: Celery, x: str) -> list[list[str]]:
+    return [e for e in recorder(app).events() if e[0] == "step0" and e[2] == x]
+
+
+@pytest.mark.parametrize("mode", ["while_executing", "until_executed"])
+def test_a_retried_run_replaced_by_a_call_of_the_same_key_runs_the_replacement(
+    app: Celery, mode: str
+) -> None:
+    """A run that retried once replaces itself with a call of the same key, which reaches a
+    worker while that run still holds the lock. The replacement (Celery sends it with no retry
+    count: 0, one replacement deeper) must wait for the run it replaces. Before, it took the
+    run's hold, of a later retry count than its own, for a later attempt's: it was ignored as a
+    stale copy of an earlier one (``Ignore``, no result stored), and the task never completed."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"enqueue.retried_replaced_{mode}",
+        lock_mode=mode,
+        lock_on=("x",),
+        lock_wait_timeout=5,
+    )
+    def step(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"step{n}@{self.request.retries}", self, x)
+        if self.request.retries == 0 and n == 0:
+            raise self.retry(countdown=0)
+        if n == 0:
+            raise self.replace(step.si(x, 1))
+        return n
+
+    def replacement_sent(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender == step.name and (headers or {}).get("replaced_task_nesting"):
+            with suppress(AssertionError):  # the assertions below tell what happened
+                wait_for(lambda: any(e[0] == "busy" for e in recorder(app).events()), timeout=10)
+
+    x = fresh()
+    after_task_publish.connect(replacement_sent, weak=False)
+    try:
+        with worker(app):
+            result = step.delay(x)
+            wait_for(result.ready, timeout=RESULT_TIMEOUT, what=lambda: f"the task to end ({result.state})")
+            assert result.get(timeout=RESULT_TIMEOUT) == 1
+    finally:
+        after_task_publish.disconnect(replacement_sent)
+    assert [e[0] for e in recorder(app).events() if e[0].startswith("step")] == [
+        "step0@0",
+        "step0@1",
+        "step1@0",
+    ]
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_run_replaced_by_a_call_of_other_arguments_lets_go_as_after_any_run(app: Celery, mode: str) -> None:
+    """A run replaces itself with a call of other arguments (another key), which waits (here in a
+    queue no worker consumes). The replacement continues the task, as a retry does: it holds its
+    key's enqueue lock while it waits, so that a ``delay()`` of those arguments is refused as a
+    duplicate of the task; and the run lets go of its own lock as after any run (kept for
+    ``lock_period`` in ``until_expired``). Before, the replacement was sent without a lock (the
+    ``delay()`` was sent beside it), and an ``until_expired`` run released its lock for a
+    replacement that would never take it: a call of its arguments ran again within the period."""
+    idle = f"{app.conf.task_default_queue}-idle"  # no worker consumes it
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"enqueue.replaced_away_{mode}",
+        lock_mode=mode,
+        lock_on=("x", "n"),
+        lock_period=60,
+    )
+    def step(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"step{n}", self, x)
+        if n == 0:
+            raise self.replace(step.si(x, 1).set(queue=idle))
+        return n
+
+    x, client = fresh(), recorder(app).client
+    first_key, next_key = task_lock_key(step, (x, 0)), task_lock_key(step, (x, 1))
+    with worker(app):
+        first = step.delay(x)
+        wait_for(lambda: client.llen(idle), what="the replacement to be sent")
+        wait_for(lambda: runs_over(step.name), what="the replaced run to let go")
+    if mode == "until_expired":
+        assert 0 < client.pttl(first_key) <= 60_000, "the replaced run did not keep its lock for its period"
+        client.delete(first_key)
+    assert not client.exists(first_key)
+    held = parse_value(client.get(next_key))
+    assert held is not None, "the replacement holds no enqueue lock"
+    assert parse_holder(held.holder)["task"] == first.id
+    assert step.delay(x, 1).id == first.id  # refused: the replacement is queued
+    client.delete(next_key, idle)
 
 
 def test_a_link_callback_refused_as_a_duplicate_leaves_its_parents_success(app: Celery) -> None:
