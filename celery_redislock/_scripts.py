@@ -142,15 +142,28 @@ local function wake_next(floor, now_ms, now_us)
 end
 """,
     """
--- Lets go of lock's hold `value`, which no run will take on: kept to expire `period_ms` after
--- its grant (its fence) while that is ahead (as SETTLE keeps it), else freed and the first
+-- The token of a hold kept for its period, its run over (`keep_for`): all zeros, which no random
+-- token is (``protocol.KEPT_TOKEN``).
+local kept_token = string.rep('0', 32)
+""",
+    """
+-- Keeps lock's hold `value`, its run over, for `ms` more (the rest of its period): owned by no
+-- token from then on (`kept_token`), its fence and holder kept, so that nothing can take it for
+-- its own, and a copy of the run's message, delivered again, reads from it that the run ended.
+local function keep_for(value, ms)
+  redis.call('SET', lock, hold(kept_token, fence_of(value), holder_of(value)), 'PX', ms)
+end
+""",
+    """
+-- Lets go of lock's hold `value`, which no run will take on: kept (`keep_for`) to expire `period_ms`
+-- after its grant (its fence) while that is ahead (as SETTLE keeps it), else freed and the first
 -- waiter woken. Returns the ms it is kept, or 0 when freed.
 local function let_go(value, period_ms)
   local fence = fence_of(value)
   local now_ms, now_us = clock(redis.call('TIME'))
   local left = math.floor(fence / 1000) + period_ms - now_ms
   if period_ms > 0 and left > 0 then
-    redis.call('PEXPIRE', lock, left)
+    keep_for(value, left)
     return left
   end
   redis.call('DEL', lock)

@@ -12,14 +12,16 @@ retry's or replacement's message carries; that message adopts it. One that will
 never adopt its hold (it failed before adopting, was revoked, its pool child died)
 lets go of it (``DECLINE``), or, when the run has not parked it yet, marks its
 token declined, so that the park lets go of the hold instead (kept for what is
-left of ``lock_period``, else freed). A message's token therefore owns a hold
-only while it is queued: a copy of the message (a redelivery, a stale attempt)
-can neither adopt a running hold nor release it. With
-``lock_duplicate="replace"``, ``apply_async`` takes the enqueue lock over from
-the queued message (``REPLACE``), marking it superseded, and gives it back if its
-own message could not be sent (``UNREPLACE``); the worker that meets a superseded
-message drops it (``DROP``, which also frees a message's lock where the mode frees
-it, in the same step). Lock values are as in ``_scripts``:
+left of ``lock_period``, else freed). A run over keeps its hold for the rest of
+``lock_period`` (``SETTLE``) under no token (all zeros: ``keep_for``), as a let-go
+does, so that a copy of its message, delivered again, reads from the hold that the
+run ended. A message's token therefore owns a hold only while it is queued: a copy
+of the message (a redelivery, a stale attempt) can neither adopt a running hold nor
+release it. With ``lock_duplicate="replace"``, ``apply_async`` takes the enqueue
+lock over from the queued message (``REPLACE``), marking it superseded, and gives it
+back if its own message could not be sent (``UNREPLACE``); the worker that meets a
+superseded message drops it (``DROP``, which also frees a message's lock where the
+mode frees it, in the same step). Lock values are as in ``_scripts``:
 ``"<token>:<fence>:<holder>"``, read and written by the shared pieces of
 ``_scripts`` (``owns``, ``fence_of``, ``holder_of``, ``hold``).
 """
@@ -59,11 +61,12 @@ _PARK = """
 -- If the retry declined it already (DECLINE: it failed before adopting), lets go of the hold
 -- instead (`let_go`: kept for what is left of the period, else freed).
 -- Returns 1 if parked (also when this call, sent again after a lost reply, finds it parked
--- already), 2 if freed or 3 if kept for its period (declined), 0 if the token or holder no
--- longer matches (left untouched).
+-- already), 2 if freed or 3 if kept for its period (declined; also when this call, sent again,
+-- finds it kept), 0 if the token or holder no longer matches (left untouched).
 local value = redis.call('GET', lock)
 if owns(value, ARGV[3]) and holder_of(value) == ARGV[4] then return 1 end
-if not owns(value, ARGV[1]) or holder_of(value) ~= ARGV[2] then return 0 end
+local resent = owns(value, kept_token)  -- kept by this call's let-go below, if declined still
+if not (owns(value, ARGV[1]) or resent) or holder_of(value) ~= ARGV[2] then return 0 end
 local declined = prefix .. 'declined:' .. ARGV[3]
 if redis.call('EXISTS', declined) == 1 then
   local kept = let_go(value, tonumber(ARGV[6]))
@@ -74,6 +77,7 @@ if redis.call('EXISTS', declined) == 1 then
   redis.call('PEXPIRE', declined, kept)  -- as long as the hold: a resent PARK keeps it again
   return 3
 end
+if resent then return 0 end  -- kept, not by a park for ARGV[3]: left untouched
 local fence = fence_of(value)
 redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
@@ -95,8 +99,8 @@ _DECLINE = """
 -- of it (`let_go`: kept for what is left of the period, else freed); else marks ARGV[1]
 -- declined for ARGV[2] ms, so that the PARK for it lets go of the hold rather than park it
 -- for no one. The retry waits no more: its places in the queue and its wake list go. A hold
--- kept for its period is owned by no token from then on (all zeros, which no random token
--- is), so that no copy of the retry's message (delivered again) can adopt or release it.
+-- kept for its period is owned by no token from then on (`keep_for`), so that no copy of the
+-- retry's message (delivered again) can adopt or release it.
 -- Returns 2 if freed, 3 if kept for its period (as PARK's let-go replies), 0 if marked.
 for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
   local _, token = member_fields(member)
@@ -108,10 +112,7 @@ if not owns(value, ARGV[1]) then
   redis.call('SET', prefix .. 'declined:' .. ARGV[1], '1', 'PX', ARGV[2])
   return 0
 end
-local kept = let_go(value, tonumber(ARGV[3]))
-if kept == 0 then return 2 end
-redis.call('SET', lock, hold(string.rep('0', 32), fence_of(value), holder_of(value)), 'PX', kept)
-return 3
+return let_go(value, tonumber(ARGV[3])) == 0 and 2 or 3
 """
 
 _WATCH = """
@@ -148,16 +149,20 @@ return fence_of(value)
 """
 
 _SETTLE = """
--- SETTLE. KEYS[1] lock; ARGV[1] token, ARGV[2] period in ms.
--- Keeps the hold until `period` after it was taken (its fence is the server time
--- in microseconds at the grant). Returns the ms left (the TTL now set), 0 if the
--- period is over (the caller releases), -1 if the token does not own the lock.
+-- SETTLE. KEYS[1] lock; ARGV[1] token, ARGV[2] period in ms, ARGV[3] the hold's fence.
+-- Keeps the hold, its run over, until `period` after it was taken (its fence is the server
+-- time in microseconds at the grant): owned by no token from then on (`keep_for`). A hold so kept
+-- with the fence ARGV[3] is this call's own, sent again by a client that lost the reply: kept
+-- again. Returns the ms left (the TTL now set), 0 if the period is over (the caller
+-- releases), -1 if the token does not own the lock.
 local value = redis.call('GET', lock)
-if not owns(value, ARGV[1]) then return -1 end
+if not (owns(value, ARGV[1]) or (owns(value, kept_token) and fence_of(value) == tonumber(ARGV[3]))) then
+  return -1
+end
 local now_ms = clock(redis.call('TIME'))
 local left = math.floor(fence_of(value) / 1000) + tonumber(ARGV[2]) - now_ms
 if left <= 0 then return 0 end
-redis.call('PEXPIRE', lock, left)
+keep_for(value, left)
 return left
 """
 

@@ -32,7 +32,7 @@ from ._scripts import RENEW
 from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
-from .inventory import release_token
+from .inventory import hold_of, release_token
 from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
 from .run_lock import ExecutionLock, acquired, adopt, release, watch
 
@@ -244,10 +244,20 @@ def _stale_copy(found: Found) -> bool:
 
 def _redelivered(found: Found) -> bool:
     """A redelivered message (acks_late, visibility timeout, a dead consumer's messages), its lock
-    held by its own first delivery: ignored while that delivery runs, and once it ended; run if
-    its worker died, or, where another run of the key took the lock first, handled as any run
-    that finds the lock busy."""
+    held by its own first delivery: ignored while that delivery runs, and once it ended (at once
+    where the run keeps its hold for ``lock_period``); run if its worker died, or, where another
+    run of the key took the lock first, handled as any run that finds the lock busy."""
     task, lock = found.task, found.lock
+    if _kept_for_period(found):
+        logger.info(
+            "task %s[%s]: redelivered once its first delivery ran, which keeps lock %s for "
+            "lock_period; ignored",
+            task.name,
+            found.task_id,
+            lock.name,
+            extra=found.log_fields("busy-skip"),
+        )
+        raise Ignore()
     if not _first_delivery_died(found):
         logger.info(
             "task %s[%s]: redelivered while its first delivery runs; ignored",
@@ -277,6 +287,15 @@ def _redelivered(found: Found) -> bool:
         extra=found.log_fields("busy-wait"),
     )
     return when_busy(replace(found, holder=holder, ttl=ttl))
+
+
+def _kept_for_period(found: Found) -> bool:
+    """Whether the first delivery's hold is kept for the rest of ``lock_period``, its run over
+    (``LockValue.kept``): one round trip, in a mode that keeps its lock so only."""
+    if not found.options.period_ms:
+        return False
+    value = hold_of(found.lock.client, found.lock.name, found.holder or "")
+    return value is not None and value.kept
 
 
 #: Seconds: a hold found gone this close to the end of its lease, or later, may have run out.

@@ -488,7 +488,8 @@ class Execution:
         the hold lost), it is to be released now."""
         assert self.options.period is not None
         try:
-            left = int(SETTLE(lock.client, [lock.name], [lock.stop_renewing(), to_ms(self.options.period)]))
+            token, fence = lock.stop_renewing(), lock.fence or 0
+            left = int(SETTLE(lock.client, [lock.name], [token, to_ms(self.options.period), fence]))
         except redis.RedisError as exc:
             logger.warning(
                 "task %s[%s]: could not keep lock %s: %s",

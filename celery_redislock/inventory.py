@@ -404,7 +404,7 @@ def settle_held_by(client: Client, key: str, holder: str, period_ms: int) -> str
     value = hold_of(client, key, holder)
     if value is None:
         return None
-    left = int(SETTLE(client, [key], [value.token, period_ms]))
+    left = int(SETTLE(client, [key], [value.token, period_ms, value.fence]))
     if left > 0:
         return "settled"
     return "released" if left == 0 and release_token(client, key, value.token) else None

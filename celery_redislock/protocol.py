@@ -6,7 +6,9 @@
   description of the owner. Ownership is the token prefix. A run's hold that a
   copy of its message, delivered again, watches carries the copy's token after
   the owner's (``"<token><copy's token>:<fence>:<holder>"``, ``_task_scripts``'
-  ``WATCH``), read as the same hold. The Lua side of the
+  ``WATCH``), read as the same hold. A hold kept for the rest of its
+  ``lock_period`` once its run is over is owned by no token (``KEPT_TOKEN``,
+  ``LockValue.kept``), its fence and holder kept. The Lua side of the
   same format is in ``_scripts``' shared pieces (``owns``, ``fence_of``, ``holder_of``,
   ``hold``).
 * A task's lock names its holder with ``holder_for`` (fields ``task``, ``try``,
@@ -32,6 +34,7 @@ from kombu import serialization
 __all__ = [
     "BEAT_HEADER",
     "HEADER",
+    "KEPT_TOKEN",
     "REPUBLISH",
     "LockValue",
     "canvas_member",
@@ -63,6 +66,9 @@ REPUBLISH = "lock_republish"
 _FIELD_SAFE = "!\"#$&'()*+,-./:;<>?@[\\]^_`{|}~"
 #: A field every character of which ``quote`` keeps (ASCII letters, digits, ``_.-~``, ``_FIELD_SAFE``).
 _KEPT = re.compile(f"[A-Za-z0-9_.~{re.escape(_FIELD_SAFE)}-]*")
+#: The token of a hold kept for the rest of its period, its run over (``_task_scripts``' ``SETTLE``,
+#: a let-go): all zeros, which no random token is.
+KEPT_TOKEN = "0" * 32
 #: A lock value (a copy's token after the owner's, where one watches the hold, is skipped).
 _VALUE = re.compile(r"([0-9a-f]{32})(?:[0-9a-f]{32})?:(\d+):(.*)", re.DOTALL)
 
@@ -78,6 +84,11 @@ class LockValue(NamedTuple):
     token: str
     fence: int
     holder: str
+
+    @property
+    def kept(self) -> bool:
+        """Whether the hold is kept for the rest of its period, the run that had it over."""
+        return self.token == KEPT_TOKEN
 
 
 def parse_value(value: object) -> LockValue | None:

@@ -25,7 +25,7 @@ from redis.connection import AbstractConnection
 
 from celery_redislock import LockedTask, RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
-from celery_redislock._task_scripts import ADOPT, DECLINE, PARK
+from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE
 from celery_redislock.inventory import read_lock, release_token
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder, parse_value
@@ -307,6 +307,44 @@ def test_a_stale_attempt_cannot_adopt_the_hold_parked_for_the_next(
     client.delete(key)  # attempt 1 waits out its countdown; let it go
 
 
+def test_copies_of_an_until_expired_tasks_attempts_are_ignored_while_its_lock_is_kept(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``until_expired``: attempt 0 retries, attempt 1 adopts the hold parked for it, runs, and
+    keeps it for ``lock_period``. A copy of either attempt's message arrives then (a redelivery:
+    same id, attempt and lock header): attempt 0's finds a later attempt's hold (a stale copy),
+    attempt 1's its own run's hold, kept for the period; both are ignored at once, and the body
+    does not run again within the period."""
+    caplog.set_level(logging.INFO, logger="celery_redislock")
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="attempts.kept_retry",
+              lock_mode="until_expired", lock_period=600)  # fmt: skip
+    def kept_retry(self: Any, x: str) -> str:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return x
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(kept_retry, (x,))
+    first = kept_retry.delay(x)
+    header = {HEADER: {"key": key, "token": stored(client, key)[:32].decode()}}
+
+    def deliver_again(attempt: int, ignored: str) -> None:
+        kept_retry.apply_async((x,), task_id=first.id, retries=attempt, headers=header)
+        wait_for(lambda: ignored in caplog.text, what=lambda: f"{ignored!r} logged; events {events(app, x)}")
+
+    with threads_worker(app):
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+        kept = parse_value(stored(client, key))
+        assert kept is not None and kept.kept and parse_holder(kept.holder)["try"] == "1"
+        deliver_again(0, "this stale copy is ignored")
+        deliver_again(1, "redelivered once its first delivery ran")
+    assert attempts(app, x) == ["attempt@0", "attempt@1"]
+    assert parse_value(stored(client, key)) == kept  # untouched
+    client.delete(key)
+
+
 @pytest.mark.parametrize(
     ("how", "where"), [("no_throw", "single"), ("catch", "single"), ("no_throw", "cluster")]
 )
@@ -410,6 +448,33 @@ def test_a_resent_adopt_is_recognised_as_its_own(redis_server: RedisServer, pref
         assert result.get(timeout=RESULT_TIMEOUT) == x
     assert len(lost) == 1
     assert [event[0] for event in events(app, x)] == ["start", "end", "released"]  # no "busy"
+    app.close()
+    retrying.close()
+
+
+def test_a_resent_settle_is_recognised_as_its_own(
+    redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``until_expired``: the run's SETTLE runs, its reply is lost, and the client sends it again.
+    The first run kept the hold for the period under no token (``KEPT_TOKEN``); the second
+    must see it as this run's own (its fence), and keep it again: not as a hold lost, which
+    the run would report and then try to release."""
+    caplog.set_level(logging.INFO, logger="celery_redislock")
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=3)
+    retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)  # retries, as in the test above
+    app_state(app).client = LockClient(os.getpid(), retrying, redis_server.url, False)
+    x, task = fresh(), app.tasks["taskapp.until_expired"]
+    key = task_lock_key(task, (x,))
+    retrying.script_load(SETTLE.source)  # the reply lost is SETTLE's, not that of its loading
+    result = task.delay(x)
+    with first_reply_lost(SETTLE) as lost, threads_worker(app):
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+    assert len(lost) == 1 and lost[0] > 3000  # kept for the period by the first run
+    kept = parse_value(stored(retrying, key))
+    assert kept is not None and kept.kept and kept.fence == int(events(app, x)[0][5])
+    assert 3000 < retrying.pttl(key) <= 600_000
+    assert "no longer held" not in caplog.text
+    retrying.delete(key)
     app.close()
     retrying.close()
 

@@ -25,7 +25,9 @@ from typing import Any
 import pytest
 
 from celery_redislock import task_lock_key
+from celery_redislock.protocol import parse_value
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
+from tests.invariants import leftover_locks
 from tests.workers import wait_for
 
 TRANSPORT = {"visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
@@ -173,3 +175,74 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     stage.recorder.open_gate(x)
     assert first.get(timeout=RESULT_TIMEOUT) == x
     assert [event[3] for event in stage.events("start", x)] == [first.id, other.id, first.id]
+
+
+@pytest.mark.parametrize("how", ["worker_died_before_the_ack", "visibility_timeout"])
+def test_a_message_redelivered_after_its_run_ended_is_ignored_while_its_lock_is_kept_for_its_period(
+    stage: Stage, how: str
+) -> None:
+    """``until_expired``: the run ends and keeps its lock for ``lock_period`` (600 s), but its
+    message comes back (``acks_late``): its worker died after the run, before the message was
+    acknowledged, or the message was restored once ``visibility_timeout`` passed while the run
+    went on. The copy finds the lock held by its own first delivery, which ran: it must be
+    ignored at once, not watch the kept hold, holding a worker slot, until the period runs out,
+    then run the body again within what was its period; and nothing of its must be left."""
+    conf = acks_late(TTL)
+    first = stage.worker("first", "prefork", 1, **conf)
+    x, task = fresh(), stage.task("until_expired")
+    key = task_lock_key(task, (x,), {"gate": True})
+    result = task.delay(x, gate=True)
+    start = stage.wait_events("start", x)[0]
+    if how == "worker_died_before_the_ack":
+        first.signal(signal.SIGSTOP)  # its main process: the pool child runs on, nothing acknowledges
+    else:  # the worker's own sweep puts the message back while the run goes on
+        wait_for(lambda: stage.client.llen(stage.queue) == 1, what="the message to be put back")
+    stage.recorder.open_gate(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    wait_for(lambda: stage.client.pttl(key) > 60_000, what="the run to keep its lock for its period")
+    copy = first
+    if how == "worker_died_before_the_ack":
+        os.killpg(first.pid, signal.SIGKILL)
+        first.process.wait(timeout=10)  # type: ignore[union-attr]
+        copy = stage.worker("survivor", "prefork", 1, **conf)
+    wait_for(
+        lambda: [event for event in stage.events("busy", x) if event[3] == result.id],
+        timeout=20,
+        what="kombu to deliver the message again",
+    )
+    wait_for(
+        lambda: "redelivered once its first delivery ran" in copy.output(),
+        timeout=20,
+        what=lambda: f"the copy to be ignored at once:\n{copy.output()[-3000:]}",
+    )
+    wait_for(
+        lambda: stage.client.zcard("unacked_index") == 0 and stage.client.llen(stage.queue) == 0,
+        what="the copy to be acknowledged",
+    )
+    assert [event[3] for event in stage.events("start", x)] == [result.id]  # one run
+    kept = parse_value(stage.client.get(key))
+    assert kept is not None and kept.fence == int(start[5])  # the run's hold, kept for its period
+    assert stage.client.pttl(key) > 60_000
+    stage.client.delete(key)
+    assert leftover_locks(stage.client, stage.prefix) == []  # the copy left nothing behind
+
+
+def test_an_until_executed_message_redelivered_after_its_run_ended_runs_again(stage: Stage) -> None:
+    """``until_executed`` keeps nothing once the run ended: its release frees the lock. A copy of
+    the message restored once ``visibility_timeout`` passed during the run finds the lock free,
+    as a message whose first delivery died would, and runs (``acks_late``: at least once)."""
+    first = stage.worker("first", "prefork", 1, **acks_late(TTL))
+    x, task = fresh(), stage.task("until_executed")
+    key = task_lock_key(task, (x,), {"gate": True})
+    result = task.delay(x, gate=True)
+    stage.wait_events("start", x)
+    wait_for(lambda: stage.client.llen(stage.queue) == 1, what="the message to be put back")
+    stage.recorder.open_gate(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    starts = stage.wait_events("start", x, 2)
+    assert [event[3] for event in starts] == [result.id, result.id]
+    assert int(starts[1][5]) > int(starts[0][5])
+    assert "redelivered" not in first.output()  # a run like any other: the lock was free
+    stage.recorder.open_gate(x)
+    stage.wait_events("end", x, 2)
+    wait_for(lambda: not stage.client.exists(key), what="the copy's run to release the lock")
