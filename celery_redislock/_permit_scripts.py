@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ._scripts import Script
 
-__all__ = ["ACQUIRE_PERMIT", "LEAVE_PERMIT_QUEUE", "MAX_LIMIT", "RELEASE_PERMIT"]
+__all__ = ["ACQUIRE_PERMIT", "LEAVE_PERMIT_QUEUE", "MAX_LIMIT", "RELEASE_PERMIT", "WATCH_PERMIT"]
 
 #: The highest ``limit`` (every script reads all the permits, in one MGET).
 MAX_LIMIT = 1000
@@ -162,13 +162,17 @@ _RELEASE_PERMIT = """
 -- RELEASE_PERMIT. KEYS[1] the semaphore's name. ARGV[1] token, ARGV[2] the caller's waiter
 -- member ('' when it never waited), ARGV[3] limit.
 -- Returns 1 when the caller held a permit and it is freed (the first waiter woken, a fair one
--- granted it), 0 when it held none: then no permit is touched, and the caller leaves the queue
--- (waking the first waiter that can take a free permit: the caller may have taken a wake).
+-- granted it; a watched permit is handed to the copy watching it), 0 when it held none: then
+-- no permit is touched, and the caller leaves the queue (waking the first waiter that can take
+-- a free permit: the caller may have taken a wake).
 local token, member = ARGV[1], ARGV[2]
 local values = permits(tonumber(ARGV[3]))
 for i, value in ipairs(values) do
   if owns(value, token) then
     redis.call('DEL', permit_prefix .. i, wake_prefix .. token)  -- with a hand-over unread
+    -- A permit watched by a copy of its run's message (WATCH_PERMIT) goes to that copy while
+    -- it is queued, rather than to the first waiter.
+    if hand_to_watcher(permit_prefix .. i, value, ':' .. i) then return 1 end
     values[i] = false
     local now_ms, now_us = clock(redis.call('TIME'))
     pass_on(i, values, fence_of(value), now_ms, now_us)
@@ -203,6 +207,20 @@ end
 return left
 """
 
+_WATCH_PERMIT = """
+-- WATCH_PERMIT. KEYS[1] the semaphore's name. ARGV[1] the holder its permit must have (a run's),
+-- ARGV[2] the waiter member of a copy of that run's message, delivered again, ARGV[3] limit.
+-- As WATCH, for the permit the run holds (`watch_hold`): its release (RELEASE_PERMIT) hands it
+-- to the copy, its fence kept, waking it with "<fence>:<i>"; a permit running out is not.
+-- Returns the permit's fence once marked, 0 if another copy watches it, {-2, false} if the run
+-- holds no permit.
+for i, value in ipairs(permits(tonumber(ARGV[3]))) do
+  if value and holder_of(value) == ARGV[1] then return watch_hold(permit_prefix .. i, value, ARGV[2]) end
+end
+return {-2, false}
+"""
+
 ACQUIRE_PERMIT = Script(_PERMITS + _ACQUIRE_PERMIT)
 RELEASE_PERMIT = Script(_PERMITS + _RELEASE_PERMIT)
 LEAVE_PERMIT_QUEUE = Script(_PERMITS + _LEAVE_PERMIT_QUEUE)
+WATCH_PERMIT = Script(_PERMITS + _WATCH_PERMIT)

@@ -142,6 +142,55 @@ local function wake_next(floor, now_ms, now_us)
 end
 """,
     """
+-- Marks `value`, a run's hold of `key`, as watched by a copy of the run's message, delivered
+-- again, whose waiter member is `member`: the copy's token after the owner's ("<owner's
+-- token><copy's token>:<fence>:<holder>": ownership, fence and holder read as before), and
+-- queues the copy, as ACQUIRE 'wait' queues a waiter, so that the release of the hold, which
+-- then finds a waiter, hands it to the copy (`hand_to_watcher`); a hold running out is never
+-- handed over. A hold marked for a copy still queued is left to that one.
+-- Returns the hold's fence once marked, 0 if another copy watches it.
+local function watch_hold(key, value, member)
+  local ttl_ms, token = member_fields(member)
+  local watched = string.byte(value, 33) ~= 58
+  if watched and string.sub(value, 33, 64) ~= token then
+    for _, queued in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+      local _, other = member_fields(queued)
+      if other == string.sub(value, 33, 64) then return 0 end
+    end
+  end
+  local rest = string.sub(value, watched and 65 or 33)
+  redis.call('SET', key, string.sub(value, 1, 32) .. token .. rest, 'KEEPTTL')
+  local now_ms, now_us = clock(redis.call('TIME'))
+  redis.call('ZADD', queue, 'NX', now_us, member)
+  redis.call('ZADD', deadlines, now_ms + tonumber(ttl_ms) + 2000, member)
+  local last = tonumber(redis.call('ZRANGE', deadlines, -1, -1, 'WITHSCORES')[2])
+  redis.call('PEXPIRE', queue, math.max(1, last - now_ms))
+  redis.call('PEXPIRE', deadlines, math.max(1, last - now_ms))
+  return fence_of(value)
+end
+""",
+    """
+-- Hands `value`, the hold of `key` its owner just released, to the copy that watches it
+-- (WATCH) while that copy is queued, its fence kept, waking it with the fence followed by
+-- `suffix`: the copy learns that the run let go of it. Returns whether it was handed over.
+local function hand_to_watcher(key, value, suffix)
+  if string.byte(value, 33) == 58 then return false end
+  local watcher = string.sub(value, 33, 64)
+  for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+    local ttl_ms, copy, _, holder = member_fields(member)
+    if copy == watcher then
+      local fence = fence_of(value)
+      redis.call('SET', key, hold(copy, fence, holder), 'PX', ttl_ms)
+      redis.call('ZREM', queue, member)
+      redis.call('ZREM', deadlines, member)
+      wake(copy, string.format('%.0f', fence) .. suffix, ttl_ms)
+      return true
+    end
+  end
+  return false
+end
+""",
+    """
 -- The token of a hold kept for its period, its run over (`keep_for`): all zeros, which no random
 -- token is (``protocol.KEPT_TOKEN``).
 local kept_token = string.rep('0', 32)
@@ -199,7 +248,7 @@ def _pieces_for(text: str, defined: frozenset[str] = frozenset()) -> tuple[str, 
     for piece, names in reversed(_PIECE_NAMES.items()):
         if defined.isdisjoint(names) and any(re.search(rf"\b{name}\b", text) for name in names):
             chosen.insert(0, piece)
-            text += piece
+            text += lua_code(piece)
     return "".join(chosen), defined.union(*(_PIECE_NAMES[piece] for piece in chosen))
 
 
@@ -312,23 +361,9 @@ if not owned then
   return 0
 end
 if waited then redis.call('DEL', wake_prefix .. token) end  -- a hand-over unread
--- A hold watched by a copy of its run's message (WATCH: the copy's token follows the owner's)
--- goes to that copy while it is queued, its fence kept: the copy learns that the run let go of
--- it, rather than letting its lease run out. Only a release that finds waiters comes here.
-if string.byte(current, 33) ~= 58 then
-  local watcher = string.sub(current, 33, 64)
-  for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
-    local ttl_ms, copy, _, holder = member_fields(member)
-    if copy == watcher then
-      local fence = fence_of(current)
-      redis.call('SET', lock, hold(copy, fence, holder), 'PX', ttl_ms)
-      redis.call('ZREM', queue, member)
-      redis.call('ZREM', deadlines, member)
-      wake(copy, string.format('%.0f', fence), ttl_ms)
-      return 1
-    end
-  end
-end
+-- A hold watched by a copy of its run's message (WATCH) goes to that copy while it is queued,
+-- rather than to the first waiter. Only a release that finds waiters comes here.
+if hand_to_watcher(lock, current, '') then return 1 end
 local now_ms, now_us = clock(redis.call('TIME'))
 wake_next(fence_of(current), now_ms, now_us)
 return 1

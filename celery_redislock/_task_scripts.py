@@ -118,34 +118,15 @@ return let_go(value, tonumber(ARGV[3])) == 0 and 2 or 3
 _WATCH = """
 -- WATCH. KEYS[1] lock; ARGV[1] the holder its hold must have (a run's), ARGV[2] the waiter
 -- member (see ``_scripts``) of a copy of that run's message, delivered again.
--- The copy watches how the run's hold ends: the hold is marked with the copy's token, after
--- the owner's ("<owner's token><copy's token>:<fence>:<holder>": ownership, fence and holder
--- read as before), and the copy queued, as ACQUIRE 'wait' queues it, so that the release of
--- the hold, which then finds a waiter, hands it to the copy, its fence kept (RELEASE). A hold
--- running out is never handed over. A hold marked for a copy still queued is left to that one.
+-- The copy watches how the run's hold ends (`watch_hold`): the release of the hold hands it to
+-- the copy, its fence kept (RELEASE); a hold running out is never handed over.
 -- Returns the hold's fence once marked, 0 if another copy watches it, else {PTTL, holder or
 -- false} (the run no longer holds it).
 local value = redis.call('GET', lock)
 if not value or holder_of(value) ~= ARGV[1] then
   return {redis.call('PTTL', lock), holder_of(value) or false}
 end
-local ttl_ms, token = member_fields(ARGV[2])
-local watched = string.byte(value, 33) ~= 58
-if watched and string.sub(value, 33, 64) ~= token then
-  for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
-    local _, queued = member_fields(member)
-    if queued == string.sub(value, 33, 64) then return 0 end
-  end
-end
-local rest = string.sub(value, watched and 65 or 33)
-redis.call('SET', lock, string.sub(value, 1, 32) .. token .. rest, 'KEEPTTL')
-local now_ms, now_us = clock(redis.call('TIME'))
-redis.call('ZADD', queue, 'NX', now_us, ARGV[2])
-redis.call('ZADD', deadlines, now_ms + tonumber(ttl_ms) + 2000, ARGV[2])
-local keep = math.max(1, tonumber(redis.call('ZRANGE', deadlines, -1, -1, 'WITHSCORES')[2]) - now_ms)
-redis.call('PEXPIRE', queue, keep)
-redis.call('PEXPIRE', deadlines, keep)
-return fence_of(value)
+return watch_hold(lock, value, ARGV[2])
 """
 
 _SETTLE = """

@@ -324,20 +324,18 @@ def _first_delivery_died(found: Found) -> bool:
 
 
 def _watch(found: Found, ends: float, until: float) -> bool | None:
-    """Watch the first delivery's hold, its lease ending at monotonic ``ends`` unless renewed,
-    until monotonic ``until``: whether it died, as ``_first_delivery_died`` says, or ``None``
-    when it still holds the lock, not renewed. A semaphore's permit (``lock_limit`` above 1)
-    is waited for unwatched: taken by another run, it counts as let go of."""
+    """Watch the first delivery's hold (with ``lock_limit`` above 1, its permit), its lease ending
+    at monotonic ``ends`` unless renewed, until monotonic ``until``: whether it died, as
+    ``_first_delivery_died`` says, or ``None`` when it still holds the lock, not renewed."""
     lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
-    # the hold's fence once watched; -1, which no fence is, for a permit (not watched)
-    watched = watch(lock, found.holder or "", token) if found.options.limit == 1 else -1
+    watched = watch(lock, found.holder or "", token)
     if watched == 0:
         return False  # another copy of the message watches it, and acts on its end
-    if watched is None:  # gone already (``lock.busy`` names who holds the lock now)
+    if watched is None:  # gone already
         return _ran_out(ends)
     fence = lock.wait_as(token, until)
     if fence == watched:  # handed over by its release: the first delivery let go of it
-        release_token(lock.client, lock.name, token)
+        lock.servers.free(token)
         return False
     if fence is not None:  # free, taken here
         lock.take_hold(token, fence, sent_at)
@@ -348,7 +346,7 @@ def _watch(found: Found, ends: float, until: float) -> bool | None:
     holder, left = lock.busy
     if holder == found.holder:
         return False if (left or 0.0) > ends - time.monotonic() + _MARGIN else None  # renewed: alive
-    return watched > 0 and _ran_out(ends)  # another run took it; only a watched hold tells
+    return _ran_out(ends)  # another run took it: it ran out, since it was not handed over
 
 
 def _ran_out(ends: float) -> bool:

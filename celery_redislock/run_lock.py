@@ -21,6 +21,7 @@ import redis
 
 from . import signals, telemetry
 from ._durations import to_ms
+from ._permit_scripts import WATCH_PERMIT
 from ._process import current_pid
 from ._redis import settle_later
 from ._task_scripts import ADOPT, PARK, WATCH
@@ -29,6 +30,7 @@ from .config import AppSettings, LockOptions
 from .connection import Client
 from .exceptions import LockLost, LockNotOwned, LockNotReplicated
 from .lock import OneServer, RedisLock
+from .primitive import LeaseLock
 from .protocol import holder_for
 from .semaphore import PermitBook, Permits
 from .watchdog import Lease
@@ -217,14 +219,18 @@ def park(
     return int(PARK(client, [key], [hold[0], hold[1], token, queued, ttl, options.period_ms]))
 
 
-def watch(lock: RedisLock, holder: str, token: str) -> int | None:
-    """Watch, as ``token``, how the hold of ``lock`` by ``holder`` ends (``WATCH``), for a copy of
-    the message whose first delivery has it: ``token`` is queued for ``lock`` (wait with
-    ``lock.wait_as(token, ...)``), and is handed the hold, its fence kept, if it is released
-    meanwhile; not if its lease runs out. Returns the hold's fence once watched, 0 when another
-    copy of the message watches it, ``None`` when ``holder`` no longer holds it (``lock.busy``
-    then names who does)."""
-    reply = WATCH(lock.client, [lock.name], [holder, lock.member(token)])
+def watch(lock: LeaseLock, holder: str, token: str) -> int | None:
+    """Watch, as ``token``, how the hold of ``lock`` by ``holder`` ends (``WATCH``; a semaphore's
+    permit, ``WATCH_PERMIT``), for a copy of the message whose first delivery has it: ``token``
+    is queued for ``lock`` (wait with ``lock.wait_as(token, ...)``), and is handed the hold, its
+    fence kept, if it is released meanwhile; not if its lease runs out. Returns the hold's fence
+    once watched, 0 when another copy of the message watches it, ``None`` when ``holder`` no
+    longer holds it (``lock.busy`` then names who does, where known)."""
+    servers, member = lock.servers, lock.member(token)
+    if isinstance(servers, Permits):
+        reply = WATCH_PERMIT(lock.client, [lock.name], [holder, member, servers.book.limit])
+    else:
+        reply = WATCH(lock.client, [lock.name], [holder, member])
     if isinstance(reply, int):
         return reply
     found, pttl_ms = busy_reply(reply)

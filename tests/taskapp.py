@@ -219,7 +219,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
             lock_mode="until_and_while_executing",
             lock_limit=2,
             lock_retry_delay=0.2,
-        )(gated)
+        )(gated_long)
 
     @locked_task(name="taskapp.retry_twice", lock_mode="until_executed")
     def retry_twice(self: Task[Any, Any], x: object) -> object:

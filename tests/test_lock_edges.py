@@ -15,7 +15,7 @@ import pytest
 import redis
 
 import celery_redislock.lock as lock_module
-from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock
+from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
 from celery_redislock.attempt import waiter_member
@@ -304,7 +304,7 @@ RUN = "task=t1 try=0 state=running node=first@host pid=1"
 COPY = "task=t1 try=0 state=running node=copy@host pid=2"
 
 
-def waiting_as(lock: RedisLock, token: str) -> tuple[threading.Thread, list[int | None]]:
+def waiting_as(lock: RedisLock | RedisSemaphore, token: str) -> tuple[threading.Thread, list[int | None]]:
     """``lock.wait_as(token)`` on a thread of its own, for up to 10 s: the thread, and the list
     that gets what it returned."""
     got: list[int | None] = []
@@ -381,3 +381,44 @@ def test_a_hold_watched_by_a_queued_copy_is_left_to_it(client: redis.Redis, pref
     assert watch(again, RUN, secrets.token_hex(16)) is None  # the copy's hold now, not the run's
     assert again.busy[0] == COPY
     assert release_token(client, name, token)
+
+
+def test_a_watched_permit_goes_to_its_watcher_at_release_before_any_other_waiter(
+    client: redis.Redis, prefix: str
+) -> None:
+    """As a lock's watched hold, a semaphore's permit (``lock_limit`` above 1): with every permit
+    held and another waiter queued first, the run's release hands its permit to the copy that
+    watches it, its fence kept; the copy's release then wakes the other waiter. A second copy
+    does not take the watch over, and a run that holds no permit is not watched."""
+    name = f"{prefix}:s"
+    run, filler, copy, again, other = (
+        RedisSemaphore(client, name, 2, ttl=LEASE, holder=h) for h in (RUN, None, COPY, COPY, None)
+    )
+    run.acquire()
+    filler.acquire()
+    other_thread = threading.Thread(target=other.acquire)
+    other_thread.start()
+    wait_until_queued(client, name)
+    token, fence = secrets.token_hex(16), run.fence
+    permit = run.servers.book.key_of(run.token)
+    assert permit is not None
+    assert watch(copy, RUN, token) == fence
+    assert watch(again, RUN, secrets.token_hex(16)) == 0
+    assert text(stored(client, permit))[32:64] == token  # the copy's token, after the run's
+    assert parse_value(stored(client, permit)) == (run.token, fence, RUN)
+    assert run.owned()
+    run.extend(2 * LEASE)
+    assert client.pttl(permit) > LEASE * 1000
+    thread, got = waiting_as(copy, token)
+    wait_until_queued(client, name, 2)
+    run.release()
+    thread.join()
+    assert got == [fence]
+    assert parse_value(stored(client, permit)) == (token, fence, COPY)
+    assert other_thread.is_alive()  # still waiting: the permit went to the copy
+    assert watch(again, RUN, secrets.token_hex(16)) is None  # the copy's permit now, not the run's
+    assert copy.servers.free(token)  # the copy lets go: the other waiter is woken
+    other_thread.join()
+    assert other.owned()
+    other.release()
+    filler.release()

@@ -246,3 +246,52 @@ def test_an_until_executed_message_redelivered_after_its_run_ended_runs_again(st
     stage.recorder.open_gate(x)
     stage.wait_events("end", x, 2)
     wait_for(lambda: not stage.client.exists(key), what="the copy's run to release the lock")
+
+
+def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took_its_permit_first(
+    stage: Stage,
+) -> None:
+    """As above, with ``lock_limit=2`` (``until_and_while_executing``, ``lock_busy="retry"``): the
+    dead worker's run held one permit, another call the other; a third call retries. When the
+    dead permit runs out, the third call takes it first (the redelivered copy's worker is paused
+    until it has), and no permit is left for the copy. Its first delivery died: the copy is a run
+    like any other, which retries until a permit is free, then runs. It took the permit going
+    to another call for its first delivery having ended, and was ignored: the message lost."""
+    ttl = 16.0
+    conf = acks_late(ttl) | {"broker_transport_options": TRANSPORT | {"visibility_timeout": 10}}
+    doomed = stage.worker("doomed", "prefork", 1, **conf)
+    x, task = fresh(), stage.task("limited_queued")
+    first = task.delay(x, gate=True)
+    stage.wait_events("start", x)
+    stage.worker("other", "prefork", 2, queue="other", **(conf | {"task_acks_late": False}))
+    second = task.apply_async((x,), {"gate": True}, queue="other")  # holds the other permit
+    stage.wait_events("start", x, 2)
+    os.killpg(doomed.pid, signal.SIGKILL)  # the main process and its pool child: nobody releases
+    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    third = task.apply_async((x,), {"gate": True}, queue="other")
+    wait_for(lambda: [event for event in stage.events("busy", x) if event[3] == third.id], what="a retry")
+    survivor = stage.worker("survivor", "prefork", 1, **conf)
+    wait_for(
+        lambda: [event for event in stage.events("busy", x) if event[3] == first.id],
+        timeout=ttl,
+        what="kombu to redeliver the message to the survivor while the dead worker's permit lasts",
+    )
+    os.killpg(survivor.pid, signal.SIGSTOP)  # the copy waits; the third call wins the race
+    try:
+        starts = stage.wait_events("start", x, 3, timeout=ttl + 10)
+    finally:
+        os.killpg(survivor.pid, signal.SIGCONT)
+    assert starts[2][3] == third.id  # the permit ran out, and the third call took it
+    wait_for(lambda: "its first delivery" in survivor.output(), timeout=ttl, what="the copy to decide")
+    assert "redelivered while its first delivery runs; ignored" not in survivor.output()
+    assert "redelivered after its first delivery's worker died" in survivor.output()
+    stage.recorder.open_gate(x, 2)
+    assert second.get(timeout=RESULT_TIMEOUT) == x
+    assert third.get(timeout=RESULT_TIMEOUT) == x
+    starts = stage.wait_events("start", x, 4)  # the copy, once a permit was free
+    assert starts[3][3] == first.id
+    stage.recorder.open_gate(x)
+    assert first.get(timeout=RESULT_TIMEOUT) == x
+    assert sorted(event[3] for event in stage.events("start", x)) == sorted(
+        [first.id, first.id, second.id, third.id]
+    )
