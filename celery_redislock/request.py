@@ -65,6 +65,13 @@ class LockedRequest(Request):
     #: Whether Celery sent a retry in the message's stead after its pool child was lost
     #: (``task_retry_on_worker_lost``, Celery 5.7 and later: ``_retry_worker_lost``).
     _retried_instead = False
+    #: Whether Celery rejected the message for a requeue (``reject(requeue=True)``).
+    _requeued = False
+
+    def reject(self, requeue: bool = False) -> None:
+        if not self.acknowledged:  # Celery's first decision is the one its event loop acts on
+            self._requeued = requeue
+        super().reject(requeue)
 
     def _retry_worker_lost(self, exc: Any, exc_info: Any) -> Any:
         """Celery's retry of a task whose pool child was lost (not past ``max_retries``, not a
@@ -165,16 +172,14 @@ class LockedRequest(Request):
 
     def _delivered_for_good(self) -> bool:
         """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery
-        after the failure: ``acks_on_failure``), and no retry sent in its stead
-        (``retry_on_worker_lost``: only for a lost worker within ``max_retries``, and only once
-        sent, which ``_retry_worker_lost`` notes). Not a message Celery rejects, which may be a
-        requeue (``acks_late`` with ``reject_on_worker_lost``, a time limit without
-        ``acks_on_timeout``: kombu marks both ``REJECTED``), nor one left unacknowledged for
-        redelivery: those keep their enqueue lock, until its ttl. Read from kombu's message
-        state, its private ``_state`` (``tests/unit/test_kombu_internals.py``; none there: taken
-        as coming back)."""
-        acknowledged = getattr(self.message, "_state", None) == "ACK"
-        return acknowledged and not self._retried_instead
+        after the failure: ``acks_on_failure``), or rejected without a requeue, and no retry sent
+        in its stead (``retry_on_worker_lost``: only for a lost worker within ``max_retries``, and
+        only once sent, which ``_retry_worker_lost`` notes). Not a message Celery requeues
+        (``acks_late`` with ``reject_on_worker_lost``, a time limit without ``acks_on_timeout``),
+        nor one left unacknowledged for redelivery: those keep their enqueue lock, until its ttl.
+        Read from Celery's decision (``acknowledged``, ``reject``), not from kombu's message,
+        which its event loop acknowledges soon after (``call_soon``), after this has run."""
+        return self.acknowledged and not self._requeued and not self._retried_instead
 
     def _release_orphaned_lock(self, why: str) -> None:
         """Release the execution lock the dead child held for the task, and the enqueue lock its
