@@ -382,9 +382,11 @@ def release_held_by(client: Client, key: str, holder: str) -> bool:
     For a process that cleans up after another (the worker's main process
     after a pool child died): the token comes from the lock itself, and the
     release is still owner-checked, so a lock taken over meanwhile is left alone.
+    A hold kept for the rest of its period (``LockValue.kept``) is left too: its
+    run ended, and no run of its message is to follow within the period.
     """
     value = hold_of(client, key, holder)
-    return value is not None and release_token(client, key, value.token)
+    return value is not None and not value.kept and release_token(client, key, value.token)
 
 
 def hold_of(client: Client, key: str, holder: str) -> LockValue | None:

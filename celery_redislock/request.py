@@ -231,7 +231,8 @@ class LockedRequest(Request):
     def _let_go(self, client: Any, key: str, holder: str, options: LockOptions) -> str | None:
         """Let go of the dead run's hold of ``key``, owner-checked by its ``holder``: ``"released"``,
         ``"settled"`` (kept for what is left of ``lock_period``: no run of the message will follow),
-        or ``None`` (not the dead run's any more)."""
+        or ``None`` (not the dead run's any more, or kept for its period already: the run ended
+        before its child died, and its message, if it comes back, is ignored within the period)."""
         if options.limit > 1:  # the run held a permit of the key
             return "released" if release_permit_held_by(client, key, options.limit, holder) else None
         if options.period_ms and self._delivered_for_good():

@@ -33,7 +33,7 @@ import redis
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.schedules import schedule
-from celery.signals import worker_ready
+from celery.signals import task_postrun, worker_ready
 
 from celery_redislock import LockedTask, signals
 from celery_redislock.protocol import request_slot
@@ -197,6 +197,10 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
 
     for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
         locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
+    # its pool child dies once the run is over (``_die_after_the_run``), its result not stored
+    locked_task(
+        name="taskapp.until_expired_dies", lock_mode="until_expired", lock_period=600, ignore_result=True
+    )(gated)
     locked_task(name="taskapp.waits_long", lock_ttl=300, lock_busy="wait", lock_wait_timeout=120)(gated_long)
     locked_task(name="taskapp.uawe_raise", lock_mode="until_and_while_executing", lock_busy="raise")(gated)
     locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
@@ -451,6 +455,14 @@ def _announce_ready(sender: Any = None, **_: Any) -> None:
     """A worker subprocess tells the test it consumes (``{prefix}:ready``)."""
     if app is not None:
         recorder(app).push(f"{recorder(app).prefix}:ready", sender.hostname)
+
+
+@task_postrun.connect
+def _die_after_the_run(sender: Any = None, **_: Any) -> None:
+    """A worker subprocess's pool child dies once a run of ``taskapp.until_expired_dies`` is over
+    (its lock let go), before the worker's main process hears of it: as an OOM kill there would."""
+    if app is not None and getattr(sender, "name", None) == "taskapp.until_expired_dies":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @signals.lock_busy.connect

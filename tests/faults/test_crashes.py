@@ -30,6 +30,7 @@ from billiard.exceptions import WorkerLostError
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_redislock import task_lock_key
+from celery_redislock.protocol import parse_value
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.taskapp import running
 from tests.workers import wait_for
@@ -185,6 +186,31 @@ def test_a_crash_release_is_counted_by_the_main_process(
         first.get(timeout=RESULT_TIMEOUT)
     wait_for(lambda: crash_releases(port, task.name) == 1, what="the crash release to be counted")
     assert "released its lock" in stage.workers[0].output()
+
+
+def test_until_expired_keeps_the_hold_of_a_run_that_ended_before_its_child_died_and_its_message_came_back(
+    stage: Stage,
+) -> None:
+    """The pool child dies once its ``until_expired`` run is over (an OOM kill as the run's outcome
+    goes to the worker), its result not stored: the run kept its lock for ``lock_period``, and
+    Celery requeues the message (``task_acks_late`` with ``task_reject_on_worker_lost``). The
+    main process freed that hold as a dead run's, and the message ran the body again within
+    the period. The hold, its run over, stays; the message, delivered again, is ignored."""
+    conf: dict[str, Any] = {"task_acks_late": True, "task_reject_on_worker_lost": True}
+    worker = stage.worker("prefork", "prefork", 1, **conf)
+    x, task = fresh(), stage.task("until_expired_dies")
+    key = task_lock_key(task, (x,))
+    first = task.delay(x)
+    wait_for(
+        lambda: "redelivered once its first delivery ran" in worker.output(),
+        timeout=30,
+        what=lambda: f"the requeued message to be ignored; events {stage.events(x=x)}",
+    )
+    assert [event[3] for event in stage.events("start", x)] == [first.id]  # one run
+    kept = parse_value(stage.client.get(key))
+    assert kept is not None and kept.kept and kept.fence == int(stage.events("start", x)[0][5])
+    assert stage.client.pttl(key) > 60_000
+    stage.client.delete(key)
 
 
 @pytest.mark.parametrize(
