@@ -333,7 +333,7 @@ def _watch(found: Found, ends: float, until: float) -> bool | None:
         return False  # another copy of the message watches it, and acts on its end
     if watched is None:  # gone already
         return _ran_out(ends)
-    fence = lock.wait_as(token, until)
+    fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it
     if fence == watched:  # handed over by its release: the first delivery let go of it
         lock.servers.free(token)
         return False

@@ -164,15 +164,19 @@ class LeaseLock(LockCore):
         whose token the caller drew first, to give it back owner-checked whatever cuts it short."""
         return self._attempts(self.new_attempt(token, False, None, self.servers.queues))
 
-    def wait_as(self, token: str, deadline: float) -> int | None:
+    def wait_as(self, token: str, deadline: float, *, queued: bool = False) -> int | None:
         """Queue for the lock as ``token`` until it is granted or handed over to ``token`` (the
         fence), or until monotonic ``deadline`` (``None``); ``busy`` then names the holder.
+        ``queued``: a script queued ``token`` already (``WATCH``); it leaves the queue however
+        this ends, also when the deadline passed before the first attempt.
 
         For a hold prepared for a known token (a retry waiting for its previous attempt to
         park the hold for it): the caller then makes it its own (e.g. ``ADOPT`` re-tokens it,
         and ``take_hold`` records the result).
         """
-        return self._attempts(self.new_attempt(token, True, deadline, self.servers.queues))
+        attempt = self.new_attempt(token, True, deadline, self.servers.queues)
+        attempt.queued = attempt.sent = queued and attempt.queue
+        return self._attempts(attempt)
 
     def take_hold(self, token: str, fence: int, sent_at: float) -> None:
         """Record as this object's the hold ``token`` was granted (``fence``) by a request sent at

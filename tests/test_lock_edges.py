@@ -364,6 +364,23 @@ def test_a_watched_hold_whose_watcher_left_is_released_as_any_other(client: redi
     other.release()
 
 
+def test_a_watcher_whose_wait_begins_past_its_deadline_leaves_the_queue(
+    client: redis.Redis, prefix: str
+) -> None:
+    """``WATCH`` queues the copy; a copy paused from then until past its wait's deadline (a
+    stopped process, a long GIL hold) still leaves the queue, so that the run's release wakes
+    no one and leaves nothing behind (a wake for the gone copy stayed, for its lease)."""
+    name = f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run.acquire()
+    token = secrets.token_hex(16)
+    assert watch(copy, RUN, token) == run.fence
+    assert copy.wait_as(token, time.monotonic() - 1, queued=True) is None  # deadline past at once
+    assert copy.busy[0] == RUN
+    run.release()
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
 def test_a_hold_watched_by_a_queued_copy_is_left_to_it(client: redis.Redis, prefix: str) -> None:
     """A second copy of the message (delivered once more) does not take the watch over from a
     copy still queued; a hold its run no longer has is not watched (``busy`` names the holder)."""
