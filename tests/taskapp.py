@@ -79,7 +79,8 @@ class Recorder:
     """Writes the events and reads the gates of one test's prefix."""
 
     def __init__(self, url: str, prefix: str) -> None:
-        self.client = redis.Redis.from_url(url)
+        # redis-py 8 clients give up a read after 5 s by default: this one outlasts a gate's BLPOP
+        self.client = redis.Redis.from_url(url, socket_timeout=GATE_TIMEOUT + 10)
         self.prefix = prefix
         self.events_key = f"{prefix}:events"
 
@@ -122,8 +123,7 @@ class Recorder:
 
     def idle(self, x: object, seconds: float) -> None:
         """A body's own duration, in cooperative I/O: BLPOPs on a gate never opened, of at most
-        a second each (redis-py 8 clients time out reads after 5 s by default) and at least
-        10 ms (Redis reads a timeout under 1 ms as 0: block forever)."""
+        a second each and at least 10 ms (Redis reads a timeout under 1 ms as 0: block forever)."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             self.client.blpop([self.gate_key(f"never-{x}")], timeout=min(max(left, 0.01), 1.0))
@@ -184,14 +184,6 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         recorder.record("end", self, x)
         return x
 
-    def gated_long(self: Task[Any, Any], x: object, gate: bool = False) -> object:
-        """``gated``, for a gate that may stay shut past the client's 5 s socket timeout."""
-        recorder.record("start", self, x)
-        if gate:
-            recorder.wait_gate(x, poll=1)
-        recorder.record("end", self, x)
-        return x
-
     for busy in ("skip", "retry", "wait", "raise"):
         locked_task(name=f"taskapp.hold_{busy}", lock_busy=busy, lock_retry_delay=0.2)(gated)
 
@@ -201,7 +193,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
     locked_task(
         name="taskapp.until_expired_dies", lock_mode="until_expired", lock_period=600, ignore_result=True
     )(gated)
-    locked_task(name="taskapp.waits_long", lock_ttl=300, lock_busy="wait", lock_wait_timeout=120)(gated_long)
+    locked_task(name="taskapp.waits_long", lock_ttl=300, lock_busy="wait", lock_wait_timeout=120)(gated)
     locked_task(name="taskapp.uawe_raise", lock_mode="until_and_while_executing", lock_busy="raise")(gated)
     locked_task(name="taskapp.refuse", lock_mode="until_executed", lock_duplicate="raise")(gated)
     locked_task(
@@ -217,13 +209,13 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         locked_task(name="taskapp.limited_acks_late", lock_limit=3, acks_late=True)(gated)
         locked_task(
             name="taskapp.limited_wait", lock_limit=2, lock_ttl=300, lock_busy="wait", lock_wait_timeout=120
-        )(gated_long)
+        )(gated)
         locked_task(
             name="taskapp.limited_queued",
             lock_mode="until_and_while_executing",
             lock_limit=2,
             lock_retry_delay=0.2,
-        )(gated_long)
+        )(gated)
 
     @locked_task(name="taskapp.retry_twice", lock_mode="until_executed")
     def retry_twice(self: Task[Any, Any], x: object) -> object:
@@ -251,7 +243,7 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
                     raise self.retry(countdown=countdown)
                 except Retry:
                     pass
-            recorder.wait_gate(x, poll=1)  # 1 s BLPOPs: not ended by the client's 5 s socket timeout
+            recorder.wait_gate(x)
             recorder.record("end", self, x)
             return None
         if gate1:

@@ -90,7 +90,7 @@ def setup(redis_server: RedisServer) -> Iterator[Setup]:
     app = make_app(redis_server.url, prefix, f"q-{prefix}")
     worker = WorkerProcess(redis_server.url, prefix, f"q-{prefix}", "prefork", 2, "prefork")
     worker.start()
-    client = redis_server.client()
+    client = redis_server.client(socket_timeout=70)  # outlasts the BLPOP (redis-py 8: 5 s)
     try:
         if client.blpop([f"{prefix}:ready"], timeout=60) is None:
             raise AssertionError(f"worker did not start:\n{worker.output()}")

@@ -34,7 +34,7 @@ def worker_app(redis_server: RedisServer) -> Iterator[Celery]:
     worker = WorkerProcess(redis_server.url, prefix, queue, "prefork", LIMIT + 1, "limited")
     worker.start()
     try:
-        ready = redis_server.client()
+        ready = redis_server.client(socket_timeout=70)  # outlasts the BLPOP (redis-py 8: 5 s)
         assert ready.blpop([f"{prefix}:ready"], timeout=60) is not None, worker.output()
         ready.close()
         app.worker = worker  # type: ignore[attr-defined]

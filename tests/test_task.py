@@ -61,7 +61,7 @@ def start_subprocess_workers(
         workers = [WorkerProcess(server.url, prefix, queue, "solo", 1, f"solo{i}") for i in range(count)]
     else:
         workers = [WorkerProcess(server.url, prefix, queue, "prefork", 2, "prefork")]
-    ready = redis.Redis.from_url(server.url)
+    ready = redis.Redis.from_url(server.url, socket_timeout=70)  # outlasts the BLPOP (redis-py 8: 5 s)
     for worker in workers:
         worker.start()
     for worker in workers:
@@ -318,6 +318,10 @@ def test_worker_shutdown_releases_the_locks_of_interrupted_tasks(
         wait_for(lambda: app.recorder.events(), what="the body to start")  # type: ignore[attr-defined]
         assert app.recorder.client.pttl(key) > 200_000  # type: ignore[attr-defined]
         worker.process.send_signal(getattr(signal, signal_name))  # type: ignore[union-attr]
+        if signal_name == "SIGTERM":  # a warm shutdown lets the body end; its lock is held until then
+            wait_for(lambda: "Warm shutdown" in worker.output(), what="the warm shutdown to begin")
+            assert app.recorder.client.pttl(key) > 200_000  # type: ignore[attr-defined]
+            app.recorder.open_gate(x)  # type: ignore[attr-defined]
         worker.process.wait(timeout=60)  # type: ignore[union-attr]
         assert not app.recorder.client.exists(key), worker.output()  # type: ignore[attr-defined]
     finally:
