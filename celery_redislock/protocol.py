@@ -123,9 +123,10 @@ def replaced_nesting(request: Any) -> int:
 
 
 def sent_attempt(options: Mapping[str, Any]) -> tuple[int, int]:
-    """(retries so far, replacement depth) of a message sent with ``options``: the attempt its
-    holders name (``try``, ``rep``). A message of a task id is later than another when it is a
-    replacement deeper, or as deep and a later retry."""
+    """(retries so far, replacement depth) of a message sent with ``options`` (or received with
+    these fields: a worker's ``request_dict``): the attempt its holders name (``try``, ``rep``).
+    A message of a task id is later than another when it is a replacement deeper, or as deep
+    and a later retry."""
     return int(options.get("retries") or 0), int(options.get("replaced_task_nesting") or 0)
 
 

@@ -43,7 +43,7 @@ from .connection import client_for
 from .enqueue import give_up_ticket
 from .inventory import leave_queue_of, release_held_by, settle_held_by
 from .lost_retry import LostRun, retrying
-from .protocol import holder_for, message_ticket
+from .protocol import holder_for, message_ticket, sent_attempt
 from .semaphore import release_permit_held_by
 from .task import task_lock_key
 from .telemetry import crash_released, log_fields
@@ -78,7 +78,7 @@ class LockedRequest(Request):
         ``Terminated`` or a time limit); noted, since the retry carries the message's enqueue lock."""
         pid = self._locking_pid()
         holder = None if pid is None else self._holder(pid)
-        with retrying(LostRun(self.id, self._retries(), holder)):  # its hold parked for it (lost_retry)
+        with retrying(LostRun(self.id, self._attempt()[0], holder)):  # its hold parked for it (lost_retry)
             retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
         self._retried_instead = bool(retried)
         return retried
@@ -158,17 +158,14 @@ class LockedRequest(Request):
                 extra=log_fields(task_id=self.id, outcome="left-to-lease"),
             )
 
-    def _retries(self) -> int:
-        """The retries of the task so far (the attempt this request runs)."""
-        return int(self.request_dict.get("retries") or 0)
-
-    def _replaced(self) -> int:
-        """How many runs of its task id the message replaced (``task.replace()``)."""
-        return int(self.request_dict.get("replaced_task_nesting") or 0)
+    def _attempt(self) -> tuple[int, int]:
+        """(retries so far, replacement depth) of this request's message: the attempt its run is."""
+        return sent_attempt(self.request_dict)
 
     def _holder(self, pid: int) -> str:
         """The holder the lock of this request's run names, run in the pool child ``pid``."""
-        return holder_for(self.id, self._retries(), self.hostname, pid, replaced=self._replaced())
+        retries, replaced = self._attempt()
+        return holder_for(self.id, retries, self.hostname, pid, replaced=replaced)
 
     def _delivered_for_good(self) -> bool:
         """Whether the message will not be delivered again: acknowledged (at receipt, or by Celery
@@ -201,7 +198,7 @@ class LockedRequest(Request):
             ticket = message_ticket(self.request_dict)  # the message's headers
             if ticket is not None and self._delivered_for_good():
                 gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
-                give_up_ticket(client, ticket, bool(self._retries() or self._replaced()), options, gone)
+                give_up_ticket(client, ticket, any(self._attempt()), options, gone)
             leave_queue_of(client, key, holder, options.limit)  # died waiting: the next waiter gets the wake
         except Exception:  # the main process's event loop must go on
             logger.exception(
