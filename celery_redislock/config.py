@@ -1,4 +1,5 @@
-"""Task options and app settings: resolved once, validated, frozen.
+"""Task options and app settings: resolved once, validated, frozen; and the key a run locks
+under them (``run_key``).
 
 A task's option ``lock_<x>`` comes from the task attribute (``@app.task(lock_<x>=...)``,
 a subclass, or ``task_annotations``), else from the app setting
@@ -14,7 +15,7 @@ import difflib
 import functools
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,8 +30,9 @@ from ._permit_scripts import MAX_LIMIT
 from ._urls import masked
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
 from .exceptions import LockConfigurationError
-from .keys import LockOn
+from .keys import LockOn, call_digest, lock_key
 from .modes import MODE_RULES, UNLOCKED, ModeRules
+from .protocol import received_arguments
 from .semaphore import permit_limit
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "LockOptions",
     "app_settings",
     "check_client",
+    "run_key",
     "task_options",
 ]
 
@@ -159,6 +162,27 @@ class AppSettings:
     def replication(self) -> dict[str, Any]:
         """The ``RedisLock`` arguments that ask for replica acknowledgements."""
         return {"replicas": self.replicas, "replica_timeout": self.replica_timeout} if self.replicas else {}
+
+
+def run_key(
+    task: Any,
+    options: LockOptions,
+    settings: AppSettings,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    sent: Mapping[str, Any] | None = None,
+) -> str:
+    """The key the run of ``task`` (its lock ``options``, its app's ``settings``) with ``args`` and
+    ``kwargs`` locks (``task_lock_key``); ``sent``: the options of a message sent with these
+    arguments (``{}``: the task's), else they are the run's own. ``LockKeyError`` names what
+    cannot be keyed."""
+    dump = getattr(task, "_dump_pydantic_arguments", None)  # pydantic=True (Celery >= 5.7)
+    if dump is not None:  # the models Celery sends as dicts, which the worker's run receives
+        args, kwargs = dump(args, kwargs)
+    if sent is not None and callable(options.on):  # called with what the worker's run will be
+        args, kwargs = received_arguments(task, args, kwargs, sent)
+    digest = call_digest(task.name, task.run, args, kwargs, options.on, settings.key_secret)
+    return lock_key(settings.prefix, task.name, digest)
 
 
 class _Problem:

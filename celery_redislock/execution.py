@@ -44,10 +44,10 @@ from ._process import current_pid
 from ._task_scripts import CLAIM, LET_GO, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
-from .config import AppSettings, LockOptions
+from .config import AppSettings, LockOptions, run_key
 from .connection import ClientUnavailable, client_for
 from .enqueue import enqueue_retry, give_up_ticket, superseded
-from .exceptions import LockNotReplicated, RedisLockError
+from .exceptions import LockKeyError, LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import (
     HEADER,
@@ -413,12 +413,20 @@ class Execution:
         return None
 
     def _settles(self) -> bool:
-        """Whether the mode keeps the lock for ``lock_period`` after the run: not for a retry that
-        ``apply()`` (or ``task_always_eager``) runs next, at once in this thread, with no message
-        to park the hold for: it takes the lock again, its period counted from then."""
+        """Whether the mode keeps the lock for ``lock_period`` after the run: not for a retry of
+        this key that ``apply()`` (or ``task_always_eager``) runs next, at once in this thread,
+        with no message to park the hold for: it takes the lock again, its period counted from
+        then. A retry with arguments of another key (or none it can key) leaves this one kept."""
         if not (self.options.rules.settles and self.options.period is not None):
             return False
-        return not (isinstance(self.unreturned, Retry) and getattr(self.request, "is_eager", False))
+        eager = getattr(self.request, "is_eager", False)
+        sig = getattr(self.unreturned, "sig", None) if eager and isinstance(self.unreturned, Retry) else None
+        if sig is None:  # no retry that apply() runs next
+            return True
+        try:
+            return run_key(self.task, self.options, self.settings, sig.args, sig.kwargs) != self.key
+        except LockKeyError:
+            return True
 
     def _released_later(self, lock: ExecutionLock) -> bool:
         """Send the release without waiting for its reply, where a worker's trace follows whose

@@ -22,14 +22,13 @@ from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.uuid import uuid
 
 from .busy import skipped
-from .config import AppSettings, LockOptions, app_settings, bound_options, task_options
+from .config import AppSettings, LockOptions, app_settings, bound_options, run_key, task_options
 from .django import OnCommit
 from .enqueue import enqueue
 from .exceptions import LockConfigurationError, LockKeyError, LockLost
 from .execution import Execution, continued_run, send_continuation
-from .keys import call_digest, lock_key
 from .lost_retry import lost_run
-from .protocol import HEADER, REPUBLISH, canvas_member, received_arguments
+from .protocol import HEADER, REPUBLISH, canvas_member
 from .receivers import RunRequests, after_run, free_unkeyed_ticket, install
 from .run_lock import ExecutionLock, raise_if_lost
 
@@ -54,26 +53,7 @@ def task_lock_key(
     callable is called with the arguments as that run receives them, through the task's
     serializer. Raises ``LockKeyError`` naming an argument that cannot be keyed.
     """
-    return _lock_key(task, *_bound_options(task), args or (), kwargs or {}, {})
-
-
-def _lock_key(
-    task: Task[Any, Any],
-    options: LockOptions,
-    settings: AppSettings,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    sent: Mapping[str, Any] | None = None,
-) -> str:
-    """``task_lock_key`` for a caller that has the task's ``_bound_options`` already; ``sent``: the
-    options of a message sent with these arguments (``{}``: the task's), else they are the run's."""
-    dump = getattr(task, "_dump_pydantic_arguments", None)  # pydantic=True (Celery >= 5.7)
-    if dump is not None:  # the models Celery sends as dicts, which the worker's run receives
-        args, kwargs = dump(args, kwargs)
-    if sent is not None and callable(options.on):  # called with what the worker's run will be
-        args, kwargs = received_arguments(task, args, kwargs, sent)
-    digest = call_digest(task.name, task.run, args, kwargs, options.on, settings.key_secret)
-    return lock_key(settings.prefix, task.name, digest)
+    return run_key(task, *_bound_options(task), args or (), kwargs or {}, {})
 
 
 def _bound_options(task: Task[Any, Any]) -> tuple[LockOptions, AppSettings]:
@@ -175,7 +155,7 @@ class LockedTask(OnCommit):
         their enqueue lock, or goes without it when held (``execution.send_continuation``). So
         does Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise."""
         lock_options, settings = _bound_options(self)
-        key = _lock_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
+        key = run_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)
@@ -235,7 +215,7 @@ class LockedTask(OnCommit):
         if request is None or request.called_directly or hasattr(request, "lock_key"):
             request = None
         try:
-            key = _lock_key(self, options, settings, args, kwargs)
+            key = run_key(self, options, settings, args, kwargs)
         except LockKeyError:  # in a worker, not at apply_async: its message's enqueue lock goes
             free_unkeyed_ticket(self, request, options)
             raise

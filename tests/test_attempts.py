@@ -276,6 +276,42 @@ def test_a_retry_with_arguments_of_a_free_key_holds_it_while_it_waits(app: Celer
     assert not client.exists(first_key)
 
 
+@pytest.mark.parametrize("how", ["apply", "task_always_eager"])
+def test_an_eager_retry_with_other_arguments_leaves_the_attempts_key_kept_for_its_period(
+    app: Celery, how: str
+) -> None:
+    """``until_expired`` under ``apply()`` (or ``task_always_eager``): an attempt retries with
+    other arguments, which ``apply()`` runs next in the same thread. The attempt's key is kept
+    for ``lock_period`` after its run, as after any run, and as a worker does: only a retry of
+    the same key, which takes the lock again at once, lets go of it. Before, every eager retry
+    let go, and the attempt's key was free at once (PTTL -2)."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="attempts.eager_moves_on",
+        lock_mode="until_expired",
+        lock_on=("x", "n"),
+        lock_period=60,
+    )
+    def moves_on(self: Any, x: str, n: int = 0) -> int:
+        if n == 0:
+            raise self.retry(args=(x, 1), countdown=0)
+        return n
+
+    x, client = fresh(), recorder(app).client
+    first_key, next_key = task_lock_key(moves_on, (x, 0)), task_lock_key(moves_on, (x, 1))
+    if how == "apply":
+        assert moves_on.apply((x,)).get() == 1
+    else:
+        app.conf.task_always_eager = True
+        assert moves_on.delay(x).get() == 1
+    assert 0 < client.pttl(first_key) <= 60_000
+    assert 0 < client.pttl(next_key) <= 60_000
+    client.delete(first_key, next_key)
+
+
 # -- each attempt owns its own hold -------------------------------------------------------------------
 
 
