@@ -17,7 +17,8 @@ which is also how an acquire describes its caller.
 A woken waiter finds one message in its wake list: ``"retry"`` (the lock is
 free: try again) or, for a fair waiter, the fence of the hold just handed to
 it. Whether a waiter is handed the lock depends on its own ``fair`` flag,
-whoever releases.
+whoever releases. A copy watching a run's hold (``WATCH``) is handed it at its
+release, or woken with ``"-1"`` when the run keeps it for its period (``SETTLE``).
 
 Every key written gets a TTL in the same command or script; nothing outlives
 its use. Times come from the Redis server clock (``TIME``), never a client's.
@@ -170,24 +171,34 @@ local function watch_hold(key, value, member)
 end
 """,
     """
--- Hands `value`, the hold of `key` its owner just released, to the copy that watches it
--- (WATCH) while that copy is queued, its fence kept, waking it with the fence followed by
--- `suffix`: the copy learns that the run let go of it. Returns whether it was handed over.
-local function hand_to_watcher(key, value, suffix)
-  if string.byte(value, 33) == 58 then return false end
+-- Wakes the copy that watches the hold `value` (WATCH) with `message`, while that copy is
+-- queued, taking it out of the queue. Returns the copy's waiter ttl (ms) and holder, or nil
+-- when no queued copy watches the hold.
+local function wake_watcher(value, message)
+  if string.byte(value, 33) == 58 then return nil end
   local watcher = string.sub(value, 33, 64)
   for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
     local ttl_ms, copy, _, holder = member_fields(member)
     if copy == watcher then
-      local fence = fence_of(value)
-      redis.call('SET', key, hold(copy, fence, holder), 'PX', ttl_ms)
       redis.call('ZREM', queue, member)
       redis.call('ZREM', deadlines, member)
-      wake(copy, string.format('%.0f', fence) .. suffix, ttl_ms)
-      return true
+      wake(copy, message, ttl_ms)
+      return ttl_ms, holder
     end
   end
-  return false
+  return nil
+end
+""",
+    """
+-- Hands `value`, the hold of `key` its owner just released, to the copy that watches it
+-- (WATCH) while that copy is queued, its fence kept, waking it with the fence followed by
+-- `suffix`: the copy learns that the run let go of it. Returns whether it was handed over.
+local function hand_to_watcher(key, value, suffix)
+  local fence = fence_of(value)
+  local ttl_ms, holder = wake_watcher(value, string.format('%.0f', fence) .. suffix)
+  if not ttl_ms then return false end
+  redis.call('SET', key, hold(string.sub(value, 33, 64), fence, holder), 'PX', ttl_ms)
+  return true
 end
 """,
     """

@@ -119,7 +119,8 @@ _WATCH = """
 -- WATCH. KEYS[1] lock; ARGV[1] the holder its hold must have (a run's), ARGV[2] the waiter
 -- member (see ``_scripts``) of a copy of that run's message, delivered again.
 -- The copy watches how the run's hold ends (`watch_hold`): the release of the hold hands it to
--- the copy, its fence kept (RELEASE); a hold running out is never handed over.
+-- the copy, its fence kept (RELEASE); a hold kept for its period wakes it (SETTLE); a hold
+-- running out is never handed over.
 -- Returns the hold's fence once marked, 0 if another copy watches it, else {PTTL, holder or
 -- false} (the run no longer holds it).
 local value = redis.call('GET', lock)
@@ -134,7 +135,8 @@ _SETTLE = """
 -- Keeps the hold, its run over, until `period` after it was taken (its fence is the server
 -- time in microseconds at the grant): owned by no token from then on (`keep_for`). A hold so kept
 -- with the fence ARGV[3] is this call's own, sent again by a client that lost the reply: kept
--- again. Returns the ms left (the TTL now set), 0 if the period is over (the caller
+-- again. A copy of the run's message that watches the hold (WATCH) is woken with '-1' (below).
+-- Returns the ms left (the TTL now set), 0 if the period is over (the caller
 -- releases), -1 if the token does not own the lock.
 local value = redis.call('GET', lock)
 if not (owns(value, ARGV[1]) or (owns(value, kept_token) and fence_of(value) == tonumber(ARGV[3]))) then
@@ -144,6 +146,15 @@ local now_ms = clock(redis.call('TIME'))
 local left = math.floor(fence_of(value) / 1000) + tonumber(ARGV[2]) - now_ms
 if left <= 0 then return 0 end
 keep_for(value, left)
+-- The common case (a hold no copy watches: no token after the owner's) ends here, before the
+-- helpers and companion names only a watched hold needs are set up.
+if string.byte(value, 33) == 58 then return left end
+"""
+
+_SETTLE_WATCHED = """
+-- The copy watching the hold learns at once that the run is over and keeps it, rather than wait
+-- for a renewal that never comes to take the run for alive.
+wake_watcher(value, '-1')
 return left
 """
 
@@ -287,6 +298,6 @@ DECLINE = Script(_DECLINE)
 DROP = Script(_DROP)
 PARK = Script(_PARK)
 REPLACE = Script(_REPLACE)
-SETTLE = Script(_SETTLE)
+SETTLE = Script(_SETTLE, _SETTLE_WATCHED)
 UNREPLACE = Script(_UNREPLACE)
 WATCH = Script(_WATCH)

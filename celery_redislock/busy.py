@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
@@ -34,7 +34,7 @@ from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .inventory import hold_of, release_token
 from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
-from .run_lock import ExecutionLock, acquired, adopt, release, watch
+from .run_lock import KEPT, ExecutionLock, acquired, adopt, release, watch
 
 __all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "skipped", "when_busy"]
 
@@ -245,10 +245,12 @@ def _stale_copy(found: Found) -> bool:
 def _redelivered(found: Found) -> bool:
     """A redelivered message (acks_late, visibility timeout, a dead consumer's messages), its lock
     held by its own first delivery: ignored while that delivery runs, and once it ended (at once
-    where the run keeps its hold for ``lock_period``); run if its worker died, or, where another
-    run of the key took the lock first, handled as any run that finds the lock busy."""
+    where the run keeps its hold for ``lock_period``, also when that happens as the copy watches
+    it); run if its worker died, or, where another run of the key took the lock first, handled
+    as any run that finds the lock busy."""
     task, lock = found.task, found.lock
-    if _kept_for_period(found):
+    fate = "kept" if _kept_for_period(found) else _first_delivery(found)
+    if fate == "kept":
         logger.info(
             "task %s[%s]: redelivered once its first delivery ran, which keeps lock %s for "
             "lock_period; ignored",
@@ -258,7 +260,7 @@ def _redelivered(found: Found) -> bool:
             extra=found.log_fields("busy-skip"),
         )
         raise Ignore()
-    if not _first_delivery_died(found):
+    if fate == "alive":
         logger.info(
             "task %s[%s]: redelivered while its first delivery runs; ignored",
             task.name,
@@ -298,60 +300,68 @@ def _kept_for_period(found: Found) -> bool:
     return value is not None and value.kept
 
 
+#: How a redelivered copy's first delivery stands (``_first_delivery``).
+_Fate = Literal["alive", "died", "kept"]
+
 #: Seconds: a hold found gone this close to the end of its lease, or later, may have run out.
 _MARGIN = 0.1
 
 
-def _first_delivery_died(found: Found) -> bool:
-    """Whether the first delivery holding the lock, ``found.ttl`` seconds from the end of its
-    lease, died: ``True`` once that lease ran out unrenewed (the lock is then held here, or
-    ``lock.busy`` names the run that took it first); ``False`` if the first delivery is alive
-    (it renewed the lease) or ended (it let go: it ran to its end, retried, or its pool child
-    died and the worker released for it).
+def _first_delivery(found: Found) -> _Fate:
+    """How the first delivery holding the lock, ``found.ttl`` seconds from the end of its lease,
+    stands: ``"kept"``, its run is over and keeps its hold for the rest of ``lock_period``;
+    ``"died"``, that lease ran out unrenewed (the lock is then held here, or ``lock.busy``
+    names the run that took it first); ``"alive"``, it renewed the lease, or let go of it (it
+    ran to its end in a mode that keeps nothing, retried, or its pool child died and the
+    worker released for it).
 
     This copy watches the hold (``run_lock.watch``): its release hands it over here, whoever
-    else waits for it, so a hold gone otherwise ran out (unless it went well before the end
-    of its lease, let go of otherwise). A live holder renews every ``lock_ttl/3``, so this
-    waits at most one renewal interval for a live holder, and the rest of the lease for a dead
-    one; it is woken at once by a release.
+    else waits for it, and a run that keeps it for its period wakes this copy, so a hold gone
+    otherwise ran out (unless it went well before the end of its lease, let go of otherwise).
+    A live holder renews every ``lock_ttl/3``, so this waits at most one renewal interval for a
+    live holder, and the rest of the lease for a dead one; it is woken at once by a release or
+    a keep.
     """
     ends = time.monotonic() + (found.ttl or 0.0)  # unless renewed
     interval = min(found.options.ttl / 3, ends - time.monotonic() - _MARGIN)
-    died = _watch(found, ends, time.monotonic() + interval) if interval > 0 else None
-    if died is None:  # not renewed for an interval: watch it until its lease ends
-        died = _watch(found, ends, ends + _MARGIN)
-    return bool(died)
+    fate = _watch(found, ends, time.monotonic() + interval) if interval > 0 else None
+    if fate is None:  # not renewed for an interval: watch it until its lease ends
+        fate = _watch(found, ends, ends + _MARGIN)
+    return fate or "alive"
 
 
-def _watch(found: Found, ends: float, until: float) -> bool | None:
+def _watch(found: Found, ends: float, until: float) -> _Fate | None:
     """Watch the first delivery's hold (with ``lock_limit`` above 1, its permit), its lease ending
-    at monotonic ``ends`` unless renewed, until monotonic ``until``: whether it died, as
-    ``_first_delivery_died`` says, or ``None`` when it still holds the lock, not renewed."""
+    at monotonic ``ends`` unless renewed, until monotonic ``until``: how it stands, as
+    ``_first_delivery`` says, or ``None`` when it still holds the lock, not renewed."""
     lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
     watched = watch(lock, found.holder or "", token)
     if watched == 0:
-        return False  # another copy of the message watches it, and acts on its end
+        return "alive"  # another copy of the message watches it, and acts on its end
     if watched is None:  # gone already
         return _ran_out(ends)
     fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it
+    if fence == KEPT:  # woken by the run keeping it, out of the queue
+        lock.servers.abandon(token, lock.member(token))  # where its first attempt queued it again
+        return "kept"
     if fence == watched:  # handed over by its release: the first delivery let go of it
         lock.servers.free(token)
-        return False
+        return "alive"
     if fence is not None:  # free, taken here
         lock.take_hold(token, fence, sent_at)
-        if _ran_out(ends):
-            return True
+        if _ran_out(ends) == "died":
+            return "died"
         release(found.task, lock, None, announce=False)  # let go of early: gone, never handed
-        return False
+        return "alive"
     holder, left = lock.busy
     if holder == found.holder:
-        return False if (left or 0.0) > ends - time.monotonic() + _MARGIN else None  # renewed: alive
+        return "alive" if (left or 0.0) > ends - time.monotonic() + _MARGIN else None  # renewed
     return _ran_out(ends)  # another run took it: it ran out, since it was not handed over
 
 
-def _ran_out(ends: float) -> bool:
-    """Whether a lease ending at monotonic ``ends`` may have run out by now."""
-    return time.monotonic() >= ends - _MARGIN
+def _ran_out(ends: float) -> _Fate:
+    """``"died"`` when a lease ending at monotonic ``ends`` may have run out by now, else ``"alive"``."""
+    return "died" if time.monotonic() >= ends - _MARGIN else "alive"
 
 
 @dataclass(frozen=True)

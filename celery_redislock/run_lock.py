@@ -37,6 +37,7 @@ from .watchdog import Lease
 
 __all__ = [
     "EMPTY_BLOCK",
+    "KEPT",
     "ExecutionLock",
     "acquired",
     "adopt",
@@ -53,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 #: The block of a body that needs no marking: ``nullcontext`` keeps no state, so one serves every run.
 EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
+
+#: What the copy watching a run's hold (``watch``) gets from ``lock.wait_as`` once woken, when the
+#: run is over and keeps its hold for the rest of ``lock_period`` (``LockValue.kept``).
+KEPT = -1
 
 
 class ExecutionLock(RedisLock):
@@ -223,9 +228,10 @@ def watch(lock: LeaseLock, holder: str, token: str) -> int | None:
     """Watch, as ``token``, how the hold of ``lock`` by ``holder`` ends (``WATCH``; a semaphore's
     permit, ``WATCH_PERMIT``), for a copy of the message whose first delivery has it: ``token``
     is queued for ``lock`` (wait with ``lock.wait_as(token, ...)``), and is handed the hold, its
-    fence kept, if it is released meanwhile; not if its lease runs out. Returns the hold's fence
-    once watched, 0 when another copy of the message watches it, ``None`` when ``holder`` no
-    longer holds it (``lock.busy`` then names who does, where known)."""
+    fence kept, if it is released meanwhile; woken with ``KEPT`` if the run ends and keeps it for
+    its period (``SETTLE``); neither if its lease runs out. Returns the hold's fence once watched,
+    0 when another copy of the message watches it, ``None`` when ``holder`` no longer holds it
+    (``lock.busy`` then names who does, where known)."""
     servers, member = lock.servers, lock.member(token)
     if isinstance(servers, Permits):
         reply = WATCH_PERMIT(lock.client, [lock.name], [holder, member, servers.book.limit])

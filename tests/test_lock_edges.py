@@ -14,15 +14,17 @@ from typing import Any
 import pytest
 import redis
 
+import celery_redislock.busy as busy
 import celery_redislock.lock as lock_module
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
+from celery_redislock._task_scripts import SETTLE
 from celery_redislock.attempt import waiter_member
 from celery_redislock.inventory import release_token
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import parse_value
-from celery_redislock.run_lock import watch
+from celery_redislock.protocol import KEPT_TOKEN, parse_value
+from celery_redislock.run_lock import KEPT, watch
 from celery_redislock.testing import RedisServer
 from tests.invariants import stored
 from tests.taskapp import LEASE, text
@@ -439,3 +441,59 @@ def test_a_watched_permit_goes_to_its_watcher_at_release_before_any_other_waiter
     assert other.owned()
     other.release()
     filler.release()
+
+
+def kept_for_its_period(client: redis.Redis, run: RedisLock) -> None:
+    """End ``run`` as an ``until_expired`` run ends: its hold kept for ``lock_period`` (``SETTLE``)."""
+    fence = run.fence
+    assert SETTLE(client, [run.name], [run.stop_renewing(), 600_000, fence or 0]) > 0
+    run.forget()
+
+
+def test_a_copy_watching_a_hold_is_woken_when_its_run_keeps_it_for_its_period(
+    fresh_server: RedisServer, prefix: str
+) -> None:
+    """The run a copy watches ends and keeps its hold for its period (``SETTLE``): the copy is
+    woken at once with ``KEPT``, out of the queue (not left waiting until its deadline, a
+    renewal interval, to take the kept hold for a live run's); the hold is kept unmarked."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run.acquire()
+    token, fence = secrets.token_hex(16), run.fence
+    assert watch(copy, RUN, token) == fence
+    got: list[int | None] = []
+    thread = threading.Thread(
+        target=lambda: got.append(copy.wait_as(token, time.monotonic() + 30, queued=True))
+    )
+    thread.start()
+    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the copy to wait for a wake")
+    kept_for_its_period(client, run)
+    thread.join()
+    assert got == [KEPT]
+    assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+def test_a_copy_woken_by_the_keep_before_its_first_attempt_leaves_the_queue(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run keeps its hold between the copy's ``WATCH`` and the copy's first attempt, which
+    queues the copy again (the keep took it out): the copy, woken, learns that the hold is kept
+    and leaves the queue, so that nothing of it is left (``busy._watch``)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run.acquire()
+    fence = run.fence
+
+    def watch_then_keep(lock: RedisLock, holder: str, token: str) -> int | None:
+        watched = watch(lock, holder, token)
+        kept_for_its_period(client, run)
+        return watched
+
+    monkeypatch.setattr(busy, "watch", watch_then_keep)
+    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, time.monotonic())  # type: ignore[arg-type]
+    assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "kept"
+    assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []

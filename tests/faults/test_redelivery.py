@@ -24,12 +24,11 @@ import time
 from typing import Any
 
 import pytest
-from kombu import Connection
 
 from celery_redislock import task_lock_key
-from celery_redislock.protocol import parse_value
+from celery_redislock.protocol import parse_value, text
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
-from tests.invariants import leftover_locks
+from tests.invariants import leftover_locks, stored
 from tests.workers import wait_for
 
 TRANSPORT = {"visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
@@ -39,17 +38,6 @@ TRANSPORT = {"visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_re
 NO_SWEEP = {"visibility_timeout": 3600}
 
 
-def redeliver(stage: Stage, task_id: str) -> None:
-    """Put ``task_id``'s unacknowledged message back in its queue now, as a worker's sweep does
-    once ``visibility_timeout`` has passed (kombu's own ``restore_by_tag``): that message only,
-    not a live worker's (a countdown's message, say, stays unacknowledged until it runs)."""
-    with Connection(stage.server.url) as connection:
-        channel: Any = connection.default_channel  # kombu's Redis channel, whose QoS restores
-        for tag, entry in stage.client.hgetall(channel.unacked_key).items():
-            if json.loads(entry)[0]["headers"]["id"] == task_id:
-                channel.qos.restore_by_tag(tag)
-
-
 def acks_late(ttl: float) -> dict[str, Any]:
     """A worker's settings: ``acks_late``, messages restored within a second, ``ttl`` leases."""
     return {"broker_transport_options": TRANSPORT, "task_acks_late": True, "redislock_ttl": ttl}
@@ -57,6 +45,20 @@ def acks_late(ttl: float) -> dict[str, Any]:
 
 #: The workers' lock_ttl: a redelivered twin watches a live holder's lease for lock_ttl/3.
 TTL = 1.5
+
+
+def redeliver(stage: Stage, task_id: str) -> None:
+    """Put the unacknowledged message of ``task_id`` back in its queue at once, as kombu's sweep
+    does after ``visibility_timeout`` (``restore_by_tag``: flagged ``redelivered``): that message
+    only, not a live worker's (a countdown's message, say, stays unacknowledged until it runs)."""
+    with stage.app.connection_for_write() as connection:
+        channel: Any = connection.default_channel  # kombu's Redis channel (``qos``: its acks)
+        qos = channel.qos
+        for tag, raw in stage.client.hgetall(qos.unacked_key).items():
+            if json.loads(raw)[0]["headers"]["id"] == task_id:
+                qos.restore_by_tag(text(tag))
+                return
+    raise AssertionError(f"no unacknowledged message of {task_id}")
 
 
 @pytest.mark.parametrize(
@@ -237,6 +239,38 @@ def test_a_message_redelivered_after_its_run_ended_is_ignored_while_its_lock_is_
     kept = parse_value(stage.client.get(key))
     assert kept is not None and kept.fence == int(start[5])  # the run's hold, kept for its period
     assert stage.client.pttl(key) > 60_000
+    stage.client.delete(key)
+    assert leftover_locks(stage.client, stage.prefix) == []  # the copy left nothing behind
+
+
+def test_a_copy_watching_its_first_delivery_learns_at_once_that_its_run_ended_and_kept_the_lock(
+    stage: Stage,
+) -> None:
+    """``until_expired``: a copy of the message, delivered again while its first delivery runs,
+    watches that run's hold (for ``lock_ttl/3``, 20 s here). The run ends and keeps its lock for
+    ``lock_period``: the copy is told so at once, and is ignored as a copy that arrives once
+    the run ended is (not, a renewal interval later, as one whose first delivery runs)."""
+    conf: dict[str, Any] = {"task_acks_late": True, "redislock_ttl": 60}  # restored by redeliver() alone
+    stage.worker("first", "prefork", 1, **conf)
+    x, task = fresh(), stage.task("until_expired")
+    key = task_lock_key(task, (x,), {"gate": True})
+    result = task.delay(x, gate=True)
+    start = stage.wait_events("start", x)[0]
+    twin = stage.worker("twin", "prefork", 1, **conf)
+    redeliver(stage, result.id)
+    wait_for(lambda: stored(stage.client, key)[32:33] != b":", what="the copy to watch the run's hold")
+    stage.recorder.open_gate(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    wait_for(lambda: "its first delivery" in twin.output(), timeout=60, what="the copy to decide")
+    assert "redelivered once its first delivery ran, which keeps lock" in twin.output(), twin.output()[-3000:]
+    assert "redelivered while its first delivery runs" not in twin.output()
+    wait_for(
+        lambda: stage.client.zcard("unacked_index") == 0 and stage.client.llen(stage.queue) == 0,
+        what="the copy to be acknowledged",
+    )
+    assert [event[3] for event in stage.events("start", x)] == [result.id]  # one run
+    kept = parse_value(stage.client.get(key))
+    assert kept is not None and kept.kept and kept.fence == int(start[5])  # the run's, kept
     stage.client.delete(key)
     assert leftover_locks(stage.client, stage.prefix) == []  # the copy left nothing behind
 
