@@ -213,7 +213,7 @@ _WATCH_PERMIT = """
 -- As WATCH, for the permit the run holds (`watch_hold`): its release (RELEASE_PERMIT) hands it
 -- to the copy, its fence kept, waking it with "<fence>:<i>"; a permit running out is not.
 -- Returns the permit's fence once marked, 0 if another copy watches it, {-2, false} if the run
--- holds no permit.
+-- holds no permit; -1, as WATCH, for a hold kept for its period (`watch_hold`), which no permit is.
 for i, value in ipairs(permits(tonumber(ARGV[3]))) do
   if value and holder_of(value) == ARGV[1] then return watch_hold(permit_prefix .. i, value, ARGV[2]) end
 end

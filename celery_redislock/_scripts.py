@@ -80,6 +80,11 @@ local function hold(token, fence, holder)
 end
 """,
     """
+-- The token of a hold kept for its period, its run over (`keep_for`): all zeros, which no random
+-- token is (``protocol.KEPT_TOKEN``).
+local kept_token = string.rep('0', 32)
+""",
+    """
 -- A waiter member "<ttl ms>:<token>:<fair 1|0>:<holder>" as its four fields.
 local function member_fields(member) return string.match(member, '^(%d+):(%x+):([01]):(.*)$') end
 """,
@@ -148,9 +153,11 @@ end
 -- token><copy's token>:<fence>:<holder>": ownership, fence and holder read as before), and
 -- queues the copy, as ACQUIRE 'wait' queues a waiter, so that the release of the hold, which
 -- then finds a waiter, hands it to the copy (`hand_to_watcher`); a hold running out is never
--- handed over. A hold marked for a copy still queued is left to that one.
--- Returns the hold's fence once marked, 0 if another copy watches it.
+-- handed over. A hold marked for a copy still queued is left to that one; a hold kept for its
+-- period (`kept_token`), its run over, is not watched.
+-- Returns the hold's fence once marked, 0 if another copy watches it, -1 if it is kept.
 local function watch_hold(key, value, member)
+  if owns(value, kept_token) then return -1 end
   local ttl_ms, token = member_fields(member)
   local watched = string.byte(value, 33) ~= 58
   if watched and string.sub(value, 33, 64) ~= token then
@@ -200,11 +207,6 @@ local function hand_to_watcher(key, value, suffix)
   redis.call('SET', key, hold(string.sub(value, 33, 64), fence, holder), 'PX', ttl_ms)
   return true
 end
-""",
-    """
--- The token of a hold kept for its period, its run over (`keep_for`): all zeros, which no random
--- token is (``protocol.KEPT_TOKEN``).
-local kept_token = string.rep('0', 32)
 """,
     """
 -- Keeps lock's hold `value`, its run over, for `ms` more (the rest of its period): owned by no

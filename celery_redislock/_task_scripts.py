@@ -121,8 +121,9 @@ _WATCH = """
 -- The copy watches how the run's hold ends (`watch_hold`): the release of the hold hands it to
 -- the copy, its fence kept (RELEASE); a hold kept for its period wakes it (SETTLE); a hold
 -- running out is never handed over.
--- Returns the hold's fence once marked, 0 if another copy watches it, else {PTTL, holder or
--- false} (the run no longer holds it).
+-- Returns the hold's fence once marked, 0 if another copy watches it, -1 if the run is over and
+-- its hold kept for its period (not watched), else {PTTL, holder or false} (the run no longer
+-- holds it).
 local value = redis.call('GET', lock)
 if not value or holder_of(value) ~= ARGV[1] then
   return {redis.call('PTTL', lock), holder_of(value) or false}
@@ -152,8 +153,8 @@ if string.byte(value, 33) == 58 then return left end
 """
 
 _SETTLE_WATCHED = """
--- The copy watching the hold learns at once that the run is over and keeps it, rather than wait
--- for a renewal that never comes to take the run for alive.
+-- The copy watching the hold learns at once that the run is over and keeps it (its WATCH would
+-- now answer -1), rather than wait for a renewal that never comes to take the run for alive.
 wake_watcher(value, '-1')
 return left
 """

@@ -32,7 +32,7 @@ from ._scripts import RENEW
 from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
-from .inventory import hold_of, release_token
+from .inventory import release_token
 from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
 from .run_lock import KEPT, ExecutionLock, acquired, adopt, release, watch
 
@@ -249,7 +249,7 @@ def _redelivered(found: Found) -> bool:
     it); run if its worker died, or, where another run of the key took the lock first, handled
     as any run that finds the lock busy."""
     task, lock = found.task, found.lock
-    fate = "kept" if _kept_for_period(found) else _first_delivery(found)
+    fate = _first_delivery(found)
     if fate == "kept":
         logger.info(
             "task %s[%s]: redelivered once its first delivery ran, which keeps lock %s for "
@@ -291,15 +291,6 @@ def _redelivered(found: Found) -> bool:
     return when_busy(replace(found, holder=holder, ttl=ttl))
 
 
-def _kept_for_period(found: Found) -> bool:
-    """Whether the first delivery's hold is kept for the rest of ``lock_period``, its run over
-    (``LockValue.kept``): one round trip, in a mode that keeps its lock so only."""
-    if not found.options.period_ms:
-        return False
-    value = hold_of(found.lock.client, found.lock.name, found.holder or "")
-    return value is not None and value.kept
-
-
 #: How a redelivered copy's first delivery stands (``_first_delivery``).
 _Fate = Literal["alive", "died", "kept"]
 
@@ -316,11 +307,11 @@ def _first_delivery(found: Found) -> _Fate:
     worker released for it).
 
     This copy watches the hold (``run_lock.watch``): its release hands it over here, whoever
-    else waits for it, and a run that keeps it for its period wakes this copy, so a hold gone
-    otherwise ran out (unless it went well before the end of its lease, let go of otherwise).
-    A live holder renews every ``lock_ttl/3``, so this waits at most one renewal interval for a
-    live holder, and the rest of the lease for a dead one; it is woken at once by a release or
-    a keep.
+    else waits for it, and a run that keeps it for its period wakes this copy (a kept hold is
+    never watched: the watch answers that at once), so a hold gone otherwise ran out (unless it
+    went well before the end of its lease, let go of otherwise). A live holder renews every
+    ``lock_ttl/3``, so this waits at most one renewal interval for a live holder, and the rest
+    of the lease for a dead one; it is woken at once by a release or a keep.
     """
     ends = time.monotonic() + (found.ttl or 0.0)  # unless renewed
     interval = min(found.options.ttl / 3, ends - time.monotonic() - _MARGIN)
@@ -336,6 +327,8 @@ def _watch(found: Found, ends: float, until: float) -> _Fate | None:
     ``_first_delivery`` says, or ``None`` when it still holds the lock, not renewed."""
     lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
     watched = watch(lock, found.holder or "", token)
+    if watched == KEPT:
+        return "kept"
     if watched == 0:
         return "alive"  # another copy of the message watches it, and acts on its end
     if watched is None:  # gone already

@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 #: The block of a body that needs no marking: ``nullcontext`` keeps no state, so one serves every run.
 EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
 
-#: What the copy watching a run's hold (``watch``) gets from ``lock.wait_as`` once woken, when the
-#: run is over and keeps its hold for the rest of ``lock_period`` (``LockValue.kept``).
+#: What ``watch`` returns, and what the watching copy's ``lock.wait_as`` returns once woken, when
+#: the run is over and keeps its hold for the rest of ``lock_period`` (``LockValue.kept``).
 KEPT = -1
 
 
@@ -230,8 +230,9 @@ def watch(lock: LeaseLock, holder: str, token: str) -> int | None:
     is queued for ``lock`` (wait with ``lock.wait_as(token, ...)``), and is handed the hold, its
     fence kept, if it is released meanwhile; woken with ``KEPT`` if the run ends and keeps it for
     its period (``SETTLE``); neither if its lease runs out. Returns the hold's fence once watched,
-    0 when another copy of the message watches it, ``None`` when ``holder`` no longer holds it
-    (``lock.busy`` then names who does, where known)."""
+    0 when another copy of the message watches it, ``KEPT`` when the run is over and keeps it
+    (nothing watched: one round trip), ``None`` when ``holder`` no longer holds it (``lock.busy``
+    then names who does, where known)."""
     servers, member = lock.servers, lock.member(token)
     if isinstance(servers, Permits):
         reply = WATCH_PERMIT(lock.client, [lock.name], [holder, member, servers.book.limit])

@@ -4,6 +4,7 @@ the lock handed to the worker, kept or released as each mode says."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -13,14 +14,19 @@ from functools import partial
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery, chain, chord, group
 from celery.result import GroupResult
 from celery.signals import after_task_publish, task_prerun
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, LockedTask, task_lock_key
+from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
+from celery_redislock._task_scripts import ADOPT, SETTLE, WATCH
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import HEADER, parse_holder, parse_value
+from celery_redislock.state import LockClient, app_state
+from celery_redislock.testing import RedisServer
 from tests.invariants import stored
 from tests.taskapp import recorder
 from tests.workers import runs_over, threads_worker, wait_for
@@ -629,3 +635,90 @@ def test_a_redelivered_copy_whose_first_delivery_ends_while_another_call_waits_d
         recorder(app).open_gate(x)
         assert other.get(timeout=RESULT_TIMEOUT) == x
     assert [event[3] for event in starts(app, x)] == [first.id, other.id]
+
+
+#: The scripts a task's lock sends, as ``CountingClient`` names them.
+SCRIPTS = {
+    "ACQUIRE": ACQUIRE,
+    "ADOPT": ADOPT,
+    "RELEASE": RELEASE,
+    "RENEW": RENEW,
+    "SETTLE": SETTLE,
+    "WATCH": WATCH,
+}
+SCRIPT_NAMES = {script.sha: name for name, script in SCRIPTS.items()}
+
+
+class CountingClient(redis.Redis):
+    """A lock client that notes each command it sends (a script by its name), from any thread."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[str] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.sent.append(SCRIPT_NAMES.get(args[1], "EVALSHA") if args[0] == "EVALSHA" else str(args[0]))
+        return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]  # unannotated
+
+
+@pytest.fixture
+def counting(app: Celery, redis_server: RedisServer) -> Iterator[CountingClient]:
+    """The app's lock client, counting; the scripts it names loaded (no NOSCRIPT to count)."""
+    client = CountingClient(host="127.0.0.1", port=redis_server.port)
+    for script in SCRIPTS.values():
+        client.script_load(script.source)
+    app_state(app).client = LockClient(os.getpid(), client, redis_server.url, False)
+    yield client
+    client.close()
+
+
+def test_a_copy_that_finds_its_runs_hold_kept_decides_with_one_script_call(
+    app: Celery, counting: CountingClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``until_expired``: a copy of the message delivered again once its run ended and kept the
+    lock for ``lock_period`` is ignored after its ``ADOPT`` (which any run sends) and one
+    ``WATCH``, which tells it the hold is kept: no read besides."""
+    x, task = fresh(), app.tasks["taskapp.until_expired"]
+    key = task_lock_key(task, (x,))
+    client = recorder(app).client
+    first = task.delay(x)
+    header = {HEADER: {"key": key, "token": stored(client, key)[:32].decode()}}
+    with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock.busy"):
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+        wait_for(lambda: parse_value(stored(client, key)).kept, what="the run to keep its lock")  # type: ignore[union-attr]
+        counting.sent.clear()
+        task.apply_async((x,), task_id=first.id, headers=header)  # type: ignore[arg-type]  # the message again
+        wait_for(lambda: "redelivered once its first delivery ran, which keeps lock" in caplog.text)
+        assert counting.sent == ["ADOPT", "WATCH"]
+    assert len(starts(app, x)) == 1
+    client.delete(key)
+
+
+def test_a_copy_watching_its_running_first_delivery_learns_at_once_that_it_ended_and_kept_the_lock(
+    app: Celery, counting: CountingClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``until_expired``: a copy of the message delivered again while its first delivery runs
+    watches that run's hold with its first script call after its ``ADOPT`` (``WATCH``, no read
+    before it). The run ends and keeps its lock for ``lock_period``: the copy is told so at once,
+    and is ignored as one that arrives once the run ended (not, ``lock_ttl/3`` later, as one
+    whose first delivery runs)."""
+    x, task = fresh(), app.tasks["taskapp.until_expired_long"]
+    key = task_lock_key(task, (x,), {"gate": True})
+    client = recorder(app).client
+    first = task.delay(x, gate=True)
+    header = {HEADER: {"key": key, "token": stored(client, key)[:32].decode()}}
+    with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock.busy"):
+        wait_for(lambda: starts(app, x))
+        counting.sent.clear()
+        task.apply_async((x,), {"gate": True}, task_id=first.id, headers=header)  # type: ignore[arg-type]
+        wait_for(lambda: stored(client, key)[32:33] != b":", what="the copy to watch the hold")
+        assert [name for name in counting.sent if name != "RENEW"][:2] == ["ADOPT", "WATCH"]
+        recorder(app).open_gate(x)
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+        wait_for(lambda: "its first delivery" in caplog.text, what="the copy to decide")
+        assert "redelivered once its first delivery ran, which keeps lock" in caplog.text
+        assert "redelivered while its first delivery runs" not in caplog.text
+    assert len(starts(app, x)) == 1
+    kept = parse_value(stored(client, key))
+    assert kept is not None and kept.kept
+    client.delete(key)

@@ -26,6 +26,7 @@ from celery_redislock.lock import companion_key
 from celery_redislock.protocol import KEPT_TOKEN, parse_value
 from celery_redislock.run_lock import KEPT, watch
 from celery_redislock.testing import RedisServer
+from tests.conftest import calls_since, command_calls
 from tests.invariants import stored
 from tests.taskapp import LEASE, text
 from tests.workers import renewed, wait_for
@@ -448,6 +449,27 @@ def kept_for_its_period(client: redis.Redis, run: RedisLock) -> None:
     fence = run.fence
     assert SETTLE(client, [run.name], [run.stop_renewing(), 600_000, fence or 0]) > 0
     run.forget()
+
+
+def test_a_hold_kept_for_its_period_is_not_watched(fresh_server: RedisServer, prefix: str) -> None:
+    """A run over keeps its hold for its period, owned by no token: a copy of its message learns
+    that from its ``WATCH`` alone (``KEPT``), one script call, which neither marks the hold nor
+    queues the copy."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    assert watch(copy, RUN, secrets.token_hex(16)) is None  # the scripts loaded: not counted below
+    client.script_load(SETTLE.source)
+    run.acquire()
+    before = command_calls(client)
+    kept_for_its_period(client, run)  # a hold no copy watches: the commands it always sent
+    assert calls_since(client, before) == {"evalsha": 1, "get": 1, "time": 1, "set": 1}
+    kept = stored(client, name)
+    before = command_calls(client)
+    assert watch(copy, RUN, secrets.token_hex(16)) == KEPT
+    assert calls_since(client, before) == {"evalsha": 1, "get": 1}
+    assert stored(client, name) == kept
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
 def test_a_copy_watching_a_hold_is_woken_when_its_run_keeps_it_for_its_period(
