@@ -702,7 +702,7 @@ def test_a_copy_watching_its_running_first_delivery_learns_at_once_that_it_ended
     before it). The run ends and keeps its lock for ``lock_period``: the copy is told so at once,
     and is ignored as one that arrives once the run ended (not, ``lock_ttl/3`` later, as one
     whose first delivery runs)."""
-    x, task = fresh(), app.tasks["taskapp.until_expired_long"]
+    x, task = fresh(), app.tasks["taskapp.until_expired"]
     key = task_lock_key(task, (x,), {"gate": True})
     client = recorder(app).client
     first = task.delay(x, gate=True)
