@@ -15,6 +15,9 @@ worker. A call that finds the lock held gets what ``lock_duplicate`` says:
 
 The retry of a run with other arguments (``enqueue_retry``) is never refused: it
 continues a message sent already. Finding the lock held, it is sent without it.
+Every ticket taken here is marked ``fresh`` in the message header: no run held it,
+so a message that never runs frees it (``give_up_ticket``), a retry's or a
+replacement's as a new call's, never keeping it as the hold of a run.
 
 Failure timeline: the lock is taken before the message is sent, for the
 token the message carries, drawn before the take. Any exception from the
@@ -53,6 +56,7 @@ from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated
 from .inventory import release_token
 from .lock import RedisLock
 from .protocol import (
+    FRESH,
     HEADER,
     canvas_member,
     holder_for,
@@ -148,7 +152,7 @@ def _send_locked(
         undo = _undo_for(lock_options, client, key, token)
         busy = take(task, client, key, ttl, holder, task_id, token)
         if busy is None:
-            headers[HEADER] = {"key": key, "token": token}
+            headers[HEADER] = {"key": key, "token": token, FRESH: True}  # no run held it
             sending = True
             return send(task_id), None
     except BaseException as exc:
@@ -282,11 +286,12 @@ def give_up_ticket(
     the token, and log it: ``"released"``, ``"settled"`` (kept for what is left of
     ``lock_period``), or ``None`` (not the token's, or not parked yet: marked).
 
-    ``continues``: the message continues a run, a retry or a replacement (``protocol.continues``),
-    whose hold, in a mode that parks one, may not be parked for it yet: ``DECLINE`` then marks
-    its token (for ``lock_queue_ttl``), and the park lets go of the hold instead. A parked
-    hold's run ran: it is kept for what is left of ``lock_period``, as after any run of an
-    ``until_expired`` task."""
+    ``continues``: the ticket may be the hold of the run the message continues, a retry or a
+    replacement (``protocol.request_continues_hold``: not an enqueue lock its send took
+    afresh, which is freed as a first message's), which, in a mode that parks one, may not be
+    parked for it yet: ``DECLINE`` then marks its token (for ``lock_queue_ttl``), and the park
+    lets go of the hold instead. A parked hold's run ran: it is kept for what is left of
+    ``lock_period``, as after any run of an ``until_expired`` task."""
     if not (continues and options is not None and options.rules.parks_for_retry):
         outcome = "released" if release_token(client, *ticket) else None
     else:

@@ -51,11 +51,11 @@ from .exceptions import LockKeyError, LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import (
     HEADER,
-    continues,
     holder_for,
     message_delay,
     parse_holder,
     replaced_nesting,
+    request_continues_hold,
     request_slot,
     request_ticket,
     sent_attempt,
@@ -300,7 +300,7 @@ class Execution:
         if not (adopts and ticket is not None and ticket[0] == self.key):
             return
         why = f"task {self.task.name}[{self.task_id}] failed before adopting its hold"
-        give_up_ticket(self.client, ticket, continues(self.request), self.options, why)
+        give_up_ticket(self.client, ticket, request_continues_hold(self.request), self.options, why)
 
     def take(self, lock: ExecutionLock) -> bool:
         """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):

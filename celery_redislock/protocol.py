@@ -14,7 +14,8 @@
 * A task's lock names its holder with ``holder_for`` (fields ``task``, ``try``,
   ``state``, ``node``, ``pid``); a ``RedisLock`` by default as ``"<host>:<pid>"``.
 * A message carries its enqueue lock (its *ticket*: key and token) in the
-  ``redislock`` header, and the beat slot it was sent for in ``redislock_beat``;
+  ``redislock`` header, marked ``fresh`` where its send took it (not a hold a run
+  parked for the message), and the beat slot it was sent for in ``redislock_beat``;
   its ``countdown``/``eta`` and ``expires`` are read as Celery's worker reads them
   (``message_delay``, ``seconds_until``), and its arguments as its run receives them
   (``received_arguments``).
@@ -33,6 +34,7 @@ from kombu import serialization
 
 __all__ = [
     "BEAT_HEADER",
+    "FRESH",
     "HEADER",
     "KEPT_TOKEN",
     "REPUBLISH",
@@ -40,12 +42,14 @@ __all__ = [
     "canvas_member",
     "continues",
     "holder_for",
+    "message_continues_hold",
     "message_delay",
     "message_ticket",
     "parse_holder",
     "parse_value",
     "received_arguments",
     "replaced_nesting",
+    "request_continues_hold",
     "request_slot",
     "request_ticket",
     "seconds_until",
@@ -55,6 +59,10 @@ __all__ = [
 
 #: The message header carrying a task's enqueue lock (key and token) to the worker.
 HEADER = "redislock"
+#: The field of a ``redislock`` header (``true``) marking its ticket as the enqueue lock its
+#: message's send took (``enqueue``), which no run held: never a hold a run parked for the message
+#: (``execution.send_continuation``, ``lost_retry``), whose header has no such field.
+FRESH = "fresh"
 #: The message header naming the beat slot a message was sent for (``celery_redislock.beat``):
 #: ``entry``, ``slot`` (its id), ``key`` (its marker), ``token``, ``ttl`` (ms, of a new
 #: marker), ``beat`` (the sender) and ``claimed`` (whether the sender claimed the slot).
@@ -135,6 +143,28 @@ def continues(request: Any) -> bool:
     autoretry) or a replacement (``task.replace()``), for which that run parks its hold, in the
     modes that keep the lock, rather than one sent by a new call."""
     return bool(getattr(request, "retries", None) or replaced_nesting(request))
+
+
+def request_continues_hold(request: Any) -> bool:
+    """Whether the ticket the message of ``request`` carries may be the hold of the run it
+    continues (``continues``), parked for it or to be parked, in the modes that park one: not a
+    ticket marked ``fresh``, the enqueue lock its send took afresh (a retry or replacement with
+    other arguments, ``enqueue.enqueue_retry``), which no run held. A ticket sent unmarked (by a
+    version before the mark) is read as such a hold, as it was then."""
+    headers = getattr(request, "headers", None)
+    fresh = _fresh(headers.get(HEADER) if headers else None) or _fresh(getattr(request, HEADER, None))
+    return continues(request) and not fresh
+
+
+def message_continues_hold(headers: Mapping[str, Any] | None) -> bool:
+    """``request_continues_hold`` for a message's ``headers`` (or a worker's ``request_dict``)."""
+    fields = headers or {}
+    return any(sent_attempt(fields)) and not _fresh(fields.get(HEADER))
+
+
+def _fresh(ticket: Any) -> bool:
+    """Whether a ``redislock`` header is marked ``fresh`` (``FRESH``)."""
+    return isinstance(ticket, Mapping) and ticket.get(FRESH) is True
 
 
 def _field(value: str) -> str:

@@ -35,7 +35,7 @@ from .beat import connect as connect_beat
 from .config import LockOptions, app_settings, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
-from .protocol import continues, message_ticket, request_ticket
+from .protocol import message_ticket, request_continues_hold, request_ticket
 from .state import app_state, running
 from .telemetry import log_fields
 
@@ -173,7 +173,7 @@ def free_unkeyed_ticket(task: Any, request: Any, options: LockOptions) -> None:
     ticket = request_ticket(request)
     if ticket is not None:
         why = f"task {task.name}[{request.id}] cannot compute its lock key"
-        _release_ticket_logged(task.app, ticket, why, continues(request), options)
+        _release_ticket_logged(task.app, ticket, why, request_continues_hold(request), options)
 
 
 def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:
@@ -193,7 +193,8 @@ def _free_revoked(
     if ticket is None or terminated or options is None:
         return
     why = f"task {sender.name}[{request.id}] {'expired' if expired else 'revoked'}"
-    _release_ticket_logged(sender.app, ticket, why, continues(request), options)  # the task's Context
+    continuation = request_continues_hold(request)  # ``request``: the task's Context
+    _release_ticket_logged(sender.app, ticket, why, continuation, options)
 
 
 def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
@@ -212,10 +213,10 @@ def _release_ticket_logged(
     continuation: bool = False,
     options: LockOptions | None = None,
 ) -> None:
-    """Free ``ticket`` for ``app`` (``enqueue.give_up_ticket``: a retry's or a replacement's,
-    ``continuation``, with its task's ``options``); nothing for an app switched off
-    (``redislock_enabled=False``), whose receivers are off but another app's, connected for
-    every app, are not."""
+    """Free ``ticket`` for ``app`` (``enqueue.give_up_ticket``: ``continuation``, maybe the hold
+    of the run a retry or a replacement continues, with its task's ``options``); nothing for an
+    app switched off (``redislock_enabled=False``), whose receivers are off but another app's,
+    connected for every app, are not."""
     try:
         if not app_settings(app).enabled:  # nothing of it connects
             return

@@ -43,7 +43,7 @@ from .connection import client_for
 from .enqueue import give_up_ticket
 from .inventory import leave_queue_of, release_held_by, settle_held_by
 from .lost_retry import LostRun, retrying
-from .protocol import holder_for, message_ticket, sent_attempt
+from .protocol import holder_for, message_continues_hold, message_ticket, sent_attempt
 from .semaphore import release_permit_held_by
 from .task import task_lock_key
 from .telemetry import crash_released, log_fields
@@ -198,7 +198,7 @@ class LockedRequest(Request):
             ticket = message_ticket(self.request_dict)  # the message's headers
             if ticket is not None and self._delivered_for_good():
                 gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
-                give_up_ticket(client, ticket, any(self._attempt()), options, gone)
+                give_up_ticket(client, ticket, message_continues_hold(self.request_dict), options, gone)
             leave_queue_of(client, key, holder, options.limit)  # died waiting: the next waiter gets the wake
         except Exception:  # the main process's event loop must go on
             logger.exception(

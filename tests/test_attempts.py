@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chord, group
+from celery.signals import task_revoked
 from redis.connection import AbstractConnection
 
 from celery_redislock import LockedTask, RedisLock, task_lock_key
@@ -28,12 +29,12 @@ from celery_redislock._scripts import RELEASE, RENEW, Script
 from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE
 from celery_redislock.inventory import read_lock, release_token
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import BEAT_HEADER, HEADER, holder_for, parse_holder, parse_value
+from celery_redislock.protocol import BEAT_HEADER, FRESH, HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
 from tests.invariants import stored
 from tests.taskapp import make_app, recorder
-from tests.workers import threads_worker, wait_for
+from tests.workers import runs_over, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
 
@@ -267,13 +268,70 @@ def test_a_retry_with_arguments_of_a_free_key_holds_it_while_it_waits(app: Celer
     message = client.lindex(idle, 0)
     assert isinstance(message, bytes)
     ticket = json.loads(message)["headers"][HEADER]
-    assert ticket == {"key": next_key, "token": held.token}
+    assert ticket == {"key": next_key, "token": held.token, FRESH: True}
     assert moves_away.delay(x, 1).id == first.id  # refused: the retry is queued
     assert client.llen(app.conf.task_default_queue) == 0
     client.delete(next_key, idle)
     if mode == "until_expired":  # kept for lock_period after its run
         client.delete(first_key)
     assert not client.exists(first_key)
+
+
+@pytest.mark.parametrize("how", ["retry", "replace"])
+@pytest.mark.parametrize("key", ["other", "same"])
+def test_a_revoked_retry_or_replacement_frees_a_key_no_run_held_and_keeps_a_parked_one(
+    app: Celery, how: str, key: str
+) -> None:
+    """``until_expired``: the task is revoked while attempt 0 runs; attempt 0 then retries (or
+    replaces itself) and the worker drops that message as it arrives (``task_revoked``).
+
+    * Other arguments (another key): the message took that key's enqueue lock afresh, which no
+      run ever held: it is freed, as a revoked ``delay()``'s is. Before, it was given up as a
+      hold parked by a run (``DECLINE``) and kept for ``lock_period`` from the send: no call of
+      those arguments could run within the period, though none ran.
+    * The same key: the hold attempt 0 parks for it is kept for what is left of the period
+      (attempt 0 ran), as after any run."""
+    started: list[str] = []
+    dropped: list[str] = []
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.revoked_{how}_{key}",
+        lock_mode="until_expired",
+        lock_on=("x", "n") if key == "other" else ("x",),
+        lock_period=60,
+    )
+    def step(self: Any, x: str, n: int = 0) -> int:
+        started.append(self.request.id)
+        recorder(app).wait_gate(x)
+        if how == "retry":
+            raise self.retry(args=(x, 1), countdown=0)
+        raise self.replace(step.si(x, 1))
+
+    def revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+        if sender is not None and sender.name == step.name:
+            dropped.append(request.id)
+
+    x, client = fresh(), recorder(app).client
+    first_key, next_key = task_lock_key(step, (x, 0)), task_lock_key(step, (x, 1))
+    assert (first_key == next_key) == (key == "same")
+    task_revoked.connect(revoked, weak=False)
+    try:
+        with threads_worker(app):
+            first = step.delay(x)
+            wait_for(lambda: started, what="attempt 0 to start")
+            assert app.control.revoke(first.id, reply=True, limit=1, timeout=10), "the worker did not answer"
+            recorder(app).open_gate(x)
+            wait_for(lambda: dropped == [first.id], what="the worker to drop the revoked message")
+            wait_for(lambda: runs_over(step.name), what="attempt 0 to let go")
+    finally:
+        task_revoked.disconnect(revoked)
+    assert started == [first.id]
+    assert 0 < client.pttl(first_key) <= 60_000, "attempt 0's key is not kept for its period"
+    client.delete(first_key)
+    assert not client.exists(next_key), f"left: {client.get(next_key)!r}, {client.pttl(next_key)} ms"
 
 
 @pytest.mark.parametrize("how", ["apply", "task_always_eager"])

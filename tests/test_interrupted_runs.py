@@ -40,7 +40,7 @@ import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.primitive
 import celery_redislock.run_lock
-from celery_redislock import task_lock_key
+from celery_redislock import LockedTask, task_lock_key
 from celery_redislock.exceptions import LockLost, LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
@@ -295,6 +295,59 @@ def test_a_soft_time_limit_before_adopt_is_sent_frees_the_hold_queued_for_the_me
             assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
         finally:
             recorder.delete(key)
+
+
+def test_a_soft_time_limit_before_a_retry_adopts_the_lock_of_its_other_arguments_frees_it(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_expired: attempt 0 retries with other arguments (another key), whose enqueue lock the
+    retry's message takes afresh, and the soft time limit lands before the retry's ``ADOPT`` is
+    sent (the entry of ``adopt``). No run ever held that key: it is freed, as a new call's
+    message's is. Before, it was given up as a hold parked by a run (``DECLINE``) and kept for
+    ``lock_period`` from the send. Attempt 0's key is kept for its period, as after any run."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="interrupted.retried_away",
+        lock_mode="until_expired",
+        lock_on=("x", "n"),
+        lock_period=60,
+    )
+    def retried_away(self: Any, x: int, n: int = 0) -> int:
+        if n == 0:
+            raise self.retry(args=(x, 1), countdown=0)
+        return n
+
+    x = uuid.uuid4().int % 10**9
+    first_key, next_key = task_lock_key(retried_away, (x, 0)), task_lock_key(retried_away, (x, 1))
+    adopt = celery_redislock.run_lock.adopt
+    fired: list[int] = []
+
+    def interrupted(lock: Any, token: str) -> Any:
+        if fired or lock.name != next_key:
+            return adopt(lock, token)
+        fired.append(1)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(celery_redislock.execution, "adopt", interrupted)
+    with recorder_of(app) as recorder:
+        try:
+            with postruns(retried_away) as done, threads_worker(app):
+                result = retried_away.delay(x)
+                with pytest.raises(SoftTimeLimitExceeded):
+                    result.get(timeout=RESULT_TIMEOUT)
+                wait_for(
+                    lambda: done.count(result.id) == 2 and runs_over(retried_away.name), what="both runs' end"
+                )
+            assert fired == [1]
+            assert 0 < recorder.pttl(first_key) <= 60_000, "attempt 0's key is not kept for its period"
+            assert not recorder.exists(next_key), (
+                f"left: {recorder.get(next_key)!r}, {recorder.pttl(next_key)} ms"
+            )
+        finally:
+            recorder.delete(first_key, next_key)
 
 
 def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_hold(
