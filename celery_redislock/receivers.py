@@ -12,8 +12,9 @@
 * ``worker_process_init``: note that this process is a prefork pool child
   (``lock_on_lost="terminate"`` stops only those);
 * ``task_revoked``, ``task_unknown``, ``task_rejected`` (the worker's main
-  process): a message that will never run frees the enqueue lock it carries; so does
-  one whose run cannot compute its key (``free_unkeyed_ticket``, called by the run);
+  process): a message that will never run frees the enqueue lock it carries (a retry or
+  a replacement gives up the hold its run parks for it: ``enqueue.give_up_ticket``); so
+  does one whose run cannot compute its key (``free_unkeyed_ticket``, called by the run);
 * the beat receivers (``celery_redislock.beat.connect``).
 
 Importing the package connects nothing: ``install`` runs when the first
@@ -26,6 +27,7 @@ import functools
 import logging
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from celery import signals as celery_signals
@@ -35,7 +37,7 @@ from .beat import connect as connect_beat
 from .config import LockOptions, app_settings, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
-from .protocol import message_ticket, request_continues_hold, request_ticket
+from .protocol import message_continues_hold, message_ticket, request_continues_hold, request_ticket
 from .state import app_state, running
 from .telemetry import log_fields
 
@@ -198,12 +200,25 @@ def _free_revoked(
 
 
 def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
-    """``task_unknown`` / ``task_rejected`` (worker main process): a message that will never
-    run frees the enqueue lock it carries."""
-    ticket = message_ticket(getattr(message, "headers", None))
-    app = getattr(sender, "app", None)
-    if ticket is not None and app is not None:
-        _release_ticket_logged(app, ticket, f"message for {name or 'an invalid task'} dropped")
+    """``task_unknown`` / ``task_rejected`` (worker main process; ``sender``: its consumer): a
+    message that will never run frees the enqueue lock it carries, or, a retry's or a
+    replacement's, gives up the hold of the run it continues (``give_up_ticket``), with its
+    task's options (the task its headers name, ``name`` for ``task_unknown``)."""
+    headers = getattr(message, "headers", None)
+    fields: Mapping[str, Any] = headers if isinstance(headers, Mapping) else {}
+    ticket, app = message_ticket(fields), getattr(sender, "app", None)
+    if ticket is None or app is None:
+        return
+    name = name or fields.get("task")
+    # The options of a task this app registers: a rejected message's (invalid, or of a content
+    # type the worker does not accept), or an unknown one's registered after the worker started.
+    # Of a task it does not register (another app's), the mode, period and queue ttl are unknown:
+    # no options, and the ticket is freed owner-checked as a new call's message's (a parked hold
+    # goes, an until_expired period cut short; one not parked yet is parked by its run, for no one,
+    # until its lock_queue_ttl) rather than marked declined for a mode that may never park.
+    task = app.tasks.get(name) if isinstance(name, str) else None
+    why = f"message for {name or 'an invalid task'} dropped"
+    _release_ticket_logged(app, ticket, why, message_continues_hold(fields), bound_options(task))
 
 
 def _release_ticket_logged(

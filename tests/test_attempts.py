@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chord, group
-from celery.signals import task_revoked
+from celery.signals import task_rejected, task_revoked
 from redis.connection import AbstractConnection
 
 from celery_redislock import LockedTask, RedisLock, task_lock_key
@@ -332,6 +332,75 @@ def test_a_revoked_retry_or_replacement_frees_a_key_no_run_held_and_keeps_a_park
     assert 0 < client.pttl(first_key) <= 60_000, "attempt 0's key is not kept for its period"
     client.delete(first_key)
     assert not client.exists(next_key), f"left: {client.get(next_key)!r}, {client.pttl(next_key)} ms"
+
+
+@pytest.mark.parametrize("when", ["before_the_park", "after_the_park"])
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_rejected_retry_gives_the_hold_parked_for_it_up(app: Celery, mode: str, when: str) -> None:
+    """Attempt 0 retries (the same key) with a serializer the worker does not accept (pickle): the
+    worker rejects the retry's message as it arrives (``ContentDisallowed``: ``task_rejected``),
+    before attempt 0 parks its hold for it (``retry(throw=False)``, attempt 0 going on until the
+    test lets it end), or after (the message waits in a queue no worker consumes until the test
+    moves it to the worker's). The hold is given up as for a revoked retry: ``until_executed``'s
+    is freed, ``until_expired``'s kept for what is left of ``lock_period`` (attempt 0 ran).
+    Before, the rejection freed the ticket as a first message's: an ``until_expired`` hold parked
+    already went (a call of the arguments could run again within the period), and one not parked
+    yet was parked by attempt 0 for the message that was gone, held for ``lock_queue_ttl``."""
+    idle = f"{app.conf.task_default_queue}-idle"  # no worker consumes it
+    started: list[str] = []
+    rejected: list[str] = []
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.rejected_{mode}_{when}",
+        lock_mode=mode,
+        lock_period=60 if mode == "until_expired" else None,
+    )
+    def step(self: Any, x: str) -> str:
+        started.append(self.request.id)
+        if when == "after_the_park":
+            raise self.retry(countdown=0, serializer="pickle", queue=idle)
+        self.retry(countdown=0, serializer="pickle", throw=False)
+        recorder(app).wait_gate(x)
+        return x
+
+    def on_rejected(sender: Any = None, message: Any = None, **_: Any) -> None:
+        if (message.headers or {}).get("task") == step.name:
+            rejected.append(message.headers["id"])
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(step, (x,))
+    task_rejected.connect(on_rejected, weak=False)
+    try:
+        with threads_worker(app):
+            first = step.delay(x)
+            wait_for(lambda: started, what="attempt 0 to start")
+            if when == "after_the_park":
+                wait_for(lambda: client.llen(idle) and runs_over(step.name), what="attempt 0 to park")
+                parked = parse_value(client.get(key))
+                assert parked is not None and parse_holder(parked.holder)["try"] == "1"
+                client.lmove(idle, app.conf.task_default_queue, "RIGHT", "LEFT")
+            # the package's receiver, connected before this one, has given the ticket up by then
+            wait_for(lambda: rejected == [first.id], what="the worker to reject the retry's message")
+            if when == "before_the_park":
+                recorder(app).open_gate(x)
+                wait_for(lambda: runs_over(step.name) and first.ready(), what="attempt 0 to end")
+    finally:
+        task_rejected.disconnect(on_rejected)
+    assert started == [first.id]
+    declined = list(client.scan_iter(match=companion_key(key, "declined:*")))
+    try:
+        if mode == "until_executed":
+            assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
+            assert declined == []
+        else:
+            kept = parse_value(client.get(key))
+            assert kept is not None and kept.kept, f"not kept: {client.get(key)!r}"
+            assert 0 < client.pttl(key) <= 60_000, f"kept for {client.pttl(key)} ms"
+    finally:
+        client.delete(key, idle, *declined)
 
 
 @pytest.mark.parametrize("how", ["apply", "task_always_eager"])
