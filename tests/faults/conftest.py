@@ -83,6 +83,17 @@ class Stage:
         assert process.poll() is None, f"worker {name} died:\n{worker.output()}"
         return worker
 
+    def restore_unacked(self) -> int:
+        """Put every message delivered and not yet acknowledged back in its queue, flagged
+        ``redelivered``, as kombu's ``visibility_timeout`` sweep does, at the moment the test
+        picks; how many."""
+        tags = self.client.hkeys("unacked")  # kombu's Redis transport: delivery tag -> message
+        with self.app.connection_for_write() as connection:
+            qos: Any = connection.default_channel.qos  # type: ignore[attr-defined]  # the Redis channel's
+            for tag in tags:
+                qos.restore_by_tag(tag)
+        return len(tags)
+
     def events(self, kind: str | None = None, x: object = None) -> list[list[str]]:
         return [
             event

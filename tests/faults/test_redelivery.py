@@ -81,7 +81,9 @@ def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run_again(
     )
     assert busy[0][4] == str(twin.pid) != start[4]  # the redelivered copy, in the other worker
     # The twin watches the lease for one renewal interval: renewed, so its first delivery is alive.
-    wait_for(lambda: "redelivered while its first delivery runs; ignored" in twin.output(), timeout=TTL)
+    wait_for(
+        lambda: "redelivered while its first delivery runs; ignored" in twin.output(), what="the twin ignored"
+    )
     stage.recorder.open_gate(x)
     assert result.get(timeout=RESULT_TIMEOUT) == x
     assert [event[3] for event in stage.events("start", x)] == [result.id]  # one run, no twin
@@ -118,18 +120,28 @@ def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_relea
 def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out(stage: Stage) -> None:
     """``acks_late`` promises a run for a message whose worker died mid-task. Its redelivery finds
     the lock still naming the same task and attempt, as a twin's would, but nobody renews it:
-    once the dead worker's lease has run out, the redelivered message runs."""
-    ttl = 5.0  # long enough for the redelivery to arrive while the dead worker's lease lasts
-    conf = acks_late(ttl)
+    once the dead worker's lease has run out, the redelivered message runs.
+
+    The survivor already consumes the queue when the worker dies, and the test puts the message
+    back as soon as it has died (kombu's sweep does it only ``visibility_timeout`` after the
+    delivery, here never): the copy reaches a running worker while the dead worker's lease
+    lasts, not whenever a survivor started after the death came up."""
+    ttl = 5.0
+    conf: dict[str, Any] = {
+        "task_acks_late": True,
+        "redislock_ttl": ttl,
+        "broker_transport_options": {"visibility_timeout": 3600},
+    }
     doomed = stage.worker("doomed", **conf)
     x, task = fresh(), stage.task("hold_skip")
     key = task_lock_key(task, (x,), {"gate": True})
     result = task.delay(x, gate=True)
     start = stage.wait_events("start", x)[0]
+    survivor = stage.worker("survivor", **conf)  # nothing to consume: the message is unacknowledged
     os.killpg(doomed.pid, signal.SIGKILL)
     doomed.process.wait(timeout=10)  # type: ignore[union-attr]
     runs_out = time.monotonic() + stage.client.pttl(key) / 1000
-    survivor = stage.worker("survivor", **conf)
+    assert stage.restore_unacked() == 1
     busy = stage.wait_events("busy", x)[0]
     assert float(busy[7]) < runs_out  # redelivered while the dead worker's lease lasted
     starts = stage.wait_events("start", x, 2, timeout=30)
