@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,6 +28,37 @@ from tests.workers import WorkerProcess, wait_for
 RESULT_TIMEOUT = 30
 
 
+class KeyEvents:
+    """What happens to one key, in the order Redis did it, however slow each process is: its
+    keyspace events (``set``, ``expire`` as a renewal's PEXPIRE, ``del``, ``expired``), with the
+    test's own marks among them (``mark``: a PUBLISH, after every command Redis has run)."""
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self.client, self.channel = client, f"__keyspace@0__:{key}"
+        client.config_set("notify-keyspace-events", "Kg$x")  # the stage's server is the test's own
+        self.pubsub = client.pubsub()  # type: ignore[no-untyped-call]  # untyped in redis-py
+        self.pubsub.subscribe(self.channel)
+        wait_for(lambda: self.pubsub.get_message(timeout=0.01), what="the subscription")
+        self.seen: list[str] = []
+
+    def mark(self, label: str) -> None:
+        self.client.publish(self.channel, label)
+
+    def until(self, done: Callable[[list[str]], bool], what: str) -> list[str]:
+        """Every event so far, once ``done`` says they are enough."""
+
+        def enough() -> bool:
+            while (message := self.pubsub.get_message(timeout=0.01)) is not None:
+                self.seen.append(message["data"].decode())
+            return done(self.seen)
+
+        wait_for(enough, what=lambda: f"{what}; the key's events: {self.seen}")
+        return self.seen
+
+    def close(self) -> None:
+        self.pubsub.close()
+
+
 class Stage:
     """A fault test's world: ``server``, ``app`` (the test side), workers, events."""
 
@@ -39,6 +70,7 @@ class Stage:
         self.recorder: Recorder = self.app.recorder  # type: ignore[attr-defined]
         self.client: redis.Redis = self.recorder.client
         self.workers: list[WorkerProcess] = []
+        self.watched: list[KeyEvents] = []
 
     def task(self, name: str) -> Any:
         return self.app.tasks[f"taskapp.{name}"]
@@ -82,6 +114,11 @@ class Stage:
         )
         assert process.poll() is None, f"worker {name} died:\n{worker.output()}"
         return worker
+
+    def key_events(self, key: str) -> KeyEvents:
+        """The events of ``key`` from now on (``KeyEvents``), until the test ends."""
+        self.watched.append(KeyEvents(self.client, key))
+        return self.watched[-1]
 
     def restore_unacked(self) -> int:
         """Put every message delivered and not yet acknowledged back in its queue, flagged
@@ -134,6 +171,8 @@ def stage(fresh_server: RedisServer, prefix: str) -> Iterator[Stage]:
         yield stage
     finally:
         stage.stop_workers()
+        for events in stage.watched:
+            events.close()
         stage.app.close()
         sampler.stop()
 

@@ -87,23 +87,24 @@ def test_sigkill_of_a_pool_child_frees_an_adopted_enqueue_lock(stage: Stage) -> 
 
 @pytest.mark.parametrize("pool", ["solo", "prefork"])
 def test_sigkill_of_the_whole_worker_frees_the_lock_within_lock_ttl(stage: Stage, pool: str) -> None:
+    """Nobody frees a dead worker's lock and nothing renews it: its lease (``lock_ttl``) runs out,
+    and the duplicate waiting on another worker takes it then. The key's events say so however
+    slow each process is: taken, renewed, never deleted, expired, then taken by the duplicate."""
     ttl = 2.0
     doomed = stage.worker("doomed", pool, 2 if pool == "prefork" else 1, queue="doomed", redislock_ttl=ttl)
     stage.worker("survivor", queue="survivor", redislock_ttl=ttl)
     x, task = fresh(), stage.task("hold_wait")
     key = task_lock_key(task, (x,), {"gate": True})
+    events = stage.key_events(key)
     task.apply_async((x,), {"gate": True}, queue="doomed")
     stage.wait_events("start", x)
     os.killpg(doomed.pid, signal.SIGKILL)  # the main process and its pool children
-    killed_at = time.monotonic()
     doomed.process.wait(timeout=10)  # type: ignore[union-attr]
-    left = stage.client.pttl(key) / 1000
-    assert 0 < left <= ttl  # nobody freed it; at most one lease is left, and nothing renews it
     second = task.apply_async((x,), {"gate": True}, queue="survivor")  # waits for the lease to run out
     starts = stage.wait_events("start", x, 2)
-    took = float(starts[1][7]) - killed_at
-    assert left - 0.1 <= took <= ttl + 1.0, f"the duplicate ran {took:.2f}s after the kill"
-    assert int(starts[1][5]) > int(starts[0][5])
+    assert starts[1][3] == second.id and int(starts[1][5]) > int(starts[0][5])
+    seen = events.until(lambda seen: seen.count("set") == 2, "the duplicate to take the lock")
+    assert [event for event in seen if event != "expire"] == ["set", "expired", "set"], seen
     stage.recorder.open_gate(x)
     assert second.get(timeout=RESULT_TIMEOUT) == x
 
