@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from celery_redislock import task_lock_key
+from celery_redislock.lock import companion_key
 from celery_redislock.protocol import parse_value, text
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.invariants import leftover_locks, stored
@@ -92,13 +93,15 @@ def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run_again(
 
 
 def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_released(stage: Stage) -> None:
-    """The twin watches its first delivery's lease for one renewal interval; the first delivery
-    ends and releases meanwhile, so the twin's probe acquisition gets the lock and gives it back
-    at once. That probe was never a run: ``lock_released`` is sent once, by the first delivery."""
-    ttl = 6.0  # the twin watches for ttl/3 = 2 s: time for the test to end the first delivery
-    conf = acks_late(ttl)
+    """The twin watches its first delivery's hold (queued for it), and the first delivery ends
+    meanwhile: its release hands the hold to the twin, which lets go of it at once. That hold was
+    never a run's: ``lock_released`` is sent once, by the first delivery. A 300 s lease: the
+    twin watches for a renewal interval (100 s), so the first delivery ends while it watches,
+    however slow either worker is."""
+    conf = acks_late(300)
     first = stage.worker("first", **conf)
     x, task = fresh(), stage.task("hold_skip")
+    key = task_lock_key(task, (x,), {"gate": True})
     result = task.delay(x, gate=True)
     stage.wait_events("start", x)
     twin = stage.worker("twin", **conf)
@@ -107,13 +110,15 @@ def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_relea
         timeout=20,
         what="kombu to redeliver the message to the second worker",
     )
-    stage.recorder.open_gate(x)  # the first delivery ends while the twin watches its lease
+    wait_for(lambda: stage.client.zcard(companion_key(key, "queue")), what="the twin to watch the hold")
+    stage.recorder.open_gate(x)  # the first delivery ends while the twin watches its hold
     assert result.get(timeout=RESULT_TIMEOUT) == x
-    wait_for(lambda: "its first delivery" in twin.output(), timeout=ttl, what="the twin to decide")
+    wait_for(lambda: "its first delivery" in twin.output(), what="the twin to decide")
     assert "redelivered while its first delivery runs; ignored" in twin.output()
     # lock_released comes after the result is stored (LockedTask.after_return): wait for it
     released = stage.wait_events("released", x)
-    assert [event[4] for event in released] == [str(first.pid)], released
+    wait_for(lambda: not stage.client.exists(key), what="the twin to let go of the hold")
+    assert [event[4] for event in stage.events("released", x)] == [str(first.pid)], released
     assert [event[3] for event in stage.events("start", x)] == [result.id]
 
 
