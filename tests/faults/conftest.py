@@ -22,7 +22,7 @@ from celery import Celery
 
 from celery_redislock.testing import RedisServer
 from tests.invariants import Sampler
-from tests.taskapp import Recorder, make_app
+from tests.taskapp import Recorder, make_app, text
 from tests.workers import WorkerProcess, wait_for
 
 RESULT_TIMEOUT = 30
@@ -120,16 +120,18 @@ class Stage:
         self.watched.append(KeyEvents(self.client, key))
         return self.watched[-1]
 
-    def restore_unacked(self) -> int:
-        """Put every message delivered and not yet acknowledged back in its queue, flagged
-        ``redelivered``, as kombu's ``visibility_timeout`` sweep does, at the moment the test
-        picks; how many."""
-        tags = self.client.hkeys("unacked")  # kombu's Redis transport: delivery tag -> message
+    def redeliver(self, task_id: str) -> None:
+        """Put the unacknowledged message of ``task_id`` back in its queue at once, flagged
+        ``redelivered``, as kombu's ``visibility_timeout`` sweep does (``restore_by_tag``), at the
+        moment the test picks: that message only, not a live worker's (a countdown's message,
+        say, stays unacknowledged until it runs)."""
         with self.app.connection_for_write() as connection:
             qos: Any = connection.default_channel.qos  # type: ignore[attr-defined]  # the Redis channel's
-            for tag in tags:
-                qos.restore_by_tag(tag)
-        return len(tags)
+            for tag, raw in self.client.hgetall(qos.unacked_key).items():
+                if json.loads(raw)[0]["headers"]["id"] == task_id:
+                    qos.restore_by_tag(text(tag))
+                    return
+        raise AssertionError(f"no unacknowledged message of {task_id}")
 
     def events(self, kind: str | None = None, x: object = None) -> list[list[str]]:
         return [

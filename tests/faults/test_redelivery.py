@@ -17,7 +17,6 @@ republishes the same message by hand; this lets kombu redeliver it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from celery_redislock import task_lock_key
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import parse_value, text
+from celery_redislock.protocol import parse_value
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.invariants import leftover_locks, stored
 from tests.workers import wait_for
@@ -46,20 +45,6 @@ def acks_late(ttl: float) -> dict[str, Any]:
 
 #: The workers' lock_ttl: a redelivered twin watches a live holder's lease for lock_ttl/3.
 TTL = 1.5
-
-
-def redeliver(stage: Stage, task_id: str) -> None:
-    """Put the unacknowledged message of ``task_id`` back in its queue at once, as kombu's sweep
-    does after ``visibility_timeout`` (``restore_by_tag``: flagged ``redelivered``): that message
-    only, not a live worker's (a countdown's message, say, stays unacknowledged until it runs)."""
-    with stage.app.connection_for_write() as connection:
-        channel: Any = connection.default_channel  # kombu's Redis channel (``qos``: its acks)
-        qos = channel.qos
-        for tag, raw in stage.client.hgetall(qos.unacked_key).items():
-            if json.loads(raw)[0]["headers"]["id"] == task_id:
-                qos.restore_by_tag(text(tag))
-                return
-    raise AssertionError(f"no unacknowledged message of {task_id}")
 
 
 @pytest.mark.parametrize(
@@ -146,7 +131,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     os.killpg(doomed.pid, signal.SIGKILL)
     doomed.process.wait(timeout=10)  # type: ignore[union-attr]
     runs_out = time.monotonic() + stage.client.pttl(key) / 1000
-    assert stage.restore_unacked() == 1
+    stage.redeliver(result.id)
     busy = stage.wait_events("busy", x)[0]
     assert float(busy[7]) < runs_out  # redelivered while the dead worker's lease lasted
     starts = stage.wait_events("start", x, 2, timeout=30)
@@ -189,7 +174,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     doomed.process.wait(timeout=10)  # type: ignore[union-attr]
     other = task.apply_async((x,), {"gate": True}, queue="other")
     stage.wait_events("busy", x)  # the other call waits for the dead worker's lease
-    redeliver(stage, first.id)
+    stage.redeliver(first.id)
     wait_for(lambda: [event for event in stage.events("busy", x) if event[3] == first.id], what="the copy")
     assert len(stage.events("start", x)) == 1  # the copy found the dead worker's lease
     os.killpg(survivor.pid, signal.SIGSTOP)  # the copy waits; the other call wins the race
@@ -267,14 +252,14 @@ def test_a_copy_watching_its_first_delivery_learns_at_once_that_its_run_ended_an
     watches that run's hold (for ``lock_ttl/3``, 20 s here). The run ends and keeps its lock for
     ``lock_period``: the copy is told so at once, and is ignored as a copy that arrives once
     the run ended is (not, a renewal interval later, as one whose first delivery runs)."""
-    conf: dict[str, Any] = {"task_acks_late": True, "redislock_ttl": 60}  # restored by redeliver() alone
+    conf: dict[str, Any] = {"task_acks_late": True, "redislock_ttl": 60}  # put back by the test only
     stage.worker("first", "prefork", 1, **conf)
     x, task = fresh(), stage.task("until_expired")
     key = task_lock_key(task, (x,), {"gate": True})
     result = task.delay(x, gate=True)
     start = stage.wait_events("start", x)[0]
     twin = stage.worker("twin", "prefork", 1, **conf)
-    redeliver(stage, result.id)
+    stage.redeliver(result.id)
     wait_for(lambda: stored(stage.client, key)[32:33] != b":", what="the copy to watch the run's hold")
     stage.recorder.open_gate(x)
     assert result.get(timeout=RESULT_TIMEOUT) == x
@@ -336,7 +321,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     doomed.process.wait(timeout=10)  # type: ignore[union-attr]
     third = task.apply_async((x,), {"gate": True}, queue="other")
     wait_for(lambda: [event for event in stage.events("busy", x) if event[3] == third.id], what="a retry")
-    redeliver(stage, first.id)
+    stage.redeliver(first.id)
     wait_for(lambda: [event for event in stage.events("busy", x) if event[3] == first.id], what="the copy")
     assert len(stage.events("start", x)) == 2  # the copy found the dead worker's permit
     os.killpg(survivor.pid, signal.SIGSTOP)  # the copy waits; the third call wins the race
