@@ -201,7 +201,8 @@ def test_release_key_frees_a_running_tasks_lock_and_its_watchdog_reports_the_los
         lambda: any(e[0] == "noticed" and e[2] == x for e in setup.recorder.events()),
         what="the watchdog to report the loss",
     )
-    assert f"lock '{key}' lost (not owned)" in setup.worker.output()
+    # logged by the watchdog's reporting thread, which may come after the body saw the loss
+    wait_for(lambda: f"lock '{key}' lost (not owned)" in setup.worker.output(), what="the loss logged")
     setup.recorder.open_gate(x)
     assert result.get(timeout=RESULT_TIMEOUT) == x
 
