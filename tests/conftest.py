@@ -156,7 +156,11 @@ def _shared_tasks_stay_in_their_test() -> Iterator[None]:
 
 def command_calls(client: redis.Redis) -> dict[str, int]:
     """Calls per command so far (INFO commandstats), less the INFO calls themselves."""
-    stats = client.info("commandstats")
+    return calls_in(client.info("commandstats"))
+
+
+def calls_in(stats: dict[str, Any]) -> dict[str, int]:
+    """``command_calls`` from a reply of INFO commandstats (one sent in a transaction, say)."""
     return {
         name.removeprefix("cmdstat_"): int(value["calls"])
         for name, value in stats.items()

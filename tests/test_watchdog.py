@@ -22,7 +22,7 @@ from celery_redislock._scripts import RENEW
 from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import Lease, get_watchdog
-from tests.conftest import Topology, calls_since, command_calls
+from tests.conftest import Topology, calls_in, calls_since, command_calls
 from tests.taskapp import LEASE, make_app
 from tests.workers import renewed, threads_worker, wait_for
 
@@ -54,8 +54,10 @@ def test_a_deleted_key_is_reported_lost_within_one_interval(
     client.script_load(RENEW.source)  # so that the count below is of renewals only
     lock = RedisLock(client, f"{prefix}:k", ttl=0.6)
     lock.acquire()
-    client.delete(f"{prefix}:k")
-    before = command_calls(client)
+    with client.pipeline(transaction=True) as deletion:  # counted from the deletion on, atomically
+        deletion.delete(f"{prefix}:k")
+        deletion.info("commandstats")
+        before = calls_in(deletion.execute()[1])
     assert lock.lost.wait(5)
     # The very next renewal (they run every ttl/3) found the key gone: one script call.
     assert calls_since(client, before).get("evalsha") == 1
