@@ -94,6 +94,25 @@ def interrupt_first_call(monkeypatch: pytest.MonkeyPatch, owner: type, name: str
     return fired
 
 
+def interrupt_first_adopt(
+    monkeypatch: pytest.MonkeyPatch, module: Any, key: str, holder_part: str = ""
+) -> list[int]:
+    """Make the first ``run_lock.adopt`` that ``module`` calls on the lock ``key``, for a hold
+    whose holder names ``holder_part``, raise ``SoftTimeLimitExceeded`` at its entry (before
+    ``ADOPT`` is sent); the returned list gets an item when it did."""
+    adopt = celery_redislock.run_lock.adopt
+    fired: list[int] = []
+
+    def interrupted(lock: Any, token: str) -> Any:
+        if fired or lock.name != key or holder_part not in (lock.holder or ""):
+            return adopt(lock, token)
+        fired.append(1)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(module, "adopt", interrupted)
+    return fired
+
+
 def run_interrupted(app: Celery, task: Any, x: int) -> None:
     """Run ``task(x)`` on an in-process worker: it fails with the soft time limit; returns once
     its ``task_postrun`` is over."""
@@ -278,16 +297,7 @@ def test_a_soft_time_limit_before_adopt_is_sent_frees_the_hold_queued_for_the_me
     re-tokened: ``test_a_soft_time_limit_as_an_adopted_hold_is_recorded_...``.)"""
     task = define(app, "adopt_interrupted", lock_mode="until_executed")
     key = task_lock_key(task, (8,))
-    adopt = celery_redislock.run_lock.adopt
-    fired: list[int] = []
-
-    def interrupted(lock: Any, token: str) -> Any:
-        if fired or lock.name != key:
-            return adopt(lock, token)
-        fired.append(1)
-        raise SoftTimeLimitExceeded()
-
-    monkeypatch.setattr(celery_redislock.execution, "adopt", interrupted)
+    fired = interrupt_first_adopt(monkeypatch, celery_redislock.execution, key)
     with recorder_of(app) as recorder:
         try:
             run_interrupted(app, task, 8)
@@ -322,16 +332,7 @@ def test_a_soft_time_limit_before_a_retry_adopts_the_lock_of_its_other_arguments
 
     x = uuid.uuid4().int % 10**9
     first_key, next_key = task_lock_key(retried_away, (x, 0)), task_lock_key(retried_away, (x, 1))
-    adopt = celery_redislock.run_lock.adopt
-    fired: list[int] = []
-
-    def interrupted(lock: Any, token: str) -> Any:
-        if fired or lock.name != next_key:
-            return adopt(lock, token)
-        fired.append(1)
-        raise SoftTimeLimitExceeded()
-
-    monkeypatch.setattr(celery_redislock.execution, "adopt", interrupted)
+    fired = interrupt_first_adopt(monkeypatch, celery_redislock.execution, next_key)
     with recorder_of(app) as recorder:
         try:
             with postruns(retried_away) as done, threads_worker(app):
@@ -359,16 +360,7 @@ def test_a_soft_time_limit_as_a_retry_adopts_the_hold_parked_for_it_frees_that_h
     that hold any more: it goes, rather than refusing every ``delay()`` for ``lock_queue_ttl``."""
     x, task = uuid.uuid4().hex[:10], app.tasks["taskapp.retry_once"]
     key = task_lock_key(task, (x,), {"how": "no_throw"})
-    adopt = celery_redislock.run_lock.adopt
-    fired: list[int] = []
-
-    def interrupted(lock: Any, token: str) -> Any:
-        if fired or lock.name != key or "try=1" not in (lock.holder or ""):
-            return adopt(lock, token)
-        fired.append(1)
-        raise SoftTimeLimitExceeded()
-
-    monkeypatch.setattr(celery_redislock.busy, "adopt", interrupted)
+    fired = interrupt_first_adopt(monkeypatch, celery_redislock.busy, key, "try=1")
     with recorder_of(app) as recorder:
         run_retry_handed_its_parked_hold(app, task, x)
         assert fired == [1]
