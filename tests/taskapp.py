@@ -122,11 +122,9 @@ class Recorder:
         return False
 
     def idle(self, x: object, seconds: float) -> None:
-        """A body's own duration, in cooperative I/O: BLPOPs on a gate never opened, of at most
-        a second each and at least 10 ms (Redis reads a timeout under 1 ms as 0: block forever)."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            self.client.blpop([self.gate_key(f"never-{x}")], timeout=min(max(left, 0.01), 1.0))
+        """A body's own duration, in cooperative I/O: a BLPOP on a gate never opened, of at least
+        10 ms (Redis reads a timeout under 1 ms as 0: block forever)."""
+        self.client.blpop([self.gate_key(f"never-{x}")], timeout=max(seconds, 0.01))
 
     def open_gate(self, x: object, times: int = 1) -> None:
         self.push(self.gate_key(x), *["open"] * times)
