@@ -56,6 +56,9 @@ class Found:
     ttl: float | None
     #: monotonic time of the run's first acquire attempt
     started: float
+    #: monotonic time ``holder`` and ``ttl`` were read: the hold's lease ends ``ttl`` s after it,
+    #: however long the ``lock_busy`` receivers take
+    seen: float
 
     @property
     def task_id(self) -> str | None:
@@ -278,7 +281,7 @@ def _redelivered(found: Found) -> bool:
             extra=found.log_fields("busy-wait"),
         )
         return found.took()
-    holder, ttl = lock.busy
+    (holder, ttl), seen = lock.busy, time.monotonic()
     logger.warning(
         "task %s[%s]: redelivered after its first delivery's worker died (its lease on %s ran "
         "out); %s took the lock first, lock_busy applies",
@@ -288,7 +291,7 @@ def _redelivered(found: Found) -> bool:
         holder,
         extra=found.log_fields("busy-wait"),
     )
-    return when_busy(replace(found, holder=holder, ttl=ttl))
+    return when_busy(replace(found, holder=holder, ttl=ttl, seen=seen))
 
 
 #: How a redelivered copy's first delivery stands (``_first_delivery``).
@@ -299,8 +302,8 @@ _MARGIN = 0.1
 
 
 def _first_delivery(found: Found) -> _Fate:
-    """How the first delivery holding the lock, ``found.ttl`` seconds from the end of its lease,
-    stands: ``"kept"``, its run is over and keeps its hold for the rest of ``lock_period``;
+    """How the first delivery holding the lock, its lease ending ``found.ttl`` seconds after
+    ``found.seen``, stands: ``"kept"``, its run is over and keeps its hold for the rest of ``lock_period``;
     ``"died"``, that lease ran out unrenewed (the lock is then held here, or ``lock.busy``
     names the run that took it first); ``"alive"``, it renewed the lease, or let go of it (it
     ran to its end in a mode that keeps nothing, retried, or its pool child died and the
@@ -313,7 +316,7 @@ def _first_delivery(found: Found) -> _Fate:
     ``lock_ttl/3``, so this waits at most one renewal interval for a live holder, and the rest
     of the lease for a dead one; it is woken at once by a release or a keep.
     """
-    ends = time.monotonic() + (found.ttl or 0.0)  # unless renewed
+    ends = found.seen + (found.ttl or 0.0)  # unless renewed
     interval = min(found.options.ttl / 3, ends - time.monotonic() - _MARGIN)
     fate = _watch(found, ends, time.monotonic() + interval) if interval > 0 else None
     if fate is None:  # not renewed for an interval: watch it until its lease ends

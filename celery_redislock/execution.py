@@ -333,9 +333,11 @@ class Execution:
         return self.when_busy(lock, started, *lock.busy)
 
     def when_busy(self, lock: ExecutionLock, started: float, holder: str | None, ttl: float | None) -> bool:
-        """``lock`` is held by ``holder``: apply ``lock_busy`` (``celery_redislock.busy``)."""
+        """``lock`` is held by ``holder``, ``ttl`` s left as just read: apply ``lock_busy``
+        (``celery_redislock.busy``)."""
+        seen = time.monotonic()
         found = Found(
-            self.task, self.options, lock, self.request, self.args, self.kwargs, holder, ttl, started
+            self.task, self.options, lock, self.request, self.args, self.kwargs, holder, ttl, started, seen
         )
         return when_busy(found)
 

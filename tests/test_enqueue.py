@@ -20,11 +20,11 @@ from celery.result import GroupResult
 from celery.signals import after_task_publish, task_prerun
 from kombu.exceptions import EncodeError
 
-from celery_redislock import DuplicateTask, LockedTask, task_lock_key
+from celery_redislock import DuplicateTask, LockedTask, signals, task_lock_key
 from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock._task_scripts import ADOPT, SETTLE, WATCH
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import HEADER, parse_holder, parse_value
+from celery_redislock.protocol import HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
 from tests.invariants import stored
@@ -635,6 +635,35 @@ def test_a_redelivered_copy_whose_first_delivery_ends_while_another_call_waits_d
         recorder(app).open_gate(x)
         assert other.get(timeout=RESULT_TIMEOUT) == x
     assert [event[3] for event in starts(app, x)] == [first.id, other.id]
+
+
+def test_a_copy_counts_its_first_deliverys_lease_from_when_it_read_it(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A redelivered copy reads how long its first delivery's lease has left, then sends
+    ``lock_busy``. A receiver that takes longer than that (the lease runs out meanwhile: that
+    delivery's worker died) must not make the copy count the lease from after the signal, take
+    the delivery that died for one alive, and drop the message: the lease ran out, so it runs."""
+    x, task, task_id = fresh(), app.tasks["taskapp.hold_skip"], str(uuid.uuid4())
+    key = task_lock_key(task, (x,))
+    client = recorder(app).client
+    client.set(key, f"{'a' * 32}:1:{holder_for(task_id, 0, 'dead@host', 1)}", px=1500)  # no one renews it
+
+    def slow_receiver(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        wait_for(lambda: not client.exists(key), what="the dead delivery's lease to run out")
+
+    signals.lock_busy.connect(slow_receiver, weak=False)
+    try:
+        with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock.busy"):
+            result = task.apply_async((x,), task_id=task_id)  # the message delivered again
+            wait_for(lambda: "its first delivery" in caplog.text, what="the copy to decide")
+            assert "redelivered while its first delivery runs" not in caplog.text
+            assert "redelivered after its first delivery's worker died" in caplog.text
+            assert result.get(timeout=RESULT_TIMEOUT) == x
+    finally:
+        signals.lock_busy.disconnect(slow_receiver)
+    assert [event[3] for event in starts(app, x)] == [task_id]
+    assert not client.exists(key)
 
 
 #: The scripts a task's lock sends, as ``CountingClient`` names them.

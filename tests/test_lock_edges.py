@@ -514,7 +514,8 @@ def test_a_copy_woken_by_the_keep_before_its_first_attempt_leaves_the_queue(
         return watched
 
     monkeypatch.setattr(busy, "watch", watch_then_keep)
-    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, time.monotonic())  # type: ignore[arg-type]
+    now = time.monotonic()
+    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now)  # type: ignore[arg-type]
     assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "kept"
     assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
     client.delete(name)
