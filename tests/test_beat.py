@@ -240,7 +240,9 @@ def test_when_the_leader_is_killed_another_sends_within_one_lease(
     (last,) = [beat for beat in beats if beat not in (leader, new_leader)]
     assert "leads (lock" not in last.output()
     new_leader.stop()  # a clean stop releases the lock: the last beat leads at once, not at its expiry
-    wait_for(lambda: "leads (lock" in last.output(), timeout=LEASE * 3, what=lambda: cluster.logs())
+    last.wait_for_line(
+        "leads (lock", timeout=LEASE * 3, what=lambda: f"the last beat to lead\n{cluster.logs()}"
+    )
     resigned, leads = logged_at(new_leader, "resigned as beat leader"), logged_at(last, "leads (lock")
     # The release wakes the last beat before the old leader logs it resigned: either line may come
     # first, by a few ms. An expiry would come >= 2/3 of a lease after the last renewal.
@@ -268,8 +270,8 @@ def test_a_paused_leader_that_lost_its_lease_steps_down_without_crashing(
     finally:
         leader.signal(signal.SIGCONT)
     resumed_at = time.time()
-    wait_for(
-        lambda: "stepped down as beat leader" in leader.output(),
+    leader.wait_for_line(
+        "stepped down as beat leader",
         timeout=20,
         what=lambda: f"the paused leader stepping down\n{cluster.logs()}",
     )

@@ -202,7 +202,7 @@ def test_release_key_frees_a_running_tasks_lock_and_its_watchdog_reports_the_los
         what="the watchdog to report the loss",
     )
     # logged by the watchdog's reporting thread, which may come after the body saw the loss
-    wait_for(lambda: f"lock '{key}' lost (not owned)" in setup.worker.output(), what="the loss logged")
+    setup.worker.wait_for_line(f"lock '{key}' lost (not owned)", what="the loss logged")
     setup.recorder.open_gate(x)
     assert result.get(timeout=RESULT_TIMEOUT) == x
 

@@ -75,7 +75,7 @@ def test_sigkill_of_a_pool_child_frees_its_permit_at_once(worker_app: Celery) ->
         lambda: held_permits(recorder.client, key) == LIMIT - 1, what="the main process to free the permit"
     )
     # the main process logs it once the permit is freed: its output may come a moment later
-    wait_for(lambda: "released its lock" in worker_app.worker.output(), what="the release logged")  # type: ignore[attr-defined]
+    worker_app.worker.wait_for_line("released its lock", what="the release logged")  # type: ignore[attr-defined]
     late = task.delay(x, gate=True)
     wait_for(lambda: len(_starts(recorder, x)) == LIMIT + 1, what="the next run to take the freed permit")
     recorder.open_gate(x, LIMIT)
@@ -104,7 +104,7 @@ def test_a_message_redelivered_while_its_first_delivery_runs_takes_no_second_per
     assert len(_starts(recorder, x)) == 1 and held_permits(recorder.client, key) == 1
     recorder.open_gate(x)  # the first delivery ends, and wakes the redelivery: it is ignored
     assert first.get(timeout=RESULT_TIMEOUT) == x
-    wait_for(lambda: "redelivered while its first delivery runs; ignored" in worker_app.worker.output())  # type: ignore[attr-defined]
+    worker_app.worker.wait_for_line("redelivered while its first delivery runs; ignored")  # type: ignore[attr-defined]
     assert len(_starts(recorder, x)) == 1 and held_permits(recorder.client, key) == 0
 
 

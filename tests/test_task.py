@@ -319,7 +319,7 @@ def test_worker_shutdown_releases_the_locks_of_interrupted_tasks(
         assert app.recorder.client.pttl(key) > 200_000  # type: ignore[attr-defined]
         worker.process.send_signal(getattr(signal, signal_name))  # type: ignore[union-attr]
         if signal_name == "SIGTERM":  # a warm shutdown lets the body end; its lock is held until then
-            wait_for(lambda: "Warm shutdown" in worker.output(), what="the warm shutdown to begin")
+            worker.wait_for_line("Warm shutdown", what="the warm shutdown to begin")
             assert app.recorder.client.pttl(key) > 200_000  # type: ignore[attr-defined]
             app.recorder.open_gate(x)  # type: ignore[attr-defined]
         worker.process.wait(timeout=60)  # type: ignore[union-attr]

@@ -103,6 +103,23 @@ class Subprocess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def wait_for_line(
+        self, text: str, timeout: float = 60.0, what: str | Callable[[], str] = "a line"
+    ) -> str:
+        """Wait until the output holds ``text`` (a line or part of one); that output. A failure
+        says what was awaited (``what``, or what it returns then), names ``text`` and shows the
+        output's end."""
+
+        def holding() -> str:
+            output = self.output()
+            return output if text in output else ""
+
+        def failure() -> str:
+            awaited = what if isinstance(what, str) else what()
+            return f"{awaited}: {text!r} in {self.log}, which ends with:\n{self.output()[-3000:]}"
+
+        return wait_for(holding, timeout=timeout, what=failure)
+
     def signal(self, signum: int) -> None:
         os.kill(self.pid, signum)
 

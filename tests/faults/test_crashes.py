@@ -43,7 +43,7 @@ PROMPT = 10.0
 
 
 def test_sigkill_of_a_pool_child_wakes_the_waiting_duplicate_at_once(stage: Stage) -> None:
-    stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
+    worker = stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
     x, task = fresh(), stage.task("hold_wait")
     key = task_lock_key(task, (x,), {"gate": True})
     first = task.delay(x, gate=True)
@@ -61,7 +61,8 @@ def test_sigkill_of_a_pool_child_wakes_the_waiting_duplicate_at_once(stage: Stag
         first.get(timeout=RESULT_TIMEOUT)
     stage.recorder.open_gate(x)
     assert second.get(timeout=RESULT_TIMEOUT) == x
-    released_logged(stage)
+    # logged once the main process is done with the dead run's locks: maybe after the duplicate ran
+    worker.wait_for_line("released its lock", what="the release logged")
     assert not stage.client.exists(key)
 
 
@@ -140,7 +141,7 @@ def test_a_hard_time_limit_frees_the_lock_only_once_the_child_is_gone(stage: Sta
     """A hard time limit: the pool sends SIGTERM to the child, waits 0.1 s, then sends SIGKILL.
     The body ignores SIGTERM, so its child runs on until the SIGKILL. The duplicate waiting for
     the lock starts only once that child is gone: it never sees the old child alive."""
-    stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
+    worker = stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
     x, task = fresh(), stage.task("outlives_sigterm")
     key = task_lock_key(task, (x,))
     first = task.apply_async((x,), time_limit=3)
@@ -153,17 +154,11 @@ def test_a_hard_time_limit_frees_the_lock_only_once_the_child_is_gone(stage: Sta
     assert not running(child)
     with pytest.raises(TimeLimitExceeded):
         first.get(timeout=RESULT_TIMEOUT)
-    released_logged(stage)
+    # logged once the main process is done with the dead run's locks: maybe after Celery stored the failure
+    worker.wait_for_line("released its lock", what="the release logged")
     stage.recorder.open_gate(x)
     assert second.get(timeout=RESULT_TIMEOUT) == x
     assert not stage.client.exists(key)
-
-
-def released_logged(stage: Stage) -> None:
-    """Wait for the worker's main process to log the release of its dead child's lock: it logs
-    once done with the dead run's locks, which may be after Celery stored the run's failure,
-    after the crash release was counted, and after a duplicate woken by the release started."""
-    wait_for(lambda: "released its lock" in stage.workers[0].output(), what="the release logged")
 
 
 def crash_releases(port: int, task: str) -> float:
@@ -185,7 +180,7 @@ def test_a_crash_release_is_counted_by_the_main_process(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     monkeypatch.setenv("METRICS_PORT", str(port))  # the worker's tests.taskapp loads the example
-    stage.worker("prefork", "prefork", 1, redislock_ttl=LONG_TTL)
+    worker = stage.worker("prefork", "prefork", 1, redislock_ttl=LONG_TTL)
     x, task = fresh(), stage.task("hold_wait")
     assert crash_releases(port, task.name) == 0
     first = task.delay(x, gate=True)
@@ -193,7 +188,8 @@ def test_a_crash_release_is_counted_by_the_main_process(
     with pytest.raises(WorkerLostError):
         first.get(timeout=RESULT_TIMEOUT)
     wait_for(lambda: crash_releases(port, task.name) == 1, what="the crash release to be counted")
-    released_logged(stage)
+    # logged once the main process is done with the dead run's locks: maybe after it counted the release
+    worker.wait_for_line("released its lock", what="the release logged")
 
 
 def test_until_expired_keeps_the_hold_of_a_run_that_ended_before_its_child_died_and_its_message_came_back(
@@ -209,8 +205,8 @@ def test_until_expired_keeps_the_hold_of_a_run_that_ended_before_its_child_died_
     x, task = fresh(), stage.task("until_expired_dies")
     key = task_lock_key(task, (x,))
     first = task.delay(x)
-    wait_for(
-        lambda: "redelivered once its first delivery ran" in worker.output(),
+    worker.wait_for_line(
+        "redelivered once its first delivery ran",
         timeout=30,
         what=lambda: f"the requeued message to be ignored; events {stage.events(x=x)}",
     )
@@ -259,9 +255,7 @@ def test_until_expired_keeps_a_dead_childs_hold_for_its_period_unless_the_messag
         )
         assert stage.client.exists(key), f"freed within its period:\n{worker.output()}"
         # logged once the main process is done with the dead run's locks: after the hold is kept
-        wait_for(
-            lambda: "kept for what is left of lock_period" in worker.output(), what="the kept hold logged"
-        )
+        worker.wait_for_line("kept for what is left of lock_period", what="the kept hold logged")
         assert task.delay(x, gate=True).id == first.id  # a duplicate of the dead run, within the period
     wait_for(lambda: stage.client.pttl(key) > 60_000, what="the hold kept for its period")
     stage.client.delete(key)

@@ -30,7 +30,6 @@ from tests import invariants
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.faults.proxy import TCPProxy
 from tests.ports import held_port
-from tests.workers import wait_for
 
 TTL = 1.5
 
@@ -230,7 +229,7 @@ def test_a_release_that_cannot_reach_redis_leaves_a_lock_that_expires_within_loc
         stage.recorder.open_gate(x)  # the body ends; its release cannot reach Redis
         assert result.get(timeout=RESULT_TIMEOUT) == x  # the task's outcome stands
         # reported once the release's outcome is known, which may come after the result is stored
-        wait_for(lambda: f"could not release lock {key}" in worker.output(), what="the release's WARNING")
+        worker.wait_for_line(f"could not release lock {key}", what="the release's WARNING")
         events.mark("release-failed")
         seen = events.until(lambda seen: {"expired", "release-failed"} <= set(seen), "the lease to run out")
         assert "expire" not in seen[seen.index("release-failed") :], seen  # no longer renewed...

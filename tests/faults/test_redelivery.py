@@ -67,9 +67,7 @@ def test_a_message_redelivered_while_its_first_delivery_runs_does_not_run_again(
     )
     assert busy[0][4] == str(twin.pid) != start[4]  # the redelivered copy, in the other worker
     # The twin watches the lease for one renewal interval: renewed, so its first delivery is alive.
-    wait_for(
-        lambda: "redelivered while its first delivery runs; ignored" in twin.output(), what="the twin ignored"
-    )
+    twin.wait_for_line("redelivered while its first delivery runs; ignored", what="the twin ignored")
     stage.recorder.open_gate(x)
     assert result.get(timeout=RESULT_TIMEOUT) == x
     assert [event[3] for event in stage.events("start", x)] == [result.id]  # one run, no twin
@@ -98,7 +96,7 @@ def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_relea
     wait_for(lambda: stage.client.zcard(companion_key(key, "queue")), what="the twin to watch the hold")
     stage.recorder.open_gate(x)  # the first delivery ends while the twin watches its hold
     assert result.get(timeout=RESULT_TIMEOUT) == x
-    wait_for(lambda: "its first delivery" in twin.output(), what="the twin to decide")
+    twin.wait_for_line("its first delivery", what="the twin to decide")
     assert "redelivered while its first delivery runs; ignored" in twin.output()
     # lock_released comes after the result is stored (LockedTask.after_return): wait for it
     released = stage.wait_events("released", x)
@@ -183,7 +181,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     finally:
         os.killpg(survivor.pid, signal.SIGCONT)
     assert starts[1][3] == other.id  # the lease ran out, and the other call took the lock
-    wait_for(lambda: "its first delivery" in survivor.output(), timeout=ttl, what="the copy to decide")
+    survivor.wait_for_line("its first delivery", timeout=ttl, what="the copy to decide")
     assert "redelivered while its first delivery runs; ignored" not in survivor.output()
     assert "redelivered after its first delivery's worker died" in survivor.output()
     stage.recorder.open_gate(x)
@@ -228,10 +226,8 @@ def test_a_message_redelivered_after_its_run_ended_is_ignored_while_its_lock_is_
         timeout=20,
         what="kombu to deliver the message again",
     )
-    wait_for(
-        lambda: "redelivered once its first delivery ran" in copy.output(),
-        timeout=20,
-        what=lambda: f"the copy to be ignored at once:\n{copy.output()[-3000:]}",
+    copy.wait_for_line(
+        "redelivered once its first delivery ran", timeout=20, what="the copy to be ignored at once"
     )
     wait_for(
         lambda: stage.client.zcard("unacked_index") == 0 and stage.client.llen(stage.queue) == 0,
@@ -263,7 +259,7 @@ def test_a_copy_watching_its_first_delivery_learns_at_once_that_its_run_ended_an
     wait_for(lambda: stored(stage.client, key)[32:33] != b":", what="the copy to watch the run's hold")
     stage.recorder.open_gate(x)
     assert result.get(timeout=RESULT_TIMEOUT) == x
-    wait_for(lambda: "its first delivery" in twin.output(), timeout=60, what="the copy to decide")
+    twin.wait_for_line("its first delivery", timeout=60, what="the copy to decide")
     assert "redelivered once its first delivery ran, which keeps lock" in twin.output(), twin.output()[-3000:]
     assert "redelivered while its first delivery runs" not in twin.output()
     wait_for(
@@ -330,7 +326,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     finally:
         os.killpg(survivor.pid, signal.SIGCONT)
     assert starts[2][3] == third.id  # the permit ran out, and the third call took it
-    wait_for(lambda: "its first delivery" in survivor.output(), timeout=ttl, what="the copy to decide")
+    survivor.wait_for_line("its first delivery", timeout=ttl, what="the copy to decide")
     assert "redelivered while its first delivery runs; ignored" not in survivor.output()
     assert "redelivered after its first delivery's worker died" in survivor.output()
     stage.recorder.open_gate(x, 2)
