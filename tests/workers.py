@@ -123,6 +123,12 @@ class Subprocess:
     def signal(self, signum: int) -> None:
         os.kill(self.pid, signum)
 
+    def kill(self) -> None:
+        """SIGKILL to the process group (the main process and its pool children); reaped."""
+        os.killpg(self.pid, signal.SIGKILL)
+        assert self.process is not None
+        self.process.wait(timeout=10)
+
     def stop(self) -> None:
         """Warm shutdown (SIGTERM), then SIGKILL to the process group if it hangs."""
         if self.process is None or self.process.poll() is not None:

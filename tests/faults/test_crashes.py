@@ -99,8 +99,7 @@ def test_sigkill_of_the_whole_worker_frees_the_lock_within_lock_ttl(stage: Stage
     events = stage.key_events(key)
     task.apply_async((x,), {"gate": True}, queue="doomed")
     stage.wait_events("start", x)
-    os.killpg(doomed.pid, signal.SIGKILL)  # the main process and its pool children
-    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    doomed.kill()
     second = task.apply_async((x,), {"gate": True}, queue="survivor")  # waits for the lease to run out
     starts = stage.wait_events("start", x, 2)
     assert starts[1][3] == second.id and int(starts[1][5]) > int(starts[0][5])

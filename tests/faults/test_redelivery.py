@@ -126,8 +126,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     result = task.delay(x, gate=True)
     start = stage.wait_events("start", x)[0]
     survivor = stage.worker("survivor", **conf)  # nothing to consume: the message is unacknowledged
-    os.killpg(doomed.pid, signal.SIGKILL)
-    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    doomed.kill()
     runs_out = time.monotonic() + stage.client.pttl(key) / 1000
     stage.redeliver(result.id)
     busy = stage.wait_events("busy", x)[0]
@@ -168,8 +167,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     stage.wait_events("start", x)
     stage.worker("other", "prefork", 1, queue="other", **(conf | {"task_acks_late": False}))
     survivor = stage.worker("survivor", "prefork", 1, **conf)
-    os.killpg(doomed.pid, signal.SIGKILL)  # the main process and its pool child: nobody releases
-    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    doomed.kill()  # the main process and its pool child: nobody releases
     other = task.apply_async((x,), {"gate": True}, queue="other")
     stage.wait_events("busy", x)  # the other call waits for the dead worker's lease
     stage.redeliver(first.id)
@@ -218,8 +216,7 @@ def test_a_message_redelivered_after_its_run_ended_is_ignored_while_its_lock_is_
     wait_for(lambda: stage.client.pttl(key) > 60_000, what="the run to keep its lock for its period")
     copy = first
     if how == "worker_died_before_the_ack":
-        os.killpg(first.pid, signal.SIGKILL)
-        first.process.wait(timeout=10)  # type: ignore[union-attr]
+        first.kill()
         copy = stage.worker("survivor", "prefork", 1, **conf)
     wait_for(
         lambda: [event for event in stage.events("busy", x) if event[3] == result.id],
@@ -313,8 +310,7 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     second = task.apply_async((x,), {"gate": True}, queue="other")  # holds the other permit
     stage.wait_events("start", x, 2)
     survivor = stage.worker("survivor", "prefork", 1, **conf)
-    os.killpg(doomed.pid, signal.SIGKILL)  # the main process and its pool child: nobody releases
-    doomed.process.wait(timeout=10)  # type: ignore[union-attr]
+    doomed.kill()  # the main process and its pool child: nobody releases
     third = task.apply_async((x,), {"gate": True}, queue="other")
     wait_for(lambda: [event for event in stage.events("busy", x) if event[3] == third.id], what="a retry")
     stage.redeliver(first.id)
