@@ -29,7 +29,7 @@ from celery_redislock.lock import companion_key
 from celery_redislock.protocol import parse_value
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.invariants import leftover_locks, stored
-from tests.workers import wait_for
+from tests.workers import WorkerProcess, wait_for
 
 TRANSPORT = {"visibility_timeout": 1, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
 
@@ -140,6 +140,23 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     assert result.get(timeout=RESULT_TIMEOUT) == x
 
 
+def another_call_wins_then_the_copy_runs_as_any_other(
+    stage: Stage, survivor: WorkerProcess, x: str, winner: str, n: int, ttl: float
+) -> None:
+    """The copy in ``survivor`` waits for the dead worker's lease, as ``winner``'s call does: with
+    ``survivor`` paused, ``winner`` takes what the lease held once it ran out (the ``n``th start of
+    ``x``); the copy then decides that its first delivery died, not that it runs."""
+    os.killpg(survivor.pid, signal.SIGSTOP)  # the copy waits; the winner's call wins the race
+    try:
+        starts = stage.wait_events("start", x, n, timeout=ttl + 10)
+    finally:
+        os.killpg(survivor.pid, signal.SIGCONT)
+    assert starts[n - 1][3] == winner
+    survivor.wait_for_line("its first delivery", timeout=ttl, what="the copy to decide")
+    assert "redelivered while its first delivery runs; ignored" not in survivor.output()
+    assert "redelivered after its first delivery's worker died" in survivor.output()
+
+
 @pytest.mark.parametrize(
     "name", ["hold_wait", "until_and_while_executing"], ids=["while_executing-wait", "uawe-retry"]
 )
@@ -173,15 +190,8 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     stage.redeliver(first.id)
     wait_for(lambda: [event for event in stage.events("busy", x) if event[3] == first.id], what="the copy")
     assert len(stage.events("start", x)) == 1  # the copy found the dead worker's lease
-    os.killpg(survivor.pid, signal.SIGSTOP)  # the copy waits; the other call wins the race
-    try:
-        starts = stage.wait_events("start", x, 2, timeout=ttl + 10)
-    finally:
-        os.killpg(survivor.pid, signal.SIGCONT)
-    assert starts[1][3] == other.id  # the lease ran out, and the other call took the lock
-    survivor.wait_for_line("its first delivery", timeout=ttl, what="the copy to decide")
-    assert "redelivered while its first delivery runs; ignored" not in survivor.output()
-    assert "redelivered after its first delivery's worker died" in survivor.output()
+    # the lease runs out: the other call takes the lock
+    another_call_wins_then_the_copy_runs_as_any_other(stage, survivor, x, other.id, 2, ttl)
     stage.recorder.open_gate(x)
     assert other.get(timeout=RESULT_TIMEOUT) == x
     starts = stage.wait_events("start", x, 3)  # the copy, once the other call let go
@@ -316,15 +326,8 @@ def test_a_message_redelivered_after_its_worker_died_runs_when_another_call_took
     stage.redeliver(first.id)
     wait_for(lambda: [event for event in stage.events("busy", x) if event[3] == first.id], what="the copy")
     assert len(stage.events("start", x)) == 2  # the copy found the dead worker's permit
-    os.killpg(survivor.pid, signal.SIGSTOP)  # the copy waits; the third call wins the race
-    try:
-        starts = stage.wait_events("start", x, 3, timeout=ttl + 10)
-    finally:
-        os.killpg(survivor.pid, signal.SIGCONT)
-    assert starts[2][3] == third.id  # the permit ran out, and the third call took it
-    survivor.wait_for_line("its first delivery", timeout=ttl, what="the copy to decide")
-    assert "redelivered while its first delivery runs; ignored" not in survivor.output()
-    assert "redelivered after its first delivery's worker died" in survivor.output()
+    # the permit runs out: the third call takes it
+    another_call_wins_then_the_copy_runs_as_any_other(stage, survivor, x, third.id, 3, ttl)
     stage.recorder.open_gate(x, 2)
     assert second.get(timeout=RESULT_TIMEOUT) == x
     assert third.get(timeout=RESULT_TIMEOUT) == x
