@@ -177,7 +177,7 @@ def stage(fresh_server: RedisServer, prefix: str) -> Iterator[Stage]:
             events.close()
         # The results a failed test left unread stay subscribed to: collected later (in another
         # test, this server gone), each would unsubscribe, fail to reach it, and fail that test.
-        stage.app.backend.result_consumer.subscribed_to.clear()
+        stage.app.backend.result_consumer.subscribed_to.clear()  # type: ignore[attr-defined]  # Redis backend
         stage.app.close()
         sampler.stop()
 
