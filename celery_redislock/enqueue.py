@@ -70,7 +70,7 @@ from .protocol import (
 )
 from .telemetry import counted, log_fields
 
-__all__ = ["duplicate", "enqueue", "enqueue_retry", "superseded"]
+__all__ = ["checked_delay", "duplicate", "enqueue", "enqueue_retry", "superseded"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None
         )
 
 
-#: What each option of a message's timing may be (``_queue_ttl`` reads them).
+#: What each option of a message's timing may be (``checked_delay`` reads them).
 _TIMING = {
     "countdown": "seconds (int/float)",
     "eta": "a datetime or an ISO 8601 string",
@@ -205,6 +205,18 @@ _TIMING = {
 def _queue_ttl(task: Any, lock_options: LockOptions, options: Mapping[str, Any]) -> float:
     """How long the enqueue lock of a message sent with ``options`` lives: while it waits. A
     ``countdown``, ``eta`` or ``expires`` that is no time raises ``LockConfigurationError`` naming it."""
+    ttl = lock_options.queue_ttl + checked_delay(task, options)
+    if options.get("expires") is not None:
+        ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
+    if lock_options.rules.settles:
+        ttl = max(ttl, lock_options.period or 0)
+    return min(ttl, MAX_TTL)  # the longest lease a lock takes, whatever the countdown
+
+
+def checked_delay(task: Any, options: Mapping[str, Any]) -> float:
+    """``message_delay(options)``, once the ``countdown``, ``eta`` and ``expires`` of ``options``
+    are read as times: one that is none raises ``LockConfigurationError`` naming ``task`` and
+    it, before anything is sent or taken."""
     for name, allowed in _TIMING.items():
         value = options.get(name)
         try:
@@ -217,12 +229,7 @@ def _queue_ttl(task: Any, lock_options: LockOptions, options: Mapping[str, Any])
             raise LockConfigurationError(
                 f"task {task.name!r}: {name}={value!r} is not valid; allowed: {allowed}"
             )
-    ttl = lock_options.queue_ttl + message_delay(options)
-    if options.get("expires") is not None:
-        ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
-    if lock_options.rules.settles:
-        ttl = max(ttl, lock_options.period or 0)
-    return min(ttl, MAX_TTL)  # the longest lease a lock takes, whatever the countdown
+    return message_delay(options)
 
 
 def _undo_for(lock_options: LockOptions, client: Any, key: str, token: str) -> Callable[[], object]:

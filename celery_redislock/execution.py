@@ -46,13 +46,12 @@ from .attempt import hostname, seconds_left
 from .busy import Found, when_busy
 from .config import AppSettings, LockOptions, run_key
 from .connection import ClientUnavailable, client_for
-from .enqueue import enqueue_retry, give_up_ticket, superseded
+from .enqueue import checked_delay, enqueue_retry, give_up_ticket, superseded
 from .exceptions import LockKeyError, LockNotReplicated, RedisLockError
 from .inventory import release_token
 from .protocol import (
     HEADER,
     holder_for,
-    message_delay,
     parse_holder,
     replaced_nesting,
     request_continues_hold,
@@ -118,14 +117,18 @@ def send_continuation(
     * another key (other arguments): the run lets go of its own hold as after any run, and the
       ticket the message inherited from it (Celery copies a retry's headers) is dropped. It
       takes that key's enqueue lock (not as a member of a canvas), or goes without it when
-      another message holds it: its worker then finds the key held (``enqueue_retry``)."""
+      another message holds it: its worker then finds the key held (``enqueue_retry``).
+
+    Where a lock is taken or parked for it, a ``countdown``, ``eta`` or ``expires`` that is no time
+    raises ``LockConfigurationError`` naming it before anything is sent (``checked_delay``)."""
     rules = task.lock_options.rules
     if running.lock_key == key and rules.parks_for_retry and running.lock_fence is not None:
+        delay = checked_delay(task, options)  # an eta that is no time: raised, nothing sent
         token = secrets.token_hex(16)
         headers[HEADER] = {"key": key, "token": token}
         result = send(running.id)
         # once sent: the run parks its hold for it as it lets go
-        running.lock_retry = (key, token, message_delay(options), sent_attempt(options))
+        running.lock_retry = (key, token, delay, sent_attempt(options))
         return result
     if running.lock_key != key:
         headers.pop(HEADER, None)

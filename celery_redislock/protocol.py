@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
 
-from celery.utils.time import maybe_make_aware
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import serialization
 
 __all__ = [
@@ -235,12 +235,17 @@ def message_delay(options: Mapping[str, Any]) -> float:
 def seconds_until(when: Any) -> float:
     """``when`` (seconds from now, a datetime or an ISO 8601 string) as seconds from now.
 
-    Read as Celery's worker reads a message's ``eta``/``expires``: a naive time is UTC,
-    whatever the process's local time zone or the app's ``timezone``.
+    Read as Celery's worker reads a message's ``eta``/``expires``: a string with its parser
+    (``maybe_iso8601``: ``dateutil``'s ``isoparse``, which takes more than
+    ``datetime.fromisoformat``, e.g. ``T24:00``), a naive time as UTC, whatever the process's
+    local time zone or the app's ``timezone``.
     """
     if isinstance(when, (int, float)):
         return float(when)
-    moment: datetime = maybe_make_aware(datetime.fromisoformat(when) if isinstance(when, str) else when)
+    moment = maybe_iso8601(when) if isinstance(when, str) else when
+    if moment is None:  # an empty string
+        raise ValueError(f"{when!r} is no time")
+    moment = maybe_make_aware(moment)
     return (moment - datetime.now(timezone.utc)).total_seconds()
 
 

@@ -403,6 +403,92 @@ def test_a_rejected_retry_gives_the_hold_parked_for_it_up(app: Celery, mode: str
         client.delete(key, idle, *declined)
 
 
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_retry_with_an_eta_that_is_no_time_is_not_sent_and_names_it(app: Celery, mode: str) -> None:
+    """Attempt 0 retries (the same key) with ``eta="not a date"``. The retry is not sent, and the
+    attempt fails with ``LockConfigurationError`` naming the task and ``eta`` (Celery's
+    ``retry`` rejects the attempt for it, ``Reject(requeue=False)``); its hold goes as after any
+    run: released, or kept for ``lock_period``; nothing else is left. Before, the retry was sent,
+    then the eta was read to park the hold for it: a bare ``ValueError("Invalid isoformat
+    string")`` failed the attempt, its hold not parked, the worker dropped the retry as an
+    invalid message, and its token stayed marked declined for ``lock_queue_ttl``."""
+    idle = f"{app.conf.task_default_queue}-idle"  # no worker consumes it
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.no_time_{mode}",
+        lock_mode=mode,
+        lock_period=60 if mode == "until_expired" else None,
+    )
+    def step(self: Any, x: str) -> str:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        raise self.retry(eta="not a date", queue=idle)
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(step, (x,))
+    with threads_worker(app):
+        first = step.delay(x)
+        wait_for(lambda: first.ready() and runs_over(step.name), what="attempt 0 to end")
+    assert first.state == "FAILURE"
+    assert f"LockConfigurationError(\"task {step.name!r}: eta='not a date' is not valid" in repr(first.result)
+    assert client.llen(idle) == 0, "the retry was sent"
+    assert attempts(app, x) == ["attempt@0"]
+    declined = list(client.scan_iter(match=companion_key(key, "declined:*")))
+    try:
+        assert declined == []
+        if mode == "until_executed":
+            assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
+        else:
+            kept = parse_value(client.get(key))
+            assert kept is not None and kept.kept, f"not kept: {client.get(key)!r}"
+    finally:
+        client.delete(key, idle, *declined)
+
+
+@pytest.mark.parametrize("sent", ["retry", "delay"])
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_an_eta_celerys_worker_reads_is_read_alike(app: Celery, mode: str, sent: str) -> None:
+    """An ``eta`` string that Celery's worker reads (``dateutil``'s ``isoparse``) but
+    ``datetime.fromisoformat`` does not: ``"2020-01-01T24:00:00"`` (midnight, the next day; past,
+    so due at once), given to attempt 0's retry of the same key, or to ``apply_async``. It is
+    read as the worker reads it: the attempt parks its hold for its retry, which adopts it and
+    runs. Before, the retry was sent, then the eta read failed (``ValueError('hour must be in
+    0..23')``): attempt 0 failed, its hold not parked, and its retry, which ran, met it kept
+    (``until_expired``: waited ``lock_wait_timeout``, then ``LockNotAcquired``) or took the lock
+    afresh; and ``apply_async`` refused the eta (``LockConfigurationError``)."""
+    eta = "2020-01-01T24:00:00"
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.late_midnight_{mode}",
+        lock_mode=mode,
+        lock_period=60 if mode == "until_expired" else None,
+    )
+    def step(self: Any, x: str) -> str:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if sent == "retry" and self.request.retries == 0:
+            raise self.retry(eta=eta)
+        return x
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(step, (x,))
+    with threads_worker(app):
+        result = step.apply_async((x,), eta=eta) if sent == "delay" else step.delay(x)
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+        wait_for(lambda: runs_over(step.name), what="the last attempt to let go")
+    assert attempts(app, x) == (["attempt@0", "attempt@1"] if sent == "retry" else ["attempt@0"])
+    if mode == "until_expired":
+        kept = parse_value(client.get(key))
+        assert kept is not None and kept.kept, f"not kept: {client.get(key)!r}"
+        assert parse_holder(kept.holder)["try"] == ("1" if sent == "retry" else "0")
+        client.delete(key)
+    assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
+
+
 @pytest.mark.parametrize("how", ["apply", "task_always_eager"])
 def test_an_eager_retry_with_other_arguments_leaves_the_attempts_key_kept_for_its_period(
     app: Celery, how: str
