@@ -3,7 +3,9 @@
 ``when_busy`` first decides whose hold it is (``policy_for``): the run's own
 message delivered again, a stale copy of an earlier attempt or replaced run,
 the run it continues (its previous attempt, or the run it replaces) letting
-go, or a group or chord member, which is never skipped. Only then does the
+go (not an earlier attempt of other arguments, over, keeping the lock for
+its ``lock_period``: that one is met as any call's), or a group or chord
+member, which is never skipped. Only then does the
 task's ``lock_busy`` (``skip``, ``retry``, ``wait``, ``raise``) apply, with
 ``retry`` as ``wait`` where the run cannot be retried later (an eager or
 direct call). Each outcome is a small policy object: ``True`` runs the body
@@ -32,7 +34,7 @@ from ._scripts import RENEW
 from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
-from .inventory import release_token
+from .inventory import hold_of, release_token
 from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
 from .run_lock import KEPT, ExecutionLock, acquired, adopt, release, watch
 
@@ -106,11 +108,14 @@ def policy_for(found: Found) -> BusyPolicy:
             return _redelivered
         if held > this:
             return _stale_copy
-        if held < this:  # the run this message continues (its retry or replacement), letting go now
+        if held < this:  # an earlier run of its task id: the one it continues, letting go now
             ticket = request_ticket(request)
             if found.options.rules.parks_for_retry and ticket is not None and ticket[0] == found.lock.name:
                 return AdoptParked(ticket[1])
-            return _wait
+            if not _kept(found):
+                return _wait
+            # over, and keeping these arguments' lock for its period (a retry with other arguments
+            # came back to them): as for any call of them within the period, ``lock_busy`` applies
     if request is not None and (request.group or request.chord):
         return _wait  # a group or chord member is never skipped: its chord would never complete
     if found.options.rules.adopts_ticket and found.options.duplicate == "replace" and _superseded(found):
@@ -121,6 +126,17 @@ def policy_for(found: Found) -> BusyPolicy:
         if found.options.busy == "reject":
             return _raise  # nor rejected
     return POLICIES[found.options.busy]
+
+
+def _kept(found: Found) -> bool:
+    """Whether ``found``'s hold is one its run, over, keeps for the rest of ``lock_period`` (one
+    round trip, in the modes that keep one). A Redis error here is not one: waited for, as before."""
+    if not found.options.rules.settles or found.holder is None:
+        return False
+    with suppress(redis.RedisError):
+        value = hold_of(found.lock.client, found.lock.name, found.holder)
+        return value is not None and value.kept
+    return False
 
 
 def _superseded(found: Found) -> bool:

@@ -489,6 +489,48 @@ def test_an_eta_celerys_worker_reads_is_read_alike(app: Celery, mode: str, sent:
     assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
 
 
+def test_a_retry_back_to_arguments_kept_for_their_period_meets_lock_busy(app: Celery) -> None:
+    """``until_expired``: attempt 0 (key 1) retries with other arguments (key 2), and attempt 1
+    retries back to the first ones while attempt 0's run keeps key 1 for ``lock_period``. That
+    hold's run is over: attempt 2 is a run of key 1 within its period, and meets it as any call
+    of those arguments does, with ``lock_busy`` (``"skip"``: it succeeds with ``None``), at once.
+    Before, it was taken for the run it continues letting go: it waited ``lock_wait_timeout``
+    for a hold nothing frees before the period ends, then failed with ``LockNotAcquired``."""
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="attempts.comes_back",
+        lock_mode="until_expired",
+        lock_on=("x", "n"),
+        lock_period=60,
+        lock_wait_timeout=60,  # waited for, the test times out first
+    )
+    def comes_back(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries < 2:
+            raise self.retry(args=(x, 1 - n), countdown=0)
+        return n
+
+    x, client = fresh(), recorder(app).client
+    first_key, next_key = task_lock_key(comes_back, (x, 0)), task_lock_key(comes_back, (x, 1))
+    with threads_worker(app):
+        first = comes_back.delay(x)
+        wait_for(
+            lambda: [e for e in events(app, x) if e[0] == "busy"],
+            timeout=RESULT_TIMEOUT,
+            what=lambda: f"attempt 2 to meet key 1 kept; events {events(app, x)}",
+        )
+        assert first.get(timeout=RESULT_TIMEOUT) is None  # skipped
+    ran = [(e[0], e[6]) for e in events(app, x) if e[0] in ("attempt@0", "attempt@1", "attempt@2", "busy")]
+    assert ran == [("attempt@0", "0"), ("attempt@1", "1"), ("busy", "2")]
+    for key, attempt in ((first_key, "0"), (next_key, "1")):  # each kept by the attempt that ran it
+        kept = parse_value(client.get(key))
+        assert kept is not None and kept.kept and parse_holder(kept.holder)["try"] == attempt
+    client.delete(first_key, next_key)
+
+
 @pytest.mark.parametrize("how", ["apply", "task_always_eager"])
 def test_an_eager_retry_with_other_arguments_leaves_the_attempts_key_kept_for_its_period(
     app: Celery, how: str
