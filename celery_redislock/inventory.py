@@ -106,8 +106,9 @@ class HeldLock:
     task_id: str | None
     #: retries of the task so far when it took the lock
     attempt: int | None
-    #: ``queued`` (an enqueue lock whose message waits) or ``running`` (taken by a run; an
-    #: ``until_expired`` lock stays ``running`` through its period after the run)
+    #: ``queued`` (an enqueue lock whose message waits), ``running`` (taken by a run) or
+    #: ``kept`` (an ``until_expired`` lock through its period after the run; the other fields
+    #: name that run)
     state: str | None
     node: str | None
     pid: int | None
@@ -199,7 +200,7 @@ def parse_lock(key: str, pttl: int, waiters: int, value: str, prefix: str) -> He
         task=task,
         task_id=fields.get("task"),
         attempt=int(fields["try"]) if fields.get("try", "").isdigit() else None,
-        state=fields.get("state"),
+        state="kept" if lock.kept else fields.get("state"),
         node=node,
         pid=int(pid) if pid and pid.isdigit() else None,
         ttl=None if pttl == -1 else pttl / 1000,

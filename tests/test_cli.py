@@ -29,6 +29,7 @@ from kombu.utils import json as kombu_json
 from celery_redislock import LockNotOwned, RedisLock, RedisSemaphore, task_lock_key
 from celery_redislock.cli import force_release, read_lock, redislock
 from celery_redislock.lock import companion_key
+from celery_redislock.protocol import parse_value
 from celery_redislock.testing import RedisServer
 from examples._support import QUEUE, ROOT, Worker
 from tests.conftest import calls_since, command_calls
@@ -152,6 +153,24 @@ def test_list_shows_a_running_tasks_lock_with_its_holder(setup: Setup) -> None:
     assert (
         "no locks held by task 'taskapp.hold_skip'" in setup.cli("list", "--task", "taskapp.hold_skip").stdout
     )
+
+
+def test_list_shows_a_lock_kept_for_its_period_as_kept(setup: Setup) -> None:
+    """``until_expired``: once its run ended, the lock is kept for the rest of ``lock_period``,
+    held by no run. ``list`` says ``kept``, not ``running`` (which sent users to look for a run
+    on a node that has none), with the task id, node and pid of the run that kept it."""
+    x, task = fresh(), setup.task("until_expired")
+    result = task.delay(x)
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+    key = task_lock_key(task, (x,))
+    client = setup.recorder.client
+    wait_for(lambda: parse_value(stored(client, key)).kept, what="the run to keep its lock")  # type: ignore[union-attr]
+    [row] = [row for row in setup.listed() if row["key"] == key]
+    assert (row["task_id"], row["state"], row["mode"]) == (result.id, "kept", "until_expired")
+    assert row["pid"] == int(setup.started(x)[4])
+    line = next(line for line in setup.cli("list").stdout.splitlines() if key in line)
+    assert line.split()[:4] == ["taskapp.until_expired", result.id, "0", "kept"]
+    client.delete(key)
 
 
 def test_enqueue_locks_are_listed_as_queued_and_released_by_task_and_arguments(setup: Setup) -> None:
