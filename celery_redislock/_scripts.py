@@ -18,7 +18,8 @@ A woken waiter finds one message in its wake list: ``"retry"`` (the lock is
 free: try again) or, for a fair waiter, the fence of the hold just handed to
 it. Whether a waiter is handed the lock depends on its own ``fair`` flag,
 whoever releases. A copy watching a run's hold (``WATCH``) is handed it at its
-release, or woken with ``"-1"`` when the run keeps it for its period (``SETTLE``).
+release, or woken with ``"-1"`` when the run keeps it for its period (``SETTLE``),
+``"-2"`` when the run parks it for its retry or replacement (``PARK``).
 
 Every key written gets a TTL in the same command or script; nothing outlives
 its use. Times come from the Redis server clock (``TIME``), never a client's.

@@ -57,7 +57,8 @@ _PARK = """
 -- ARGV[5] ttl in ms, ARGV[6] the mode's period in ms ('0': none).
 -- Hands a running hold to the retry on its way: re-tokened to ARGV[3] (its fence kept),
 -- so that only that retry can adopt it and the parking attempt can neither release nor
--- renew it. A retry already waiting for it (queued under ARGV[3]) is woken with the fence.
+-- renew it. A retry already waiting for it (queued under ARGV[3]) is woken with the fence; a
+-- copy of the run's message that watches the hold (WATCH) with '-2' (below).
 -- If the retry declined it already (DECLINE: it failed before adopting), lets go of the hold
 -- instead (`let_go`: kept for what is left of the period, else freed).
 -- Returns 1 if parked (also when this call, sent again after a lost reply, finds it parked
@@ -88,6 +89,16 @@ for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
     wake(token, string.format('%.0f', fence), ttl_ms)
   end
 end
+-- The common case (a hold no copy watches: no token after the owner's) ends here, before the
+-- helper only a watched hold needs is set up.
+if string.byte(value, 33) == 58 then return 1 end
+"""
+
+_PARK_WATCHED = """
+-- The copy watching the hold learns at once that the run handed it to the message that
+-- continues it (its WATCH would now find the retry's holder), rather than wait for a renewal
+-- that never comes, or for the retry's release, to take the run for alive.
+wake_watcher(value, '-2')
 return 1
 """
 
@@ -119,8 +130,8 @@ _WATCH = """
 -- WATCH. KEYS[1] lock; ARGV[1] the holder its hold must have (a run's), ARGV[2] the waiter
 -- member (see ``_scripts``) of a copy of that run's message, delivered again.
 -- The copy watches how the run's hold ends (`watch_hold`): the release of the hold hands it to
--- the copy, its fence kept (RELEASE); a hold kept for its period wakes it (SETTLE); a hold
--- running out is never handed over.
+-- the copy, its fence kept (RELEASE); a hold kept for its period wakes it (SETTLE), as does
+-- one parked for the run's retry or replacement (PARK); a hold running out is never handed over.
 -- Returns the hold's fence once marked, 0 if another copy watches it, -1 if the run is over and
 -- its hold kept for its period (not watched), else {PTTL, holder or false} (the run no longer
 -- holds it).
@@ -297,7 +308,7 @@ ADOPT = Script(_ADOPT)
 CLAIM = Script(_CLAIM)
 DECLINE = Script(_DECLINE)
 DROP = Script(_DROP)
-PARK = Script(_PARK)
+PARK = Script(_PARK, _PARK_WATCHED)
 REPLACE = Script(_REPLACE)
 SETTLE = Script(_SETTLE, _SETTLE_WATCHED)
 UNREPLACE = Script(_UNREPLACE)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, NoReturn, Protocol, cast
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
@@ -36,7 +36,7 @@ from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .inventory import hold_of, release_token
 from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
-from .run_lock import KEPT, ExecutionLock, acquired, adopt, release, watch
+from .run_lock import KEPT, PARKED, ExecutionLock, acquired, adopt, release, watch
 
 __all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "skipped", "when_busy"]
 
@@ -249,44 +249,36 @@ def skipped(task: Any, request: Any) -> None:
     raise Ignore()
 
 
-def _stale_copy(found: Found) -> bool:
-    """A copy of an earlier attempt (a redelivery): a later attempt is queued or running."""
+def _ignored(found: Found, why: str, *args: Any) -> NoReturn:
+    """Log that ``found``'s run is ignored, ``why`` (a format of ``args``), and ignore it."""
     logger.info(
-        "task %s[%s]: a later attempt holds %s; this stale copy is ignored",
-        found.task.name,
-        found.task_id,
-        found.lock.name,
-        extra=found.log_fields("busy-skip"),
+        "task %s[%s]: " + why, found.task.name, found.task_id, *args, extra=found.log_fields("busy-skip")
     )
     raise Ignore()
+
+
+def _stale_copy(found: Found) -> bool:
+    """A copy of an earlier attempt (a redelivery): a later attempt is queued or running."""
+    _ignored(found, "a later attempt holds %s; this stale copy is ignored", found.lock.name)
 
 
 def _redelivered(found: Found) -> bool:
     """A redelivered message (acks_late, visibility timeout, a dead consumer's messages), its lock
     held by its own first delivery: ignored while that delivery runs, and once it ended (at once
     where the run keeps its hold for ``lock_period``, also when that happens as the copy watches
-    it); run if its worker died, or, where another run of the key took the lock first, handled
-    as any run that finds the lock busy."""
+    it, and where, as the copy watches, the run parks its hold for its retry or replacement: the
+    message's continuation); run if its worker died, or, where another run of the key took the
+    lock first, handled as any run that finds the lock busy."""
     task, lock = found.task, found.lock
     fate = _first_delivery(found)
     if fate == "kept":
-        logger.info(
-            "task %s[%s]: redelivered once its first delivery ran, which keeps lock %s for "
-            "lock_period; ignored",
-            task.name,
-            found.task_id,
-            lock.name,
-            extra=found.log_fields("busy-skip"),
-        )
-        raise Ignore()
+        why = "redelivered once its first delivery ran, which keeps lock %s for lock_period; ignored"
+        _ignored(found, why, lock.name)
+    if fate == "parked":
+        why = "redelivered once its first delivery handed lock %s to its retry or replacement; ignored"
+        _ignored(found, why, lock.name)
     if fate == "alive":
-        logger.info(
-            "task %s[%s]: redelivered while its first delivery runs; ignored",
-            task.name,
-            found.task_id,
-            extra=found.log_fields("busy-skip"),
-        )
-        raise Ignore()
+        _ignored(found, "redelivered while its first delivery runs; ignored")
     if lock.held() or lock.acquire(blocking=False):
         logger.warning(
             "task %s[%s]: redelivered after its first delivery's worker died (its lease on %s "
@@ -311,7 +303,7 @@ def _redelivered(found: Found) -> bool:
 
 
 #: How a redelivered copy's first delivery stands (``_first_delivery``).
-_Fate = Literal["alive", "died", "kept"]
+_Fate = Literal["alive", "died", "kept", "parked"]
 
 #: Seconds: a hold found gone this close to the end of its lease, or later, may have run out.
 _MARGIN = 0.1
@@ -320,17 +312,19 @@ _MARGIN = 0.1
 def _first_delivery(found: Found) -> _Fate:
     """How the first delivery holding the lock, its lease ending ``found.ttl`` seconds after
     ``found.seen``, stands: ``"kept"``, its run is over and keeps its hold for the rest of ``lock_period``;
+    ``"parked"``, its run parked its hold for its retry or replacement, which adopts it;
     ``"died"``, that lease ran out unrenewed (the lock is then held here, or ``lock.busy``
     names the run that took it first); ``"alive"``, it renewed the lease, or let go of it (it
-    ran to its end in a mode that keeps nothing, retried, or its pool child died and the
+    ran to its end or retried in a mode that keeps nothing, or its pool child died and the
     worker released for it).
 
     This copy watches the hold (``run_lock.watch``): its release hands it over here, whoever
-    else waits for it, and a run that keeps it for its period wakes this copy (a kept hold is
-    never watched: the watch answers that at once), so a hold gone otherwise ran out (unless it
-    went well before the end of its lease, let go of otherwise). A live holder renews every
-    ``lock_ttl/3``, so this waits at most one renewal interval for a live holder, and the rest
-    of the lease for a dead one; it is woken at once by a release or a keep.
+    else waits for it, and a run that keeps it for its period or parks it for its retry wakes
+    this copy (a kept hold is never watched: the watch answers that at once), so a hold gone
+    otherwise ran out (unless it went well before the end of its lease, let go of otherwise). A
+    live holder renews every ``lock_ttl/3``, so this waits at most one renewal interval for a
+    live holder, and the rest of the lease for a dead one; it is woken at once by a release, a
+    keep or a park.
     """
     ends = found.seen + (found.ttl or 0.0)  # unless renewed
     interval = min(found.options.ttl / 3, ends - time.monotonic() - _MARGIN)
@@ -353,9 +347,9 @@ def _watch(found: Found, ends: float, until: float) -> _Fate | None:
     if watched is None:  # gone already
         return _ran_out(ends)
     fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it
-    if fence == KEPT:  # woken by the run keeping it, out of the queue
+    if fence in (KEPT, PARKED):  # woken by the run keeping or parking it, out of the queue
         lock.servers.abandon(token, lock.member(token))  # where its first attempt queued it again
-        return "kept"
+        return "kept" if fence == KEPT else "parked"
     if fence == watched:  # handed over by its release: the first delivery let go of it
         lock.servers.free(token)
         return "alive"

@@ -38,6 +38,7 @@ from .watchdog import Lease
 __all__ = [
     "EMPTY_BLOCK",
     "KEPT",
+    "PARKED",
     "ExecutionLock",
     "acquired",
     "adopt",
@@ -58,6 +59,10 @@ EMPTY_BLOCK: AbstractContextManager[None] = nullcontext()
 #: What ``watch`` returns, and what the watching copy's ``lock.wait_as`` returns once woken, when
 #: the run is over and keeps its hold for the rest of ``lock_period`` (``LockValue.kept``).
 KEPT = -1
+
+#: What the copy watching a run's hold gets from ``lock.wait_as`` once woken, when the run
+#: parked its hold for the message that continues it, its retry or replacement (``park``).
+PARKED = -2
 
 
 class ExecutionLock(RedisLock):
@@ -229,7 +234,8 @@ def watch(lock: LeaseLock, holder: str, token: str) -> int | None:
     permit, ``WATCH_PERMIT``), for a copy of the message whose first delivery has it: ``token``
     is queued for ``lock`` (wait with ``lock.wait_as(token, ...)``), and is handed the hold, its
     fence kept, if it is released meanwhile; woken with ``KEPT`` if the run ends and keeps it for
-    its period (``SETTLE``); neither if its lease runs out. Returns the hold's fence once watched,
+    its period (``SETTLE``), with ``PARKED`` if the run parks it for its retry or replacement
+    (``PARK``); none of these if its lease runs out. Returns the hold's fence once watched,
     0 when another copy of the message watches it, ``KEPT`` when the run is over and keeps it
     (nothing watched: one round trip), ``None`` when ``holder`` no longer holds it (``lock.busy``
     then names who does, where known)."""

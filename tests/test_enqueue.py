@@ -751,3 +751,47 @@ def test_a_copy_watching_its_running_first_delivery_learns_at_once_that_it_ended
     kept = parse_value(stored(client, key))
     assert kept is not None and kept.kept
     client.delete(key)
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_copy_watching_its_running_first_delivery_learns_at_once_that_it_retried(
+    app: Celery, caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    """A copy of the message delivered again while its first delivery runs watches that run's
+    hold. The run retries, parking its hold for its retry's message: the copy is told so at
+    once, and is ignored as one whose first delivery handed its lock to its retry (not, after
+    ``lock_ttl/3``, 100 s here, as one whose first delivery runs); the retry adopts the hold
+    and runs, once."""
+
+    @app.task(base=LockedTask, bind=True, shared=False, name=f"enqueue.retries_{mode}",
+              lock_mode=mode, lock_ttl=300, lock_period=600)  # fmt: skip
+    def retries(self: Any, x: str) -> str:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            recorder(app).wait_gate(x)
+            raise self.retry(countdown=0)
+        return x
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(retries, (x,))
+    first = retries.delay(x)
+    header = {HEADER: {"key": key, "token": stored(client, key)[:32].decode()}}
+    with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock.busy"):
+        wait_for(lambda: attempts_started(app, 0))
+        retries.apply_async((x,), task_id=first.id, headers=header)  # the message again
+        wait_for(lambda: stored(client, key)[32:33] != b":", what="the copy to watch the hold")
+        recorder(app).open_gate(x)
+        # Well within the copy's watch of a live run (lock_ttl/3: 100 s): woken by the park.
+        wait_for(lambda: "its first delivery" in caplog.text, timeout=60, what="the copy to decide")
+        assert "redelivered once its first delivery handed lock" in caplog.text
+        assert "redelivered while its first delivery runs" not in caplog.text
+        assert first.get(timeout=RESULT_TIMEOUT) == x
+    assert [len(attempts_started(app, attempt)) for attempt in (0, 1)] == [1, 1]
+    fences = {event[0]: int(event[5]) for event in recorder(app).events() if event[0].startswith("attempt@")}
+    assert fences["attempt@1"] > fences["attempt@0"]
+    if mode == "until_expired":
+        kept = parse_value(stored(client, key))
+        assert kept is not None and kept.kept and parse_holder(kept.holder)["try"] == "1"
+        client.delete(key)
+    else:
+        wait_for(lambda: not client.exists(key), what="the retry to release")

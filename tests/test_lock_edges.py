@@ -19,12 +19,12 @@ import celery_redislock.lock as lock_module
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
-from celery_redislock._task_scripts import SETTLE
+from celery_redislock._task_scripts import ADOPT, PARK, SETTLE
 from celery_redislock.attempt import waiter_member
 from celery_redislock.inventory import release_token
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import KEPT_TOKEN, parse_value
-from celery_redislock.run_lock import KEPT, watch
+from celery_redislock.run_lock import KEPT, PARKED, watch
 from celery_redislock.testing import RedisServer
 from tests.conftest import calls_since, command_calls
 from tests.invariants import stored
@@ -518,5 +518,88 @@ def test_a_copy_woken_by_the_keep_before_its_first_attempt_leaves_the_queue(
     found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now)  # type: ignore[arg-type]
     assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "kept"
     assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+#: The holder of the hold a run parks for its retry's message (``PARK``): attempt 1, queued.
+RETRY = "task=t1 try=1 state=queued node=first@host pid=1"
+
+
+def parked_for_its_retry(client: redis.Redis, run: RedisLock) -> str:
+    """End ``run`` as a run that retried ends (``until_executed``, ``until_expired``): its hold
+    parked for its retry's message (``PARK``). Returns the token that message carries."""
+    token = secrets.token_hex(16)
+    assert PARK(client, [run.name], [run.stop_renewing(), RUN, token, RETRY, 600_000, 0]) == 1
+    run.forget()
+    return token
+
+
+def test_a_park_of_a_hold_no_copy_watches_sends_the_commands_it_always_sent(
+    fresh_server: RedisServer, prefix: str
+) -> None:
+    """The common park (no copy of the run's message watches its hold) pays nothing for waking a
+    watching copy: the same server commands as before copies were woken by it."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    client.script_load(PARK.source)
+    run.acquire()
+    before = command_calls(client)
+    parked_for_its_retry(client, run)
+    assert calls_since(client, before) == {"evalsha": 1, "get": 1, "exists": 1, "set": 1, "zrange": 1}
+    client.delete(name)
+
+
+def test_a_copy_watching_a_hold_is_woken_when_its_run_parks_it_for_its_retry(
+    fresh_server: RedisServer, prefix: str
+) -> None:
+    """The run a copy watches retries and parks its hold for its retry's message (``PARK``): the
+    copy is woken at once with ``PARKED``, out of the queue (not left waiting until its deadline,
+    a renewal interval, to take the parked hold for a live run's); the hold is parked unmarked,
+    and the retry adopts it, its fence above the run's."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run.acquire()
+    token, fence = secrets.token_hex(16), run.fence or 0
+    assert watch(copy, RUN, token) == fence
+    got: list[int | None] = []
+    thread = threading.Thread(
+        target=lambda: got.append(copy.wait_as(token, time.monotonic() + 30, queued=True))
+    )
+    thread.start()
+    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the copy to wait for a wake")
+    retry_token = parked_for_its_retry(client, run)
+    thread.join()
+    assert got == [PARKED]
+    assert text(stored(client, name)) == f"{retry_token}:{fence}:{RETRY}"
+    own = secrets.token_hex(16)
+    adopted = ADOPT(client, [name], [retry_token, own, 600_000, RETRY.replace("queued", "running")])
+    assert isinstance(adopted, int) and adopted > fence
+    assert stored(client, name)[:32].decode() == own
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+def test_a_copy_woken_by_the_park_before_its_first_attempt_leaves_the_queue(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run parks its hold for its retry between the copy's ``WATCH`` and the copy's first
+    attempt, which queues the copy again (the park took it out): the copy, woken, learns that
+    the hold went to the retry and leaves the queue, so that nothing of it is left."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run.acquire()
+    fence, parked = run.fence, []
+
+    def watch_then_park(lock: RedisLock, holder: str, token: str) -> int | None:
+        watched = watch(lock, holder, token)
+        parked.append(parked_for_its_retry(client, run))
+        return watched
+
+    monkeypatch.setattr(busy, "watch", watch_then_park)
+    now = time.monotonic()
+    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now)  # type: ignore[arg-type]
+    assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "parked"
+    assert text(stored(client, name)) == f"{parked[0]}:{fence}:{RETRY}"
     client.delete(name)
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
