@@ -176,9 +176,17 @@ def _read(path: Path) -> bytes:
 def test_the_prometheus_example_picks_its_ports_below_the_ephemeral_range() -> None:
     """The example picks its worker's three metrics ports before the worker binds them: below
     the range a bind to port 0 draws from, so that no other process (a parallel test's
-    redis-server) takes one meanwhile, as once happened in CI ("Address already in use")."""
-    from examples.prometheus_worker import free_ports
+    redis-server) takes one meanwhile, as once happened in CI ("Address already in use").
 
+    Asked in a process of its own: importing the example connects its ``worker_init`` receiver,
+    which would set a Prometheus ``MeterProvider`` as OpenTelemetry's global one at the start of
+    every later in-process worker of this test process, before the ``otel`` fixture's, whose
+    reader then sees no metric."""
+    script = "from examples.prometheus_worker import free_ports; print(*(free_ports(3) for _ in range(50)))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
     ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = [free_ports(3) for _ in range(50)]
+    ports = [int(port) for port in done.stdout.split()]
+    assert len(ports) == 50, done.stdout
     assert all(port >= 1024 and port + 2 < ephemeral for port in ports), ports
