@@ -59,10 +59,17 @@ def session_otel() -> Otel:
     """The process's ``Otel``, set as OpenTelemetry's global providers on first use; its
     finished spans cleared."""
     if not _OTEL:
-        _OTEL.append(Otel())
-        metrics.set_meter_provider(MeterProvider(metric_readers=[_OTEL[0].reader]))
+        otel = Otel()
+        meter_provider = MeterProvider(metric_readers=[otel.reader])
+        metrics.set_meter_provider(meter_provider)
         tracer_provider = TracerProvider()
-        tracer_provider.add_span_processor(SimpleSpanProcessor(_OTEL[0].spans))
+        tracer_provider.add_span_processor(SimpleSpanProcessor(otel.spans))
         trace.set_tracer_provider(tracer_provider)
+        # Refused, with a mere warning, if something in this process set one first (an example's
+        # worker_init receiver, say): the tests would read nothing.
+        refused = metrics.get_meter_provider() is not meter_provider
+        if refused or trace.get_tracer_provider() is not tracer_provider:
+            raise RuntimeError("OpenTelemetry's global providers were set before the session's")
+        _OTEL.append(otel)
     _OTEL[0].spans.clear()
     return _OTEL[0]
