@@ -58,8 +58,10 @@ class Found:
     ttl: float | None
     #: monotonic time of the run's first acquire attempt
     started: float
-    #: monotonic time ``holder`` and ``ttl`` were read: the hold's lease ends ``ttl`` s after it,
-    #: however long the ``lock_busy`` receivers take
+    #: monotonic times before ``holder`` and ``ttl`` were asked for, and after they were read:
+    #: the hold's lease ends ``ttl`` s after a time between the two, unless renewed (stalls
+    #: between the script's run and the reply's reading widen the span, never move the end out)
+    asked: float
     seen: float
 
     @property
@@ -279,6 +281,7 @@ def _redelivered(found: Found) -> bool:
         _ignored(found, why, lock.name)
     if fate == "alive":
         _ignored(found, "redelivered while its first delivery runs; ignored")
+    asked = time.monotonic()
     if lock.held() or lock.acquire(blocking=False):
         logger.warning(
             "task %s[%s]: redelivered after its first delivery's worker died (its lease on %s "
@@ -299,7 +302,7 @@ def _redelivered(found: Found) -> bool:
         holder,
         extra=found.log_fields("busy-wait"),
     )
-    return when_busy(replace(found, holder=holder, ttl=ttl, seen=seen))
+    return when_busy(replace(found, holder=holder, ttl=ttl, asked=asked, seen=seen))
 
 
 #: How a redelivered copy's first delivery stands (``_first_delivery``).
@@ -311,7 +314,8 @@ _MARGIN = 0.1
 
 def _first_delivery(found: Found) -> _Fate:
     """How the first delivery holding the lock, its lease ending ``found.ttl`` seconds after
-    ``found.seen``, stands: ``"kept"``, its run is over and keeps its hold for the rest of ``lock_period``;
+    ``found.asked`` at the earliest and ``found.seen`` at the latest, stands: ``"kept"``, its
+    run is over and keeps its hold for the rest of ``lock_period``;
     ``"parked"``, its run parked its hold for its retry or replacement, which adopts it;
     ``"died"``, that lease ran out unrenewed (the lock is then held here, or ``lock.busy``
     names the run that took it first); ``"alive"``, it renewed the lease, or let go of it (it
@@ -326,7 +330,7 @@ def _first_delivery(found: Found) -> _Fate:
     live holder, and the rest of the lease for a dead one; it is woken at once by a release, a
     keep or a park.
     """
-    ends = found.seen + (found.ttl or 0.0)  # unless renewed
+    ends = found.seen + (found.ttl or 0.0)  # at the latest, unless renewed
     interval = min(found.options.ttl / 3, ends - time.monotonic() - _MARGIN)
     fate = _watch(found, ends, time.monotonic() + interval) if interval > 0 else None
     if fate is None:  # not renewed for an interval: watch it until its lease ends
@@ -336,8 +340,8 @@ def _first_delivery(found: Found) -> _Fate:
 
 def _watch(found: Found, ends: float, until: float) -> _Fate | None:
     """Watch the first delivery's hold (with ``lock_limit`` above 1, its permit), its lease ending
-    at monotonic ``ends`` unless renewed, until monotonic ``until``: how it stands, as
-    ``_first_delivery`` says, or ``None`` when it still holds the lock, not renewed."""
+    at monotonic ``ends`` at the latest unless renewed, until monotonic ``until``: how it stands,
+    as ``_first_delivery`` says, or ``None`` when it still holds the lock, not renewed."""
     lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
     watched = watch(lock, found.holder or "", token)
     if watched == KEPT:
@@ -345,7 +349,7 @@ def _watch(found: Found, ends: float, until: float) -> _Fate | None:
     if watched == 0:
         return "alive"  # another copy of the message watches it, and acts on its end
     if watched is None:  # gone already
-        return _ran_out(ends)
+        return _ran_out(found)
     fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it
     if fence in (KEPT, PARKED):  # woken by the run keeping or parking it, out of the queue
         lock.servers.abandon(token, lock.member(token))  # where its first attempt queued it again
@@ -355,19 +359,20 @@ def _watch(found: Found, ends: float, until: float) -> _Fate | None:
         return "alive"
     if fence is not None:  # free, taken here
         lock.take_hold(token, fence, sent_at)
-        if _ran_out(ends) == "died":
+        if _ran_out(found) == "died":
             return "died"
         release(found.task, lock, None, announce=False)  # let go of early: gone, never handed
         return "alive"
     holder, left = lock.busy
     if holder == found.holder:
         return "alive" if (left or 0.0) > ends - time.monotonic() + _MARGIN else None  # renewed
-    return _ran_out(ends)  # another run took it: it ran out, since it was not handed over
+    return _ran_out(found)  # another run took it: it ran out, since it was not handed over
 
 
-def _ran_out(ends: float) -> _Fate:
-    """``"died"`` when a lease ending at monotonic ``ends`` may have run out by now, else ``"alive"``."""
-    return "died" if time.monotonic() >= ends - _MARGIN else "alive"
+def _ran_out(found: Found) -> _Fate:
+    """``"died"`` when the lease of ``found``'s hold, unrenewed, may have run out by now (its
+    earliest end: ``found.asked`` on), else ``"alive"``."""
+    return "died" if time.monotonic() >= found.asked + (found.ttl or 0.0) - _MARGIN else "alive"
 
 
 @dataclass(frozen=True)

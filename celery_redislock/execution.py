@@ -336,11 +336,20 @@ class Execution:
         return self.when_busy(lock, started, *lock.busy)
 
     def when_busy(self, lock: ExecutionLock, started: float, holder: str | None, ttl: float | None) -> bool:
-        """``lock`` is held by ``holder``, ``ttl`` s left as just read: apply ``lock_busy``
-        (``celery_redislock.busy``)."""
-        seen = time.monotonic()
+        """``lock`` is held by ``holder``, ``ttl`` s left as just read by a request sent after
+        monotonic ``started`` (the run's first attempt): apply ``lock_busy`` (``celery_redislock.busy``)."""
         found = Found(
-            self.task, self.options, lock, self.request, self.args, self.kwargs, holder, ttl, started, seen
+            self.task,
+            self.options,
+            lock,
+            self.request,
+            self.args,
+            self.kwargs,
+            holder,
+            ttl,
+            started=started,
+            asked=started,
+            seen=time.monotonic(),
         )
         return when_busy(found)
 

@@ -23,6 +23,7 @@ from kombu.exceptions import EncodeError
 from celery_redislock import DuplicateTask, LockedTask, signals, task_lock_key
 from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock._task_scripts import ADOPT, SETTLE, WATCH
+from celery_redislock.attempt import Attempt
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.state import LockClient, app_state
@@ -637,21 +638,37 @@ def test_a_redelivered_copy_whose_first_delivery_ends_while_another_call_waits_d
     assert [event[3] for event in starts(app, x)] == [first.id, other.id]
 
 
-def test_a_copy_counts_its_first_deliverys_lease_from_when_it_read_it(
-    app: Celery, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("stall", ["before_its_reply_is_read", "in_a_lock_busy_receiver"])
+def test_a_copy_counts_its_first_deliverys_lease_from_before_it_asked(
+    app: Celery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, stall: str
 ) -> None:
-    """A redelivered copy reads how long its first delivery's lease has left, then sends
-    ``lock_busy``. A receiver that takes longer than that (the lease runs out meanwhile: that
-    delivery's worker died) must not make the copy count the lease from after the signal, take
-    the delivery that died for one alive, and drop the message: the lease ran out, so it runs."""
+    """A redelivered copy asks how long its first delivery's lease has left, then sends
+    ``lock_busy``. A stall between the script's run and the copy's decision (its thread held up
+    before it reads the reply, or a receiver slower than the lease: it runs out meanwhile, that
+    delivery's worker dead) must not make the copy count the lease from after the stall, take
+    the delivery that died for one alive, and drop the message: the lease ran out, so it runs.
+    The lease is counted from before the copy asked, the earliest it can end."""
     x, task, task_id = fresh(), app.tasks["taskapp.hold_skip"], str(uuid.uuid4())
     key = task_lock_key(task, (x,))
     client = recorder(app).client
     client.set(key, f"{'a' * 32}:1:{holder_for(task_id, 0, 'dead@host', 1)}", px=1500)  # no one renews it
 
-    def slow_receiver(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    def run_out() -> None:
         wait_for(lambda: not client.exists(key), what="the dead delivery's lease to run out")
 
+    granted = Attempt.granted
+
+    def granted_then_stalled(attempt: Attempt, reply: Any) -> int | None:
+        fence = granted(attempt, reply)
+        if fence is None and stall == "before_its_reply_is_read":
+            run_out()
+        return fence
+
+    def slow_receiver(sender: Any = None, **_: Any) -> None:
+        if stall == "in_a_lock_busy_receiver":
+            run_out()
+
+    monkeypatch.setattr(Attempt, "granted", granted_then_stalled)
     signals.lock_busy.connect(slow_receiver, weak=False)
     try:
         with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock.busy"):

@@ -515,7 +515,7 @@ def test_a_copy_woken_by_the_keep_before_its_first_attempt_leaves_the_queue(
 
     monkeypatch.setattr(busy, "watch", watch_then_keep)
     now = time.monotonic()
-    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now)  # type: ignore[arg-type]
+    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
     assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "kept"
     assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
     client.delete(name)
@@ -598,7 +598,7 @@ def test_a_copy_woken_by_the_park_before_its_first_attempt_leaves_the_queue(
 
     monkeypatch.setattr(busy, "watch", watch_then_park)
     now = time.monotonic()
-    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now)  # type: ignore[arg-type]
+    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
     assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "parked"
     assert text(stored(client, name)) == f"{parked[0]}:{fence}:{RETRY}"
     client.delete(name)

@@ -385,7 +385,7 @@ def test_a_message_taken_over_after_its_check_is_dropped_when_it_finds_its_lock_
     lock = ExecutionLock(client, key, 30, holder_for(first.id, 0, "node", 1), settings,
                          task_name=task.name, raise_on_lost=False, stop_child=False)  # fmt: skip
     now = time.monotonic()
-    found = Found(task, options, lock, request, ("x", 1), {}, taken_over.holder, 30.0, now, now)
+    found = Found(task, options, lock, request, ("x", 1), {}, taken_over.holder, 30.0, now, now, now)
     assert busy.OUTCOMES[policy_for(found)] == "superseded"
     assert [fields["superseded_task_id"] for fields in dropped] == [first.id]
     assert busy.OUTCOMES[policy_for(found)] == "superseded"  # a copy delivered again: dropped too
