@@ -30,13 +30,13 @@ from celery import Celery
 from celery.schedules import schedule
 
 from celery_redislock import RedisLock, RedisSemaphore, task_lock_key
-from celery_redislock._task_scripts import CLAIM
+from celery_redislock._task_scripts import CLAIM, DECLINE, PARK
 from celery_redislock.attempt import companion_key
 from celery_redislock.beat import slot_of
 from celery_redislock.config import app_settings
 from celery_redislock.connection import client_for, redis_client
 from celery_redislock.keys import leader_key, slot_key
-from celery_redislock.protocol import holder_for
+from celery_redislock.protocol import KEPT_TOKEN, holder_for
 from celery_redislock.stats import summary
 from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests.conftest import calls_since, command_calls
@@ -411,6 +411,40 @@ def test_the_documented_permissions_suffice_and_a_refusal_is_one_line(
         for app in (allowed, refused):
             app.close()
     admin.close()
+
+
+def test_a_hold_kept_for_its_period_is_an_execution_lock_whatever_its_holder_says(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    """``until_expired``: a retry that will never adopt the hold its previous attempt parked for
+    it (revoked, rejected, its pool child died) has ``DECLINE`` keep that hold for the rest of
+    ``lock_period``, owned by no token, under the retry's holder, which says ``state=queued``.
+    No message waits for it: ``stats`` counts it as an execution lock (``list`` says ``kept``),
+    not as an enqueue lock, nor, once an hour old (a daily job's period), as an orphan, "a
+    message waiting that long"."""
+    task = app.tasks["taskapp.until_expired"]
+    running, retry = holder_for("kept-id", 0, "w@host", 11), holder_for("kept-id", 1, "w@host", 11, "queued")
+    declined = task_lock_key(task, ("declined",))
+    run = RedisLock(client, declined, ttl=LEASE, watchdog=False, holder=running)
+    assert run.acquire(blocking=False)
+    token = uuid.uuid4().hex
+    assert PARK(client, [declined], [run.stop_renewing(), running, token, retry, 600_000, 600_000]) == 1
+    run.forget()
+    assert DECLINE(client, [declined], [token, 600_000, 600_000]) == 3  # kept for its period
+    old = task_lock_key(task, ("old",))  # as a daily job's is two hours on
+    two_hours_ago = server_us(client) - int(TWO_HOURS * 1e6)
+    client.set(old, f"{KEPT_TOKEN}:{two_hours_ago}:{retry}", px=600_000)
+    try:
+        found = stats(app)
+        assert found["held"] == {"execution": 2, "enqueue": 0, "leader": 0, "other": 0, "waiters": 0}
+        assert found["orphans"] == {"count": 0, "locks": []}
+        rows = {row["key"]: row for row in found["oldest"]["locks"]}
+        assert {key: (rows[key]["kind"], rows[key]["state"]) for key in (declined, old)} == {
+            declined: ("execution", "kept"),
+            old: ("execution", "kept"),
+        }
+    finally:
+        client.delete(declined, old)
 
 
 def test_permits_count_as_their_tasks_holds_and_their_waiters_once(
