@@ -497,31 +497,6 @@ def test_a_copy_watching_a_hold_is_woken_when_its_run_keeps_it_for_its_period(
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
-def test_a_copy_woken_by_the_keep_before_its_first_attempt_leaves_the_queue(
-    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The run keeps its hold between the copy's ``WATCH`` and the copy's first attempt, which
-    queues the copy again (the keep took it out): the copy, woken, learns that the hold is kept
-    and leaves the queue, so that nothing of it is left (``busy._watch``)."""
-    client, name = fresh_server.client(), f"{prefix}:k"
-    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
-    run.acquire()
-    fence = run.fence
-
-    def watch_then_keep(lock: RedisLock, holder: str, token: str) -> int | None:
-        watched = watch(lock, holder, token)
-        kept_for_its_period(client, run)
-        return watched
-
-    monkeypatch.setattr(busy, "watch", watch_then_keep)
-    now = time.monotonic()
-    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
-    assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "kept"
-    assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
-    client.delete(name)
-    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
-
-
 #: The holder of the hold a run parks for its retry's message (``PARK``): attempt 1, queued.
 RETRY = "task=t1 try=1 state=queued node=first@host pid=1"
 
@@ -580,26 +555,33 @@ def test_a_copy_watching_a_hold_is_woken_when_its_run_parks_it_for_its_retry(
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
-def test_a_copy_woken_by_the_park_before_its_first_attempt_leaves_the_queue(
-    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("ending", ["kept", "parked"])
+def test_a_copy_woken_by_its_runs_end_before_its_first_attempt_leaves_the_queue(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, ending: str
 ) -> None:
-    """The run parks its hold for its retry between the copy's ``WATCH`` and the copy's first
-    attempt, which queues the copy again (the park took it out): the copy, woken, learns that
-    the hold went to the retry and leaves the queue, so that nothing of it is left."""
+    """The run keeps its hold for its period, or parks it for its retry, between the copy's
+    ``WATCH`` and the copy's first attempt, which queues the copy again (the keep or the park
+    took it out): the copy, woken, learns how the run ended and leaves the queue, so that
+    nothing of it is left (``busy._watch``)."""
     client, name = fresh_server.client(), f"{prefix}:k"
     run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
     run.acquire()
-    fence, parked = run.fence, []
+    fence, owner = run.fence, []
 
-    def watch_then_park(lock: RedisLock, holder: str, token: str) -> int | None:
+    def watch_then_end(lock: RedisLock, holder: str, token: str) -> int | None:
         watched = watch(lock, holder, token)
-        parked.append(parked_for_its_retry(client, run))
+        if ending == "kept":
+            kept_for_its_period(client, run)
+            owner.append((KEPT_TOKEN, RUN))
+        else:
+            owner.append((parked_for_its_retry(client, run), RETRY))
         return watched
 
-    monkeypatch.setattr(busy, "watch", watch_then_park)
+    monkeypatch.setattr(busy, "watch", watch_then_end)
     now = time.monotonic()
     found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
-    assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == "parked"
-    assert text(stored(client, name)) == f"{parked[0]}:{fence}:{RETRY}"
+    assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == ending
+    token, holder = owner[0]
+    assert text(stored(client, name)) == f"{token}:{fence}:{holder}"
     client.delete(name)
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
