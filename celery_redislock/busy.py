@@ -102,10 +102,7 @@ def policy_for(found: Found) -> BusyPolicy:
     request = found.request
     held_by = parse_holder(found.holder)
     if request is not None and held_by.get("task") == request.id:
-        # a message of a task id is later than another when it replaced one more run, or as many
-        # and is a later retry: (replacement depth, retries), as its holders name them
-        held = (int(held_by.get("rep") or 0), int(held_by["try"]))
-        this = (replaced_nesting(request), request.retries or 0)
+        held, this = _attempt(held_by), (replaced_nesting(request), request.retries or 0)
         if held == this and held_by.get("state") == "running":
             return _redelivered
         if held > this:
@@ -128,6 +125,22 @@ def policy_for(found: Found) -> BusyPolicy:
         if found.options.busy == "reject":
             return _raise  # nor rejected
     return POLICIES[found.options.busy]
+
+
+def _attempt(holder: Mapping[str, str]) -> tuple[int, int]:
+    """Which message of its task id the run a holder (``parse_holder``'s) names ran: a message is
+    later than another when it replaced one more run, or as many and is a later retry
+    (replacement depth, retries)."""
+    return int(holder.get("rep") or 0), int(holder.get("try") or 0)
+
+
+def _continued(found: Found) -> bool:
+    """Whether the lock, no longer held by ``found.holder``, went to the message that continues
+    that run (its retry or replacement, parked for it, or running since): ``lock.busy`` names a
+    later message of its task id."""
+    then, now = parse_holder(found.holder), parse_holder(found.lock.busy[0])
+    task = then.get("task")
+    return task is not None and now.get("task") == task and _attempt(now) > _attempt(then)
 
 
 def _kept(found: Found) -> bool:
@@ -349,7 +362,7 @@ def _watch(found: Found, ends: float, until: float) -> _Fate | None:
     if watched == 0:
         return "alive"  # another copy of the message watches it, and acts on its end
     if watched is None:  # gone already
-        return _ran_out(found)
+        return _gone(found)
     fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it
     if fence in (KEPT, PARKED):  # woken by the run keeping or parking it, out of the queue
         lock.servers.abandon(token, lock.member(token))  # where its first attempt queued it again
@@ -366,7 +379,13 @@ def _watch(found: Found, ends: float, until: float) -> _Fate | None:
     holder, left = lock.busy
     if holder == found.holder:
         return "alive" if (left or 0.0) > ends - time.monotonic() + _MARGIN else None  # renewed
-    return _ran_out(found)  # another run took it: it ran out, since it was not handed over
+    return _gone(found)  # another run took it, not handed over
+
+
+def _gone(found: Found) -> _Fate:
+    """The fate of a first delivery whose hold is gone, not handed to this copy: ``"parked"`` when
+    the message that continues its run has it (``_continued``), else as ``_ran_out`` says."""
+    return "parked" if _continued(found) else _ran_out(found)
 
 
 def _ran_out(found: Found) -> _Fate:

@@ -555,6 +555,27 @@ def test_a_copy_watching_a_hold_is_woken_when_its_run_parks_it_for_its_retry(
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
+@pytest.mark.parametrize("adopted", [False, True], ids=["parked", "adopted"])
+def test_a_copy_that_finds_its_runs_hold_parked_already_learns_that_it_retried(
+    fresh_server: RedisServer, prefix: str, adopted: bool
+) -> None:
+    """The run parks its hold for its retry's message between the copy's read of the hold and
+    its ``WATCH`` (or the retry has adopted it since): the watch finds the retry's holder, a
+    later attempt of the run's task id. The copy learns that the run retried (``"parked"``),
+    not that a live run holds on (``"alive"``), and leaves nothing behind."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run.acquire()
+    retry_token = parked_for_its_retry(client, run)
+    if adopted:
+        assert ADOPT(client, [name], [retry_token, "c" * 32, 600_000, RETRY.replace("queued", "running")]) > 0
+    now = time.monotonic()
+    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
+    assert busy._watch(found, now + LEASE, now + 30) == "parked"
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
 @pytest.mark.parametrize("ending", ["kept", "parked"])
 def test_a_copy_woken_by_its_runs_end_before_its_first_attempt_leaves_the_queue(
     fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, ending: str
