@@ -50,7 +50,7 @@ from ._durations import to_ms
 from ._process import current_pid
 from ._task_scripts import DECLINE, DROP, LET_GO, REPLACE, UNREPLACE
 from .attempt import MAX_TTL, busy_reply, hostname, seconds_left
-from .config import LockOptions
+from .config import TASK_OPTIONS, LockOptions
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import DuplicateTask, LockConfigurationError, LockNotReplicated, RedisLockError
 from .inventory import release_token
@@ -298,11 +298,16 @@ def give_up_ticket(
     afresh, which is freed as a first message's), which, in a mode that parks one, may not be
     parked for it yet: ``DECLINE`` then marks its token (for ``lock_queue_ttl``), and the park
     lets go of the hold instead. A parked hold's run ran: it is kept for what is left of
-    ``lock_period``, as after any run of an ``until_expired`` task."""
-    if not (continues and options is not None and options.rules.parks_for_retry):
+    ``lock_period``, as after any run of an ``until_expired`` task. ``options`` ``None`` (a task
+    this app does not register, its mode unknown): marked for the default ``lock_queue_ttl``,
+    and a hold parked already is freed; the park, if one comes, lets go with the run's mode."""
+    if not continues or (options is not None and not options.rules.parks_for_retry):
         outcome = "released" if release_token(client, *ticket) else None
     else:
-        done = int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(options.queue_ttl), options.period_ms]))
+        queue_ttl, period_ms = (
+            (TASK_OPTIONS["queue_ttl"], 0) if options is None else (options.queue_ttl, options.period_ms)
+        )
+        done = int(DECLINE(client, [ticket[0]], [ticket[1], to_ms(queue_ttl), period_ms]))
         outcome = LET_GO.get(done)
     if outcome is not None:
         extra = log_fields(ticket[0], outcome=outcome)

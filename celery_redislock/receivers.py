@@ -212,10 +212,10 @@ def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None =
     name = name or fields.get("task")
     # The options of a task this app registers: a rejected message's (invalid, or of a content
     # type the worker does not accept), or an unknown one's registered after the worker started.
-    # Of a task it does not register (another app's), the mode, period and queue ttl are unknown:
-    # no options, and the ticket is freed owner-checked as a new call's message's (a parked hold
-    # goes, an until_expired period cut short; one not parked yet is parked by its run, for no one,
-    # until its lock_queue_ttl) rather than marked declined for a mode that may never park.
+    # Of a task it does not register (another app's, another release's), the mode, period and
+    # queue ttl are unknown: no options (``give_up_ticket``: a hold parked already is freed, an
+    # until_expired period cut short; one not parked yet is marked declined, and its run's park
+    # lets go of it as its mode says).
     task = app.tasks.get(name) if isinstance(name, str) else None
     why = f"message for {name or 'an invalid task'} dropped"
     _release_ticket_logged(app, ticket, why, message_continues_hold(fields), bound_options(task))

@@ -34,7 +34,7 @@ from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
 from tests.invariants import stored
 from tests.taskapp import make_app, recorder
-from tests.workers import runs_over, threads_worker, wait_for
+from tests.workers import WorkerProcess, runs_over, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
 
@@ -401,6 +401,67 @@ def test_a_rejected_retry_gives_the_hold_parked_for_it_up(app: Celery, mode: str
             assert 0 < client.pttl(key) <= 60_000, f"kept for {client.pttl(key)} ms"
     finally:
         client.delete(key, idle, *declined)
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_retry_a_worker_does_not_know_before_the_park_gives_the_hold_up(
+    app: Celery, redis_server: RedisServer, prefix: str, mode: str
+) -> None:
+    """Attempt 0 retries (the same key) to a queue whose worker does not register the task (a
+    rolling deploy: a worker of the release before the task existed): that worker drops the
+    retry's message as unknown (``task_unknown``) before attempt 0 parks its hold for it
+    (``retry(throw=False)``, attempt 0 going on until the test lets it end). The task's mode is
+    unknown there, so the drop marks the retry's token declined, and the park lets go of the
+    hold with the run's own mode: ``until_executed``'s is freed, ``until_expired``'s kept for
+    what is left of ``lock_period``. Before, the drop freed the ticket owner-checked, which the
+    hold not parked yet was not, and attempt 0 parked it for the message that was gone: held
+    for ``lock_queue_ttl``, every call of the arguments refused meanwhile."""
+    other_queue, client = f"q-{prefix}-other", recorder(app).client
+    # tests.taskapp's app, which does not register the task below
+    other = WorkerProcess(redis_server.url, f"{prefix}-other", other_queue, "solo", 1, "other")
+    started: list[str] = []
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.unknown_{mode}",
+        lock_mode=mode,
+        lock_period=60 if mode == "until_expired" else None,
+    )
+    def step(self: Any, x: str) -> str:
+        started.append(self.request.id)
+        self.retry(countdown=0, queue=other_queue, throw=False)
+        recorder(app).wait_gate(x)
+        return x
+
+    x = fresh()
+    key = task_lock_key(step, (x,))
+    other.start()
+    try:
+        if client.blpop([f"{prefix}-other:ready"], timeout=60) is None:
+            raise AssertionError(f"the other worker did not start:\n{other.output()}")
+        with threads_worker(app):
+            step.delay(x)
+            wait_for(lambda: started, what="attempt 0 to start")
+            other.wait_for_line(f"Received unregistered task of type '{step.name}'")
+            marked = companion_key(key, "declined:*")
+            wait_for(lambda: list(client.scan_iter(match=marked)), what="the drop to mark the retry declined")
+            recorder(app).open_gate(x)
+            wait_for(lambda: runs_over(step.name), what="attempt 0 to end")
+    finally:
+        other.stop()
+    declined = list(client.scan_iter(match=companion_key(key, "declined:*")))
+    try:
+        if mode == "until_executed":
+            assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
+            assert declined == []
+        else:  # the mark lives as long as the kept hold: a park sent again keeps it again
+            kept = parse_value(client.get(key))
+            assert kept is not None and kept.kept, f"not kept: {client.get(key)!r}"
+            assert 0 < client.pttl(key) <= 60_000, f"kept for {client.pttl(key)} ms"
+    finally:
+        client.delete(key, *declined)
 
 
 @pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
