@@ -60,7 +60,8 @@ _PARK = """
 -- renew it. A retry already waiting for it (queued under ARGV[3]) is woken with the fence; a
 -- copy of the run's message that watches the hold (WATCH) with '-2' (below).
 -- If the retry declined it already (DECLINE: it failed before adopting), lets go of the hold
--- instead (`let_go`: kept for what is left of the period, else freed).
+-- instead (`let_go`: kept for what is left of the period, else freed), the watching copy woken
+-- with '-2' all the same.
 -- Returns 1 if parked (also when this call, sent again after a lost reply, finds it parked
 -- already), 2 if freed or 3 if kept for its period (declined; also when this call, sent again,
 -- finds it kept), 0 if the token or holder no longer matches (left untouched).
@@ -69,7 +70,8 @@ if owns(value, ARGV[3]) and holder_of(value) == ARGV[4] then return 1 end
 local resent = owns(value, kept_token)  -- kept by this call's let-go below, if declined still
 if not (owns(value, ARGV[1]) or resent) or holder_of(value) ~= ARGV[2] then return 0 end
 local declined = prefix .. 'declined:' .. ARGV[3]
-if redis.call('EXISTS', declined) == 1 then
+-- Lets go of the hold its retry declined; returns the reply.
+local function give_up()
   local kept = let_go(value, tonumber(ARGV[6]))
   if kept == 0 then
     redis.call('DEL', declined)
@@ -78,27 +80,33 @@ if redis.call('EXISTS', declined) == 1 then
   redis.call('PEXPIRE', declined, kept)  -- as long as the hold: a resent PARK keeps it again
   return 3
 end
-if resent then return 0 end  -- kept, not by a park for ARGV[3]: left untouched
-local fence = fence_of(value)
-redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
-for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
-  local ttl_ms, token = member_fields(member)
-  if token == ARGV[3] then
-    redis.call('ZREM', queue, member)
-    redis.call('ZREM', deadlines, member)
-    wake(token, string.format('%.0f', fence), ttl_ms)
+-- The common case is a hold no copy watches (no token after the owner's): it ends in this
+-- stage, before the helper only a watched hold needs is set up.
+local watched, refused = string.byte(value, 33) ~= 58, redis.call('EXISTS', declined) == 1
+if refused and not watched then return give_up() end
+if not refused then
+  if resent then return 0 end  -- kept, not by a park for ARGV[3]: left untouched
+  local fence = fence_of(value)
+  redis.call('SET', lock, hold(ARGV[3], fence, ARGV[4]), 'PX', ARGV[5])
+  for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
+    local ttl_ms, token = member_fields(member)
+    if token == ARGV[3] then
+      redis.call('ZREM', queue, member)
+      redis.call('ZREM', deadlines, member)
+      wake(token, string.format('%.0f', fence), ttl_ms)
+    end
   end
+  if not watched then return 1 end
 end
--- The common case (a hold no copy watches: no token after the owner's) ends here, before the
--- helper only a watched hold needs is set up.
-if string.byte(value, 33) == 58 then return 1 end
 """
 
 _PARK_WATCHED = """
--- The copy watching the hold learns at once that the run handed it to the message that
+-- The copy watching the hold learns at once that the run handed it on to the message that
 -- continues it (its WATCH would now find the retry's holder), rather than wait for a renewal
--- that never comes, or for the retry's release, to take the run for alive.
+-- that never comes, or for the retry's release, to take the run for alive; also when that
+-- message declined it: woken before the let-go, which then wakes the next waiter, not the copy.
 wake_watcher(value, '-2')
+if refused then return give_up() end
 return 1
 """
 

@@ -19,7 +19,7 @@ import celery_redislock.lock as lock_module
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
-from celery_redislock._task_scripts import ADOPT, PARK, SETTLE
+from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE
 from celery_redislock.attempt import waiter_member
 from celery_redislock.inventory import release_token
 from celery_redislock.lock import companion_key
@@ -552,6 +552,39 @@ def test_a_copy_watching_a_hold_is_woken_when_its_run_parks_it_for_its_retry(
     assert isinstance(adopted, int) and adopted > fence
     assert stored(client, name)[:32].decode() == own
     client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+@pytest.mark.parametrize("period_ms", [0, 600_000], ids=["freed", "kept"])
+def test_a_copy_watching_a_hold_is_woken_when_its_run_lets_go_of_it_for_a_declined_retry(
+    fresh_server: RedisServer, prefix: str, period_ms: int
+) -> None:
+    """The run a copy watches retries, and its retry declined the hold already (``DECLINE``: it
+    failed before adopting it): the park lets go of the hold instead, freed or kept for what is
+    left of the period. The copy is woken at once with ``PARKED`` (its run handed the hold on),
+    out of the queue: not handed the freed hold as the first waiter, nor left waiting for a
+    renewal of a kept one that never comes, to take the run for alive."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run.acquire()
+    token, fence, retry_token = secrets.token_hex(16), run.fence or 0, secrets.token_hex(16)
+    assert DECLINE(client, [name], [retry_token, 60_000, period_ms]) == 0  # marked: not parked yet
+    assert watch(copy, RUN, token) == fence
+    got: list[int | None] = []
+    thread = threading.Thread(
+        target=lambda: got.append(copy.wait_as(token, time.monotonic() + 10, queued=True))
+    )
+    thread.start()
+    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the copy to wait for a wake")
+    let_go = PARK(client, [name], [run.stop_renewing(), RUN, retry_token, RETRY, 600_000, period_ms])
+    run.forget()
+    thread.join()
+    assert (let_go, got) == (2 if period_ms == 0 else 3, [PARKED])
+    if period_ms:
+        assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
+    else:
+        assert not client.exists(name)
+    client.delete(name, companion_key(name, f"declined:{retry_token}"))
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
