@@ -651,12 +651,20 @@ def test_a_copy_counts_its_first_deliverys_lease_from_before_it_asked(
     x, task, task_id = fresh(), app.tasks["taskapp.hold_skip"], str(uuid.uuid4())
     key = task_lock_key(task, (x,))
     client = recorder(app).client
-    client.set(key, f"{'a' * 32}:1:{holder_for(task_id, 0, 'dead@host', 1)}", px=1500)  # no one renews it
+    client.set(key, f"{'a' * 32}:1:{holder_for(task_id, 0, 'dead@host', 1)}")
+    mode, granted = Attempt.mode, Attempt.granted
+
+    def mode_then_last_renewed(attempt: Attempt) -> str:
+        # The dead delivery's last renewal, 1.5 s before its lease runs out: as the copy asks,
+        # not before the worker started (which could outlast the lease: the copy then found
+        # the lock free, and had nothing to decide)
+        sent = mode(attempt)
+        if client.pttl(key) == -1:
+            client.pexpire(key, 1500)  # no one renews it
+        return sent
 
     def run_out() -> None:
         wait_for(lambda: not client.exists(key), what="the dead delivery's lease to run out")
-
-    granted = Attempt.granted
 
     def granted_then_stalled(attempt: Attempt, reply: Any) -> int | None:
         fence = granted(attempt, reply)
@@ -668,6 +676,7 @@ def test_a_copy_counts_its_first_deliverys_lease_from_before_it_asked(
         if stall == "in_a_lock_busy_receiver":
             run_out()
 
+    monkeypatch.setattr(Attempt, "mode", mode_then_last_renewed)
     monkeypatch.setattr(Attempt, "granted", granted_then_stalled)
     signals.lock_busy.connect(slow_receiver, weak=False)
     try:
