@@ -9,7 +9,8 @@ import secrets
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -303,6 +304,8 @@ def test_an_acquire_on_another_thread_during_the_last_release_does_not_reenter_a
 # -- a run's hold watched by a copy of its message, delivered again (``run_lock.watch``) ----------
 
 #: The holders of a run and of its message's copy: the same task and attempt, another process.
+T = TypeVar("T")
+
 RUN = "task=t1 try=0 state=running node=first@host pid=1"
 COPY = "task=t1 try=0 state=running node=copy@host pid=2"
 
@@ -472,6 +475,22 @@ def test_a_hold_kept_for_its_period_is_not_watched(fresh_server: RedisServer, pr
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
+def woken_copy(client: redis.Redis, run: RedisLock, end: Callable[[], T]) -> tuple[int | None, T]:
+    """A copy of ``run``'s message watches its hold (``WATCH``) and waits to be woken (at most
+    30 s); ``end`` then ends the run. Returns what the copy's wait returned, and ``end``'s result."""
+    copy, token = RedisLock(client, run.name, ttl=LEASE, holder=COPY), secrets.token_hex(16)
+    assert watch(copy, RUN, token) == run.fence
+    got: list[int | None] = []
+    thread = threading.Thread(
+        target=lambda: got.append(copy.wait_as(token, time.monotonic() + 30, queued=True))
+    )
+    thread.start()
+    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the copy to wait for a wake")
+    ended = end()
+    thread.join()
+    return got[0], ended
+
+
 def test_a_copy_watching_a_hold_is_woken_when_its_run_keeps_it_for_its_period(
     fresh_server: RedisServer, prefix: str
 ) -> None:
@@ -479,19 +498,10 @@ def test_a_copy_watching_a_hold_is_woken_when_its_run_keeps_it_for_its_period(
     woken at once with ``KEPT``, out of the queue (not left waiting until its deadline, a
     renewal interval, to take the kept hold for a live run's); the hold is kept unmarked."""
     client, name = fresh_server.client(), f"{prefix}:k"
-    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
     run.acquire()
-    token, fence = secrets.token_hex(16), run.fence
-    assert watch(copy, RUN, token) == fence
-    got: list[int | None] = []
-    thread = threading.Thread(
-        target=lambda: got.append(copy.wait_as(token, time.monotonic() + 30, queued=True))
-    )
-    thread.start()
-    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the copy to wait for a wake")
-    kept_for_its_period(client, run)
-    thread.join()
-    assert got == [KEPT]
+    fence = run.fence
+    assert woken_copy(client, run, lambda: kept_for_its_period(client, run)) == (KEPT, None)
     assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
     client.delete(name)
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
@@ -533,19 +543,11 @@ def test_a_copy_watching_a_hold_is_woken_when_its_run_parks_it_for_its_retry(
     a renewal interval, to take the parked hold for a live run's); the hold is parked unmarked,
     and the retry adopts it, its fence above the run's."""
     client, name = fresh_server.client(), f"{prefix}:k"
-    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
     run.acquire()
-    token, fence = secrets.token_hex(16), run.fence or 0
-    assert watch(copy, RUN, token) == fence
-    got: list[int | None] = []
-    thread = threading.Thread(
-        target=lambda: got.append(copy.wait_as(token, time.monotonic() + 30, queued=True))
-    )
-    thread.start()
-    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the copy to wait for a wake")
-    retry_token = parked_for_its_retry(client, run)
-    thread.join()
-    assert got == [PARKED]
+    fence = run.fence or 0
+    got, retry_token = woken_copy(client, run, lambda: parked_for_its_retry(client, run))
+    assert got == PARKED
     assert text(stored(client, name)) == f"{retry_token}:{fence}:{RETRY}"
     own = secrets.token_hex(16)
     adopted = ADOPT(client, [name], [retry_token, own, 600_000, RETRY.replace("queued", "running")])
@@ -565,21 +567,17 @@ def test_a_copy_watching_a_hold_is_woken_when_its_run_lets_go_of_it_for_a_declin
     out of the queue: not handed the freed hold as the first waiter, nor left waiting for a
     renewal of a kept one that never comes, to take the run for alive."""
     client, name = fresh_server.client(), f"{prefix}:k"
-    run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
     run.acquire()
-    token, fence, retry_token = secrets.token_hex(16), run.fence or 0, secrets.token_hex(16)
+    fence, retry_token = run.fence or 0, secrets.token_hex(16)
     assert DECLINE(client, [name], [retry_token, 60_000, period_ms]) == 0  # marked: not parked yet
-    assert watch(copy, RUN, token) == fence
-    got: list[int | None] = []
-    thread = threading.Thread(
-        target=lambda: got.append(copy.wait_as(token, time.monotonic() + 10, queued=True))
-    )
-    thread.start()
-    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the copy to wait for a wake")
-    let_go = PARK(client, [name], [run.stop_renewing(), RUN, retry_token, RETRY, 600_000, period_ms])
-    run.forget()
-    thread.join()
-    assert (let_go, got) == (2 if period_ms == 0 else 3, [PARKED])
+
+    def park() -> Any:
+        let_go = PARK(client, [name], [run.stop_renewing(), RUN, retry_token, RETRY, 600_000, period_ms])
+        run.forget()
+        return let_go
+
+    assert woken_copy(client, run, park) == (PARKED, 2 if period_ms == 0 else 3)
     if period_ms:
         assert text(stored(client, name)) == f"{KEPT_TOKEN}:{fence}:{RUN}"
     else:
