@@ -113,8 +113,10 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     The survivor already consumes the queue when the worker dies, and the test puts the message
     back as soon as it has died (kombu's sweep does it only ``visibility_timeout`` after the
     delivery, here never): the copy reaches a running worker while the dead worker's lease
-    lasts, not whenever a survivor started after the death came up."""
-    ttl = 5.0
+    lasts, not whenever a survivor started after the death came up. The lease, 12 s, has at
+    least 8 s left at the death (renewed every 4 s): time for the copy's delivery and busy
+    event on a loaded machine."""
+    ttl = 12.0
     conf: dict[str, Any] = {
         "task_acks_late": True,
         "redislock_ttl": ttl,
