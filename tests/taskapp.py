@@ -215,6 +215,13 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
             lock_retry_delay=0.2,
         )(gated)
 
+    @locked_task(name="taskapp.moves_on", lock_mode="until_expired", lock_on=("x", "n"), lock_period=60)
+    def moves_on(self: Task[Any, Any], x: object, n: int = 0) -> int:
+        """Attempt 0 (``n`` 0) retries with other arguments, another key (``n`` 1), which returns 1."""
+        if n == 0:
+            raise self.retry(args=(x, 1), countdown=0)
+        return n
+
     @locked_task(name="taskapp.retry_twice", lock_mode="until_executed")
     def retry_twice(self: Task[Any, Any], x: object) -> object:
         recorder.record(f"attempt@{self.request.retries}", self, x)

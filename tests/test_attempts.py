@@ -601,22 +601,7 @@ def test_an_eager_retry_with_other_arguments_leaves_the_attempts_key_kept_for_it
     for ``lock_period`` after its run, as after any run, and as a worker does: only a retry of
     the same key, which takes the lock again at once, lets go of it. Before, every eager retry
     let go, and the attempt's key was free at once (PTTL -2)."""
-
-    @app.task(
-        base=LockedTask,
-        bind=True,
-        shared=False,
-        name="attempts.eager_moves_on",
-        lock_mode="until_expired",
-        lock_on=("x", "n"),
-        lock_period=60,
-    )
-    def moves_on(self: Any, x: str, n: int = 0) -> int:
-        if n == 0:
-            raise self.retry(args=(x, 1), countdown=0)
-        return n
-
-    x, client = fresh(), recorder(app).client
+    x, client, moves_on = fresh(), recorder(app).client, app.tasks["taskapp.moves_on"]
     first_key, next_key = task_lock_key(moves_on, (x, 0)), task_lock_key(moves_on, (x, 1))
     if how == "apply":
         assert moves_on.apply((x,)).get() == 1

@@ -40,7 +40,7 @@ import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.primitive
 import celery_redislock.run_lock
-from celery_redislock import LockedTask, task_lock_key
+from celery_redislock import task_lock_key
 from celery_redislock.exceptions import LockLost, LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
@@ -315,21 +315,7 @@ def test_a_soft_time_limit_before_a_retry_adopts_the_lock_of_its_other_arguments
     sent (the entry of ``adopt``). No run ever held that key: it is freed, as a new call's
     message's is. Before, it was given up as a hold parked by a run (``DECLINE``) and kept for
     ``lock_period`` from the send. Attempt 0's key is kept for its period, as after any run."""
-
-    @app.task(
-        base=LockedTask,
-        bind=True,
-        shared=False,
-        name="interrupted.retried_away",
-        lock_mode="until_expired",
-        lock_on=("x", "n"),
-        lock_period=60,
-    )
-    def retried_away(self: Any, x: int, n: int = 0) -> int:
-        if n == 0:
-            raise self.retry(args=(x, 1), countdown=0)
-        return n
-
+    retried_away = app.tasks["taskapp.moves_on"]
     x = uuid.uuid4().int % 10**9
     first_key, next_key = task_lock_key(retried_away, (x, 0)), task_lock_key(retried_away, (x, 1))
     fired = interrupt_first_adopt(monkeypatch, celery_redislock.execution, next_key)
