@@ -174,11 +174,14 @@ def task_of(key: str, prefix: str) -> str | None:
     return task_match.group(1) if task_match else None
 
 
-def is_queued(holder: str) -> bool:
-    """Whether ``holder`` (``protocol.holder_for``'s) says ``state=queued``, as ``parse_holder``
-    would read it, without decoding the other fields: each field is ``name=value`` between
-    spaces, and no value holds a space or ``=`` unencoded."""
-    return holder.startswith("task=") and " state=queued " in f" {holder} "
+def is_queued(lock: LockValue) -> bool:
+    """Whether ``lock`` is an enqueue lock whose message waits: its holder (``protocol.holder_for``'s)
+    says ``state=queued``, as ``parse_holder`` would read it, without decoding the other fields
+    (each field is ``name=value`` between spaces, and no value holds a space or ``=``
+    unencoded), and it is not kept for its period (``LockValue.kept``: a hold a retry
+    declined keeps that retry's holder)."""
+    holder = lock.holder
+    return not lock.kept and holder.startswith("task=") and " state=queued " in f" {holder} "
 
 
 def parse_lock(key: str, pttl: int, waiters: int, value: str, prefix: str) -> HeldLock | None:

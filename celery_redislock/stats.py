@@ -62,7 +62,7 @@ class _Read(NamedTuple):
 
     key: str
     task: str | None
-    #: its holder says ``state=queued``, and it is not kept for its period: an enqueue lock
+    #: an enqueue lock whose message waits (``inventory.is_queued``)
     queued: bool
     #: ms left (-1: no TTL)
     pttl: int
@@ -86,8 +86,7 @@ def _read(client: Client, prefix: str) -> list[_Read]:
             queue = key if permit is None else permit[0]  # whose waiters these are
             waiters = 0 if queue in queues else waiters
             queues.add(queue)
-            queued = is_queued(lock.holder) and not lock.kept  # kept: no message waits for it
-            found.append(_Read(key, task_of(key, prefix), queued, pttl, lock.fence, waiters, value))
+            found.append(_Read(key, task_of(key, prefix), is_queued(lock), pttl, lock.fence, waiters, value))
     return found
 
 
