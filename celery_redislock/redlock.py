@@ -9,8 +9,9 @@ one round trip, not N.
 * acquire: the attempt goes to every server; the lock is held when at least
   ``quorum = N // 2 + 1`` granted it and the validity ``ttl - elapsed -
   drift`` (elapsed from the send, monotonic; drift ``0.01 * ttl + 2 ms``) is
-  still positive. Otherwise the servers that granted it are released at
-  once, and a blocking acquire tries again after a random delay (up to
+  still positive. Otherwise it is released at once on every server, unless
+  every server refused it (one whose reply was lost or late may have granted
+  it), and a blocking acquire tries again after a random delay (up to
   ``RETRY_DELAY``: waiters are not queued or woken across servers, as the
   Redlock algorithm prescribes). An unreachable server counts as a refusal.
 * release: on every server, owner-checked. ``LockNotOwned`` when fewer than a
@@ -149,8 +150,10 @@ class Quorum:
         return len(self.clients)
 
     def acquire(self, attempt: Attempt, mode: str) -> Any:
-        """The fence when a quorum granted ``attempt`` in time; else (after undoing the grants of
-        a minority) the [PTTL, holder] that most busy servers report (PTTL None when none answered)."""
+        """The fence when a quorum granted ``attempt`` in time; else the [PTTL, holder] that most
+        busy servers report (PTTL None when none answered), after releasing it on every server
+        unless all refused it: a server that granted it, or failed to answer (its grant maybe
+        lost or late), gives it back."""
         replies = self._on_all(ACQUIRE, [attempt.member, mode])
         fences = [reply for reply in replies if isinstance(reply, int)]
         validity = self.ttl - (mod_time.monotonic() - attempt.sent_at) - self._drift
@@ -159,8 +162,8 @@ class Quorum:
             granted = zip(self.clients, replies, strict=True)
             self._granted = [client for client, reply in granted if isinstance(reply, int)]
             return max(fences)
-        if fences:  # a minority, or too late: give back what was granted
-            self._on_all(RELEASE, [attempt.token])
+        if any(not isinstance(reply, list) for reply in replies):  # a grant, or maybe one
+            self._on_all(RELEASE, [attempt.token])  # (its reply lost or late): give them back
         return _busy(replies)
 
     def sleep(self, attempt: Attempt) -> None:

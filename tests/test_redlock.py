@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock
+from celery_redislock._scripts import ACQUIRE
 from celery_redislock.redlock import Redlock
 from celery_redislock.testing import RedisServer
 from tests.conftest import independent_servers
@@ -224,3 +225,52 @@ def test_a_stalled_server_does_not_starve_the_renewals_on_the_others(prefix: str
         for lock in locks:
             lock.release()
         live.close()
+
+
+def test_a_grant_whose_reply_came_too_late_is_given_back(
+    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-blocking acquire: the first server refuses (a squatter holds the key there), every
+    other server grants it but its reply comes after the per-server deadline (a slow server or
+    network). No server answered "granted" in time, so ``acquire()`` says False, and must give
+    back what the late servers granted, as the Redlock algorithm prescribes (release on every
+    server, even those it believed it was not able to lock): else a majority holds the lock for
+    a token nobody owns, until its TTL."""
+    name = f"{prefix}:k"
+    squatter = RedisLock(servers[0].client(), name, ttl=10, holder="squatter")
+    assert squatter.acquire(blocking=False)
+    for server in servers[1:]:
+        with server.client() as client:
+            client.script_load(ACQUIRE.source)  # the late reply is the grant, not NOSCRIPT
+    late_ports = {server.port for server in servers[1:]}
+    acquire_sha = ACQUIRE.sha.encode()
+    sent_acquire: set[Any] = set()
+    late: list[int] = []
+    connection = redis.connection.AbstractConnection
+    send, can_read = connection.send_packed_command, connection.can_read
+
+    def send_packed_command(self: Any, command: Any, *args: Any, **kwargs: Any) -> None:
+        if self.port in late_ports and any(acquire_sha in part for part in command):
+            sent_acquire.add(self)
+        send(self, command, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+    def late_can_read(self: Any, timeout: float = 0) -> bool:
+        if self in sent_acquire:  # the ACQUIRE's reply: it comes (the server granted it)...
+            sent_acquire.discard(self)
+            assert can_read(self, 60)
+            late.append(self.port)
+            return False  # ...after the deadline
+        return bool(can_read(self, timeout))
+
+    monkeypatch.setattr(connection, "send_packed_command", send_packed_command)
+    monkeypatch.setattr(connection, "can_read", late_can_read)
+    lock = RedisLock([server.url for server in servers], name, ttl=10)
+    assert not lock.acquire(blocking=False)
+    monkeypatch.undo()
+    assert sorted(late) == sorted(late_ports)
+    left = holders_of(servers[1:], name)
+    squatter.release()
+    for server in servers[1:]:
+        with server.client() as client:
+            client.delete(name)
+    assert left == [None] * len(left), f"the late grants were kept: {left}"
