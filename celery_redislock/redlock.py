@@ -15,8 +15,9 @@ one round trip, not N.
   ``RETRY_DELAY``: waiters are not queued or woken across servers, as the
   Redlock algorithm prescribes). An unreachable server counts as a refusal.
 * release: on every server, owner-checked. ``LockNotOwned`` when fewer than a
-  quorum still held it; when errors made that unknown, the first error is
-  raised and the hold kept, so ``release()`` can be tried again.
+  quorum still held it; when errors made that unknown (the servers that failed
+  could make a quorum with those that freed it), the first error is raised and
+  the hold kept, so ``release()`` can be tried again.
 * the watchdog renews the hold on every server (one lease per server, each
   batched with that server's other leases) and reports the lock lost when
   fewer than a quorum of servers still hold it; a loss on a minority is
@@ -185,14 +186,14 @@ class Quorum:
                 )
 
     def free(self, token: str) -> bool:
-        """Whether a quorum still held the lock; when errors made that unknown, the first error."""
+        """Whether a quorum still held the lock; when errors made that unknown (the servers that
+        failed to answer could make a quorum with those that freed it), the first error."""
         replies = self._on_all(RELEASE, [token])
-        if sum(reply == 1 for reply in replies) >= self.needed:
-            return True
+        freed = sum(1 for reply in replies if reply == 1)
         errors = [reply for reply in replies if isinstance(reply, Exception)]
-        if errors:
+        if freed < self.needed <= freed + len(errors):
             raise errors[0]
-        return False
+        return freed >= self.needed
 
     def extend(self, token: str, ttl: float) -> bool:
         """Set the hold to ``ttl`` on every server; whether a quorum of them still held it."""

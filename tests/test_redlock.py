@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock
-from celery_redislock._scripts import ACQUIRE
+from celery_redislock._scripts import ACQUIRE, RELEASE, Script
 from celery_redislock.redlock import Redlock
 from celery_redislock.testing import RedisServer
 from tests.conftest import independent_servers
@@ -227,36 +227,27 @@ def test_a_stalled_server_does_not_starve_the_renewals_on_the_others(prefix: str
         live.close()
 
 
-def test_a_grant_whose_reply_came_too_late_is_given_back(
-    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A non-blocking acquire: the first server refuses (a squatter holds the key there), every
-    other server grants it but its reply comes after the per-server deadline (a slow server or
-    network). No server answered "granted" in time, so ``acquire()`` says False, and must give
-    back what the late servers granted, as the Redlock algorithm prescribes (release on every
-    server, even those it believed it was not able to lock): else a majority holds the lock for
-    a token nobody owns, until its TTL."""
-    name = f"{prefix}:k"
-    squatter = RedisLock(servers[0].client(), name, ttl=10, holder="squatter")
-    assert squatter.acquire(blocking=False)
-    for server in servers[1:]:
+def late_replies(monkeypatch: pytest.MonkeyPatch, script: Script, servers: list[RedisServer]) -> list[int]:
+    """From now on, ``script``'s next call on each of ``servers`` runs there, but its reply counts as
+    come after the Redlock's per-server deadline (a slow server or network). Returns the ports
+    whose reply came late."""
+    for server in servers:
         with server.client() as client:
-            client.script_load(ACQUIRE.source)  # the late reply is the grant, not NOSCRIPT
-    late_ports = {server.port for server in servers[1:]}
-    acquire_sha = ACQUIRE.sha.encode()
-    sent_acquire: set[Any] = set()
+            client.script_load(script.source)  # the late reply is the script's, not NOSCRIPT
+    ports, sha = {server.port for server in servers}, script.sha.encode()
+    sent: set[Any] = set()
     late: list[int] = []
     connection = redis.connection.AbstractConnection
     send, can_read = connection.send_packed_command, connection.can_read
 
     def send_packed_command(self: Any, command: Any, *args: Any, **kwargs: Any) -> None:
-        if self.port in late_ports and any(acquire_sha in part for part in command):
-            sent_acquire.add(self)
+        if self.port in ports and self.port not in late and any(sha in part for part in command):
+            sent.add(self)
         send(self, command, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     def late_can_read(self: Any, timeout: float = 0) -> bool:
-        if self in sent_acquire:  # the ACQUIRE's reply: it comes (the server granted it)...
-            sent_acquire.discard(self)
+        if self in sent:  # the script's reply: it comes (the script ran)...
+            sent.discard(self)
             assert can_read(self, 60)
             late.append(self.port)
             return False  # ...after the deadline
@@ -264,13 +255,49 @@ def test_a_grant_whose_reply_came_too_late_is_given_back(
 
     monkeypatch.setattr(connection, "send_packed_command", send_packed_command)
     monkeypatch.setattr(connection, "can_read", late_can_read)
+    return late
+
+
+def test_a_grant_whose_reply_came_too_late_is_given_back(
+    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-blocking acquire: the first server refuses (a squatter holds the key there), every
+    other server grants it but its reply comes after the per-server deadline. No server
+    answered "granted" in time, so ``acquire()`` says False, and must give back what the late
+    servers granted, as the Redlock algorithm prescribes (release on every server, even those
+    it believed it was not able to lock): else a majority holds the lock for a token nobody
+    owns, until its TTL."""
+    name = f"{prefix}:k"
+    squatter = RedisLock(servers[0].client(), name, ttl=10, holder="squatter")
+    assert squatter.acquire(blocking=False)
+    late = late_replies(monkeypatch, ACQUIRE, servers[1:])
     lock = RedisLock([server.url for server in servers], name, ttl=10)
     assert not lock.acquire(blocking=False)
     monkeypatch.undo()
-    assert sorted(late) == sorted(late_ports)
+    assert sorted(late) == sorted(server.port for server in servers[1:])
     left = holders_of(servers[1:], name)
     squatter.release()
     for server in servers[1:]:
         with server.client() as client:
             client.delete(name)
     assert left == [None] * len(left), f"the late grants were kept: {left}"
+
+
+def test_a_release_that_cannot_have_freed_a_majority_raises_lock_not_owned(
+    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold is gone from a majority of the servers (expired while its owner was paused, say),
+    and the release's reply from the last server comes too late. Whatever that server did, no
+    majority held the lock: ``release()`` raises ``LockNotOwned``, as with every reply in,
+    rather than the timeout (the hold kept, for a retry that then counts the key found gone as
+    released: the loss never told)."""
+    name = f"{prefix}:k"
+    lock = RedisLock([server.url for server in servers], name, ttl=10, watchdog=False)
+    assert lock.acquire(blocking=False)
+    for server in servers[: len(servers) // 2 + 1]:
+        with server.client() as client:
+            client.delete(name)
+    late = late_replies(monkeypatch, RELEASE, servers[-1:])
+    with pytest.raises(LockNotOwned):
+        lock.release()
+    assert late == [servers[-1].port] and not lock.held()
