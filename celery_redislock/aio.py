@@ -4,7 +4,9 @@ Same keys, values, Lua scripts (the very ``Script`` objects of ``_scripts``)
 and guarantees as ``RedisLock``, so sync and async users of one key exclude
 each other. The watchdog is one asyncio task per event loop renewing every
 held lease of that loop in batches (one round trip per client and lease
-length per tick), started with the first hold and ending with the last.
+length per tick), started with the first hold and ending with the last;
+cancelled while holds are left (by code cancelling tasks it does not own),
+it is replaced by another.
 
 Cancellation (``asyncio.timeout``, ``task.cancel()``) timeline:
 
@@ -333,12 +335,28 @@ class _AsyncWatchdog(LeaseSet):
     def add(self, lease: Lease, sent_at: float) -> None:
         late = self.track(lease, sent_at)
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="celery-redislock-watchdog")
+            self._start()
         elif late:
             self._wake.set()
 
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="celery-redislock-watchdog")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The task ended: when leases are left (it was cancelled by code cancelling tasks it does
+        not own), another one takes over, so that no hold goes unrenewed and unreported, as
+        another thread takes over from the watchdog thread; not when every task is being
+        cancelled (``asyncio.run`` ending: an unreleased hold is left to expire)."""
+        if self._task is task:
+            self._task = None
+            if self.leases and not all(_being_cancelled(other) for other in asyncio.all_tasks()):
+                self._start()
+
     async def discard(self, lease: Lease) -> None:
         self.drop(lease)
+        if not self.leases:
+            self._wake.set()  # the task ends now, not when its next renewal would have been due
         await self._await_landing(lease)
 
     @contextlib.asynccontextmanager
@@ -369,32 +387,29 @@ class _AsyncWatchdog(LeaseSet):
             self._wake.set()
 
     async def _run(self) -> None:
-        try:
-            while self.leases:
+        while self.leases:
+            try:
+                now = mod_time.monotonic()
+                earliest = self.next_due()
+                if earliest > now:
+                    self._wake.clear()
+                    self.wake_at = earliest
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        async with deadline(None if earliest == inf else earliest - now):
+                            await self._wake.wait()
+                    continue
+                self.wake_at = inf
+                due = self.pick(now)
                 try:
-                    now = mod_time.monotonic()
-                    earliest = self.next_due()
-                    if earliest > now:
-                        self._wake.clear()
-                        self.wake_at = earliest
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            async with deadline(None if earliest == inf else earliest - now):
-                                await self._wake.wait()
-                        continue
-                    self.wake_at = inf
-                    due = self.pick(now)
-                    try:
-                        await self._renew(due)
-                    finally:
-                        await self._land(due)  # also when renewing failed unexpectedly
-                except Exception:  # the task must survive anything
-                    logger.exception(
-                        "celery-redislock async watchdog: unexpected error; carrying on",
-                        extra=telemetry.log_fields(outcome="error"),
-                    )
-                    await asyncio.sleep(0.1)
-        finally:
-            self._task = None
+                    await self._renew(due)
+                finally:
+                    await self._land(due)  # also when renewing failed unexpectedly
+            except Exception:  # the task must survive anything
+                logger.exception(
+                    "celery-redislock async watchdog: unexpected error; carrying on",
+                    extra=telemetry.log_fields(outcome="error"),
+                )
+                await asyncio.sleep(0.1)
 
     async def _renew(self, leases: list[Lease]) -> None:
         renewals = [
@@ -431,6 +446,12 @@ class _AsyncWatchdog(LeaseSet):
         lock = mark_lost(lease)
         if lock is not None:
             announce_loss(lock, lease, reason)
+
+
+def _being_cancelled(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` is being cancelled (``Task.cancelling``, Python 3.11+; before: say no)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0
 
 
 #: The watchdog of each running event loop (by contract, one per loop).

@@ -158,6 +158,51 @@ async def _watchdog_gone() -> bool:
     return all(task.get_name() != "celery-redislock-watchdog" for task in asyncio.all_tasks())
 
 
+async def renewed_async(client: redis.asyncio.Redis, key: str, lock: AsyncRedisLock) -> None:
+    """Wait until the watchdog task renews ``key`` (its PTTL, which otherwise only falls, goes up);
+    fails at once if it ran out under ``lock``, its owner."""
+    lowest = await client.pttl(key)
+
+    async def went_up() -> bool:
+        nonlocal lowest
+        now = await client.pttl(key)
+        assert now > 0, f"the hold ran out under its owner, unrenewed (lost set: {lock.lost.is_set()})"
+        lowest, rose = min(lowest, now), now > lowest
+        return rose
+
+    await until(went_up, f"a renewal of {key}")
+
+
+@pytest.mark.parametrize("when", ["before its first step", "while it waits"])
+def test_a_cancelled_watchdog_task_is_replaced_while_holds_are_left(
+    redis_server: RedisServer, prefix: str, when: str
+) -> None:
+    """Code that cancels tasks it does not own (a shutdown handler cancelling "every other task")
+    cancels the watchdog task while a lock is held: another task takes over, and the hold is
+    still renewed, as the watchdog thread is when an interrupt ends it. Else the hold runs out
+    under its owner, ``lost`` never set; cancelled before its first step, the task never ran
+    the code that forgets it, and no lock of that event loop was renewed again."""
+    name = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        lock = AsyncRedisLock(client, name, ttl=LEASE)
+        assert await lock.acquire()
+        if when == "while it waits":
+            await asyncio.sleep(0)  # the task, scheduled first, takes its first step: it waits
+        (task,) = [task for task in asyncio.all_tasks() if task.get_name() == "celery-redislock-watchdog"]
+        task.cancel()
+        await renewed_async(client, name, lock)
+        later = AsyncRedisLock(client, f"{name}:later", ttl=LEASE)
+        assert await later.acquire()
+        await renewed_async(client, f"{name}:later", later)
+        assert not lock.lost.is_set() and not later.lost.is_set()
+        await lock.release()
+        await later.release()
+        await until(_watchdog_gone, "the watchdog task ended with the last hold")
+
+    run(redis_server, body)
+
+
 def test_an_extend_is_not_undone_by_a_renewal_in_flight(
     redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
