@@ -3,8 +3,8 @@
 ``Redlock([client_or_url, ...], name, ...)``, or ``RedisLock`` given such a list, runs
 the single-server scripts (``_scripts``) on every server, multiplexed: the
 commands are sent to all servers first, then the replies read, all within one
-per-server deadline (``ttl / 10``, at least 0.1 s), so N servers cost about
-one round trip, not N.
+per-server deadline (``ttl / 10``, at least 0.1 s, from the last send; each
+connect is bounded by it too), so N servers cost about one round trip, not N.
 
 * acquire: the attempt goes to every server; the lock is held when at least
   ``quorum = N // 2 + 1`` granted it and the validity ``ttl - elapsed -
@@ -230,8 +230,9 @@ class Quorum:
 
     def _on_all(self, script: Script, args: Sequence[str | int]) -> list[Any]:
         """Run ``script`` on the lock's key on every server at once; each server's reply,
-        or the exception it ended with (unreachable, no reply within the deadline, an error)."""
-        deadline = mod_time.monotonic() + self._node_timeout
+        or the exception it ended with (unreachable, no reply within the deadline, an error).
+        The deadline counts from the last send: a server whose connect hangs (up to its connect
+        timeout) does not leave the others' replies less time to come."""
         sent: list[tuple[Any, Any, bytes | BaseException]] = []
         results: list[Any] = []
         try:
@@ -250,6 +251,7 @@ class Quorum:
                     sent[-1] = (pool, connection, packed)
                 except Exception as exc:
                     sent[-1] = (pool, connection, exc)
+            deadline = mod_time.monotonic() + self._node_timeout
             for _, connection, command in sent:
                 if isinstance(command, BaseException):
                     results.append(command)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -301,3 +302,36 @@ def test_a_release_that_cannot_have_freed_a_majority_raises_lock_not_owned(
     with pytest.raises(LockNotOwned):
         lock.release()
     assert late == [servers[-1].port] and not lock.held()
+
+
+@contextmanager
+def hanging_port() -> Iterator[int]:
+    """A port of 127.0.0.1 whose connects hang until their timeout, as a blackholed server's: it
+    listens, with its accept queue full (Linux drops further SYNs), and never accepts."""
+    with ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(4):  # fill the queue; the later ones hang too
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        yield port
+
+
+def test_a_server_whose_connects_hang_does_not_fail_the_others_replies(
+    redlock_servers: list[RedisServer], prefix: str
+) -> None:
+    """The first of three servers is blackholed: each connect to it hangs until the connect timeout
+    (the per-server deadline). The two live servers still answer every call: the replies are
+    awaited for the deadline after they were sent, not for what the hung connect left of it
+    (before: the release found its deadline past as it sent to the live servers, and raised
+    the timeout, keeping the hold, on every try)."""
+    with hanging_port() as port:
+        lock = RedisLock(
+            [f"redis://127.0.0.1:{port}/0"] + [s.url for s in redlock_servers[1:]], f"{prefix}:k", ttl=10
+        )
+        assert lock.acquire(timeout=30)
+        lock.release()
+    assert holders_of(redlock_servers, f"{prefix}:k") == [None] * 3
