@@ -136,7 +136,8 @@ return let_go(value, tonumber(ARGV[3])) == 0 and 2 or 3
 
 _WATCH = """
 -- WATCH. KEYS[1] lock; ARGV[1] the holder its hold must have (a run's), ARGV[2] the waiter
--- member (see ``_scripts``) of a copy of that run's message, delivered again.
+-- member (see ``_scripts``) of a copy of that run's message, delivered again (or of a later
+-- attempt of its task id, waiting for it).
 -- The copy watches how the run's hold ends (`watch_hold`): the release of the hold hands it to
 -- the copy, its fence kept (RELEASE); a hold kept for its period wakes it (SETTLE), as does
 -- one parked for the run's retry or replacement (PARK); a hold running out is never handed over.

@@ -4,9 +4,9 @@
 message delivered again, a stale copy of an earlier attempt or replaced run,
 the run it continues (its previous attempt, or the run it replaces) letting
 go (not an earlier attempt of other arguments, over, keeping the lock for
-its ``lock_period``: that one is met as any call's), or a group or chord
-member, which is never skipped. Only then does the
-task's ``lock_busy`` (``skip``, ``retry``, ``wait``, ``raise``) apply, with
+its ``lock_period``: that one is met as any call's, also once the wait for
+it sees it kept), or a group or chord member, which is never skipped. Only
+then does the task's ``lock_busy`` (``skip``, ``retry``, ``wait``, ``raise``) apply, with
 ``retry`` as ``wait`` where the run cannot be retried later (an eager or
 direct call). Each outcome is a small policy object: ``True`` runs the body
 (the lock is now held), ``False`` skips it; the others raise (``Ignore``,
@@ -31,6 +31,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from . import signals, telemetry
 from ._durations import to_ms
 from ._scripts import RENEW
+from .attempt import seconds_left
 from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
@@ -112,7 +113,7 @@ def policy_for(found: Found) -> BusyPolicy:
             if found.options.rules.parks_for_retry and ticket is not None and ticket[0] == found.lock.name:
                 return AdoptParked(ticket[1])
             if not _kept(found):
-                return _wait
+                return _earlier_run
             # over, and keeping these arguments' lock for its period (a retry with other arguments
             # came back to them): as for any call of them within the period, ``lock_busy`` applies
     if request is not None and (request.group or request.chord):
@@ -215,6 +216,60 @@ def _wait(found: Found) -> bool:
     if found.lock.acquire(timeout=found.options.wait_timeout):
         return found.took()
     raise LockNotAcquired(found.lock.name, *found.lock.busy)
+
+
+def _earlier_run(found: Found) -> bool:
+    """An earlier run of this task id holds the lock, still running (the run this message
+    continues, letting go now, or an attempt of these arguments before a retry of other ones came
+    back to them): wait for it as ``_wait`` does. Where the mode keeps a hold for its period, the
+    wait watches the hold (``run_lock.watch``): a run that ends and keeps it, or parks it for
+    its retry or replacement, wakes this one, which then meets it as any run does
+    (``_met_again``); its release hands it over here, taken with a fence of the run's own."""
+    lock, token = found.lock, secrets.token_hex(16)
+    watched = watch(lock, found.holder or "", token) if found.options.rules.settles else 0
+    if watched == KEPT:  # over already, and kept
+        return _met_again(found)
+    if not watched:  # 0: a copy of that run's message watches it; None: that run let go of it
+        return _wait(found)
+    sent_at = time.monotonic()
+    fence = lock.wait_as(token, sent_at + found.options.wait_timeout, queued=True)  # ``watch`` queued it
+    if fence in (KEPT, PARKED):  # woken by the keep or the park, out of the queue
+        lock.servers.abandon(token, lock.member(token))  # where its last attempt queued it again
+        return _met_again(found)
+    if fence == watched:  # handed over by its release, that run's fence kept
+        return _adopt(found, token)
+    if fence is not None:  # free, taken here (that run's lease ran out)
+        lock.take_hold(token, fence, sent_at)
+        return found.took()
+    raise LockNotAcquired(lock.name, *lock.busy)
+
+
+def _met_again(found: Found) -> bool:
+    """The hold ``found`` waited for changed meanwhile (kept for its period, parked): the lock is
+    taken if free now, else met as any run meets a held lock (``when_busy``, its holder read
+    afresh)."""
+    lock, asked = found.lock, time.monotonic()
+    if lock.acquire(blocking=False):
+        return found.took()
+    (holder, ttl), seen = lock.busy, time.monotonic()
+    return when_busy(replace(found, holder=holder, ttl=ttl, asked=asked, seen=seen))
+
+
+def _adopt(found: Found, token: str) -> bool:
+    """Adopt the hold ``token`` owns now (parked or handed over to it, or taken free) under a token
+    and a fence of the run's own (``run_lock.adopt``). Gone since (a copy of the message that gave
+    it up freed it): taken afresh, as a run whose message's hold is gone is; else
+    ``LockNotAcquired``."""
+    lock = found.lock
+    busy = adopt(lock, token)
+    if busy is None:
+        return found.took()
+    holder, ttl = busy[0], seconds_left(busy[1])
+    if busy[1] == -2:
+        if lock.acquire(blocking=False):
+            return found.took()
+        holder, ttl = lock.busy
+    raise LockNotAcquired(lock.name, holder, ttl)
 
 
 def _raise(found: Found) -> bool:
@@ -405,19 +460,9 @@ class AdoptParked:
         park wakes this waiter) or frees it, then adopt it; else ``LockNotAcquired``."""
         lock = found.lock
         fence = lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout)
-        holder, ttl = lock.busy
         if fence is not None:  # ``token`` owns the hold now: parked for it, or taken free
-            busy = adopt(lock, self.token)
-            if busy is None:
-                return found.took()
-            holder, ttl = busy[0], max(busy[1], 0) / 1000
-            # Gone since it was handed over (a copy of this message that gave it up freed it):
-            # taken afresh, as a run whose message's hold is gone is.
-            if busy[1] == -2:
-                if lock.acquire(blocking=False):
-                    return found.took()
-                holder, ttl = lock.busy
-        raise LockNotAcquired(lock.name, holder, ttl)
+            return _adopt(found, self.token)
+        raise LockNotAcquired(lock.name, *lock.busy)
 
 
 #: A policy -> the outcome it goes for (``telemetry.OUTCOMES``); the others (``_redelivered``,

@@ -231,7 +231,8 @@ def park(
 
 def watch(lock: LeaseLock, holder: str, token: str) -> int | None:
     """Watch, as ``token``, how the hold of ``lock`` by ``holder`` ends (``WATCH``; a semaphore's
-    permit, ``WATCH_PERMIT``), for a copy of the message whose first delivery has it: ``token``
+    permit, ``WATCH_PERMIT``), for a copy of the message whose first delivery has it, or a later
+    attempt of its task id that waits for it (``busy``): ``token``
     is queued for ``lock`` (wait with ``lock.wait_as(token, ...)``), and is handed the hold, its
     fence kept, if it is released meanwhile; woken with ``KEPT`` if the run ends and keeps it for
     its period (``SETTLE``), with ``PARKED`` if the run parks it for its retry or replacement

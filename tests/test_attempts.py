@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chord, group
-from celery.signals import task_rejected, task_revoked
+from celery.signals import task_postrun, task_rejected, task_revoked
 from redis.connection import AbstractConnection
 
 from celery_redislock import LockedTask, RedisLock, task_lock_key
@@ -589,6 +589,87 @@ def test_a_retry_back_to_arguments_kept_for_their_period_meets_lock_busy(app: Ce
     for key, attempt in ((first_key, "0"), (next_key, "1")):  # each kept by the attempt that ran it
         kept = parse_value(client.get(key))
         assert kept is not None and kept.kept and parse_holder(kept.holder)["try"] == attempt
+    client.delete(first_key, next_key)
+
+
+@pytest.mark.parametrize("ends", ["kept", "period_over"])
+def test_a_retry_back_to_arguments_whose_attempt_still_runs_meets_how_it_ends(app: Celery, ends: str) -> None:
+    """``until_expired``: attempt 0 (key 1) sends its retry with other arguments (key 2) with
+    ``retry(throw=False)`` and goes on running; attempt 1 retries back to the first arguments,
+    and attempt 2 finds key 1 still held by attempt 0's run, which it waits for as for the run
+    it continues letting go. Then attempt 0 ends:
+
+    * ``kept``: within ``lock_period``, it keeps key 1 for the rest of it. Attempt 2 is a run of
+      key 1 within its period, woken by the keep, and meets it as any call of those arguments
+      does, with ``lock_busy`` (``"skip"``: it succeeds with ``None``). Before, it waited
+      ``lock_wait_timeout`` for a hold nothing frees before the period ends, then failed with
+      ``LockNotAcquired``.
+    * ``period_over``: past its period (the test waits for the server clock to pass it), it
+      releases key 1, which attempt 2 takes, with a fence above attempt 0's, and runs."""
+    ended: list[tuple[int, str, Any]] = []
+    period = 60 if ends == "kept" else 1
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.comes_back_early_{ends}",
+        lock_mode="until_expired",
+        lock_on=("x", "n"),
+        lock_period=period,
+        lock_wait_timeout=60,  # waited for, the test times out first
+    )
+    def comes_back_early(self: Any, x: str, n: int = 0) -> int:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            self.retry(args=(x, 1), countdown=0, throw=False)
+            recorder(app).wait_gate(x)
+        elif self.request.retries == 1:
+            raise self.retry(args=(x, 0), countdown=0)
+        return n
+
+    def on_postrun(sender: Any = None, state: str = "", retval: Any = None, **_: Any) -> None:
+        if sender is not None and sender.name == comes_back_early.name:
+            ended.append((sender.request.retries, state, retval))
+
+    def server_us() -> int:
+        seconds, micros = client.time()
+        return int(seconds) * 1_000_000 + int(micros)
+
+    x, client = fresh(), recorder(app).client
+    first_key, next_key = task_lock_key(comes_back_early, (x, 0)), task_lock_key(comes_back_early, (x, 1))
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        with threads_worker(app):
+            comes_back_early.delay(x)
+            wait_for(
+                lambda: [e for e in events(app, x) if e[0] == "busy" and e[6] == "2"],
+                timeout=RESULT_TIMEOUT,
+                what=lambda: f"attempt 2 to find key 1 held by attempt 0; events {events(app, x)}",
+            )
+            if ends == "period_over":  # a hold's fence is the server time of its grant, in µs
+                first_fence = int(events(app, x)[0][5])
+                wait_for(lambda: server_us() > first_fence + period * 1_000_000, what="the period to pass")
+            recorder(app).open_gate(x)  # attempt 0 ends
+            wait_for(
+                lambda: [e for e in ended if e[0] == 2],
+                timeout=RESULT_TIMEOUT,
+                what=lambda: f"attempt 2 to end; ended {ended}, key 1 {client.get(first_key)!r}",
+            )
+            wait_for(lambda: runs_over(comes_back_early.name), what="every attempt to let go")
+    finally:
+        task_postrun.disconnect(on_postrun)
+    if ends == "period_over":
+        assert [e for e in ended if e[0] == 2] == [(2, "SUCCESS", 0)]
+        assert attempts(app, x) == ["attempt@0", "attempt@1", "attempt@2"]
+        fences = {e[6]: int(e[5]) for e in events(app, x) if e[0].startswith("attempt@")}
+        assert fences["2"] > fences["0"]
+    else:
+        assert [e for e in ended if e[0] == 2] == [(2, "SUCCESS", None)]  # skipped
+        assert attempts(app, x) == ["attempt@0", "attempt@1"]
+        for key, attempt in ((first_key, "0"), (next_key, "1")):  # each kept by the attempt that ran it
+            kept = parse_value(client.get(key))
+            assert kept is not None and kept.kept and parse_holder(kept.holder)["try"] == attempt
     client.delete(first_key, next_key)
 
 
