@@ -115,7 +115,9 @@ _DECLINE = """
 -- ARGV[3] the mode's period in ms ('0': none).
 -- The retry will never adopt the hold its previous attempt parks for it (it failed before
 -- adopting, was revoked, its pool child died). If ARGV[1] owns it (parked already), lets go
--- of it (`let_go`: kept for what is left of the period, else freed); else marks ARGV[1]
+-- of it (`let_go`: kept for what is left of the period, else freed), with the period its
+-- holder names (' period=<ms>': the parking run's, which a worker that does not know the task
+-- cannot tell), else ARGV[3] (a hold parked by a version that named none); else marks ARGV[1]
 -- declined for ARGV[2] ms, so that the PARK for it lets go of the hold rather than park it
 -- for no one. The retry waits no more: its places in the queue and its wake list go. A hold
 -- kept for its period is owned by no token from then on (`keep_for`), so that no copy of the
@@ -131,7 +133,8 @@ if not owns(value, ARGV[1]) then
   redis.call('SET', prefix .. 'declined:' .. ARGV[1], '1', 'PX', ARGV[2])
   return 0
 end
-return let_go(value, tonumber(ARGV[3])) == 0 and 2 or 3
+local period = string.match(holder_of(value) or '', ' period=(%d+)') or ARGV[3]
+return let_go(value, tonumber(period)) == 0 and 2 or 3
 """
 
 _WATCH = """

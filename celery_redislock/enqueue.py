@@ -300,7 +300,9 @@ def give_up_ticket(
     lets go of the hold instead. A parked hold's run ran: it is kept for what is left of
     ``lock_period``, as after any run of an ``until_expired`` task. ``options`` ``None`` (a task
     this app does not register, its mode unknown): marked for the default ``lock_queue_ttl``,
-    and a hold parked already is freed; the park, if one comes, lets go with the run's mode."""
+    and a hold parked already is let go of with the period its holder names (the parking run's,
+    ``run_lock.park``; none named, by an older version: freed); the park, if one comes, lets go
+    with the run's mode."""
     if not continues or (options is not None and not options.rules.parks_for_retry):
         outcome = "released" if release_token(client, *ticket) else None
     else:

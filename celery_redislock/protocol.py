@@ -111,17 +111,28 @@ def parse_value(value: object) -> LockValue | None:
 
 
 def holder_for(
-    task_id: str | None, retries: int, node: str, pid: int, state: str = "running", replaced: int = 0
+    task_id: str | None,
+    retries: int,
+    node: str,
+    pid: int,
+    state: str = "running",
+    replaced: int = 0,
+    period_ms: int = 0,
 ) -> str:
     """How a task's lock names its holder: task id, attempt (retries so far), ``queued`` or
     ``running``, and the node and process that queued or run it; for the run of a message that
-    replaces another of its task id (``task.replace()``), how deep (``rep``, ``replaced``).
+    replaces another of its task id (``task.replace()``), how deep (``rep``, ``replaced``); for a
+    hold parked for such a message or a retry by a run whose mode keeps it for a period after
+    the run, that period in ms (``period``, ``period_ms``), by which a worker that does not know
+    the task lets go of it as the run would have (``DECLINE``).
 
     Fields are separated by spaces; the task id and node are %-encoded where they hold a
     space, ``=``, ``%`` or a non-ASCII character, so that any task id reads back whole.
     """
     holder = f"task={_field(task_id or '-')} try={retries} state={state} node={_field(node)} pid={pid}"
-    return f"{holder} rep={replaced}" if replaced else holder
+    if replaced:
+        holder += f" rep={replaced}"
+    return f"{holder} period={period_ms}" if period_ms else holder
 
 
 def replaced_nesting(request: Any) -> int:

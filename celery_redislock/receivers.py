@@ -213,9 +213,9 @@ def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None =
     # The options of a task this app registers: a rejected message's (invalid, or of a content
     # type the worker does not accept), or an unknown one's registered after the worker started.
     # Of a task it does not register (another app's, another release's), the mode, period and
-    # queue ttl are unknown: no options (``give_up_ticket``: a hold parked already is freed, an
-    # until_expired period cut short; one not parked yet is marked declined, and its run's park
-    # lets go of it as its mode says).
+    # queue ttl are unknown: no options (``give_up_ticket``: a hold parked already is let go of
+    # with the period its holder names, as its run would; one not parked yet is marked declined,
+    # and its run's park lets go of it as its mode says).
     task = app.tasks.get(name) if isinstance(name, str) else None
     why = f"message for {name or 'an invalid task'} dropped"
     _release_ticket_logged(app, ticket, why, message_continues_hold(fields), bound_options(task))

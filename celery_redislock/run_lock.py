@@ -223,8 +223,10 @@ def park(
     """Park the hold of ``key`` (``hold``: its token and the holder it must still name) for the
     message that continues its run, a retry or a replacement (``then``: its task id, retries
     and replacement depth), which carries ``token``, due in ``delay`` s, queued for
-    ``lock_queue_ttl`` past that (``PARK``): its reply, 1 once parked."""
-    queued = holder_for(then[0], then[1], hostname(), current_pid(), "queued", then[2])
+    ``lock_queue_ttl`` past that (``PARK``): its reply, 1 once parked. The parked hold's holder
+    names the mode's period (``lock_period``, where the mode keeps the lock after a run), so
+    that a worker that does not know the task lets go of it as the run would (``DECLINE``)."""
+    queued = holder_for(then[0], then[1], hostname(), current_pid(), "queued", then[2], options.period_ms)
     ttl = to_ms(options.queue_ttl + delay)
     return int(PARK(client, [key], [hold[0], hold[1], token, queued, ttl, options.period_ms]))
 

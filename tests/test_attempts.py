@@ -465,6 +465,70 @@ def test_a_retry_a_worker_does_not_know_before_the_park_gives_the_hold_up(
 
 
 @pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_retry_a_worker_does_not_know_after_the_park_gives_the_hold_up_as_its_run_would(
+    app: Celery, redis_server: RedisServer, prefix: str, mode: str
+) -> None:
+    """Attempt 0 retries (the same key) and parks its hold for the retry, whose message waits in
+    a queue no worker consumes until the test moves it to the queue of a worker that does not
+    register the task (a rolling deploy), which drops it as unknown (``task_unknown``). The
+    task's mode and period are unknown there; the parked hold names them (``period=<ms>`` in
+    its holder, written by the park), and the drop lets go of it as the run would have:
+    ``until_executed``'s is freed, ``until_expired``'s kept for what is left of
+    ``lock_period`` (attempt 0 ran). Before, the drop freed it whatever the mode: an
+    ``until_expired`` period cut short, a call of the arguments could run again within it."""
+    idle, other_queue, client = (
+        f"{app.conf.task_default_queue}-idle",
+        f"q-{prefix}-other",
+        recorder(app).client,
+    )
+    # tests.taskapp's app, which does not register the task below
+    other = WorkerProcess(redis_server.url, f"{prefix}-other", other_queue, "solo", 1, "other")
+    started: list[str] = []
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.unknown_parked_{mode}",
+        lock_mode=mode,
+        lock_period=60 if mode == "until_expired" else None,
+    )
+    def step(self: Any, x: str) -> str:
+        started.append(self.request.id)
+        raise self.retry(countdown=0, queue=idle)
+
+    x = fresh()
+    key = task_lock_key(step, (x,))
+    other.start()
+    try:
+        if client.blpop([f"{prefix}-other:ready"], timeout=60) is None:
+            raise AssertionError(f"the other worker did not start:\n{other.output()}")
+        with threads_worker(app):
+            step.delay(x)
+            wait_for(lambda: client.llen(idle) and runs_over(step.name), what="attempt 0 to park")
+        parked = parse_value(client.get(key))
+        assert parked is not None and parse_holder(parked.holder)["state"] == "queued"
+        client.lmove(idle, other_queue, "RIGHT", "LEFT")
+        other.wait_for_line(f"Received unregistered task of type '{step.name}'")
+        wait_for(
+            lambda: parse_value(client.get(key)) != parked,
+            what=lambda: f"the drop to give the parked hold up: {client.get(key)!r}",
+        )
+    finally:
+        other.stop()
+    assert started == [parse_holder(parked.holder)["task"]]
+    try:
+        if mode == "until_executed":
+            assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
+        else:
+            kept = parse_value(client.get(key))
+            assert kept is not None and kept.kept, f"not kept: {client.get(key)!r}"
+            assert 0 < client.pttl(key) <= 60_000, f"kept for {client.pttl(key)} ms"
+    finally:
+        client.delete(key, idle)
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
 def test_a_retry_with_an_eta_that_is_no_time_is_not_sent_and_names_it(app: Celery, mode: str) -> None:
     """Attempt 0 retries (the same key) with ``eta="not a date"``. The retry is not sent, and the
     attempt fails with ``LockConfigurationError`` naming the task and ``eta`` (Celery's
@@ -972,6 +1036,34 @@ def test_a_hold_is_never_parked_for_a_declined_token(client: redis.Redis, prefix
     assert isinstance(refused, list) and refused[1] == queued.encode()  # busy, the holder kept
     assert not release_token(client, key, retry)
     client.delete(key)
+
+
+@pytest.mark.parametrize(
+    ("parked_by", "known_period_ms", "kept"),
+    [("this_version", 0, True), ("an_older_version", 0, False), ("an_older_version", 50_000, True)],
+)
+def test_a_decline_lets_go_of_a_parked_hold_with_the_period_its_holder_names(
+    client: redis.Redis, prefix: str, parked_by: str, known_period_ms: int, kept: bool
+) -> None:
+    """``DECLINE`` of a hold parked (``until_expired``, granted 20 s ago, a 50 s period) for a
+    retry that a worker drops. Parked by this version, its holder names the parking run's period
+    (``period=50000``): kept for what is left of it, also by a worker that does not know the
+    task (no period: ``0``). Parked by an older version (no such field, during a rolling
+    upgrade): freed by such a worker, as before, and kept by one that knows the period."""
+    key, running, retry = f"{prefix}:declined-period", "a" * 32, "b" * 32
+    holder = "task=t try=0 state=running"
+    queued = holder_for("t", 1, "node", 1, "queued", period_ms=50_000 if parked_by == "this_version" else 0)
+    assert ("period=50000" in queued) == (parked_by == "this_version")
+    granted = int(client.time()[0]) * 1_000_000 - 20_000_000
+    client.set(key, f"{running}:{granted}:{holder}", px=30_000)
+    assert PARK(client, [key], [running, holder, retry, queued, 60_000, 50_000]) == 1
+    assert DECLINE(client, [key], [retry, 60_000, known_period_ms]) == (3 if kept else 2)
+    if kept:
+        assert 25_000 < client.pttl(key) <= 30_000  # 50 s after the grant
+        value = parse_value(client.get(key))
+        assert value is not None and value.kept and value.fence == granted and value.holder == queued
+        client.delete(key)
+    assert not client.exists(key, companion_key(key, f"declined:{retry}"))
 
 
 def test_a_resent_release_does_not_raise_lock_not_owned(client: redis.Redis, prefix: str) -> None:
