@@ -10,7 +10,9 @@ then does the task's ``lock_busy`` (``skip``, ``retry``, ``wait``, ``raise``) ap
 ``retry`` as ``wait`` where the run cannot be retried later (an eager or
 direct call). Each outcome is a small policy object: ``True`` runs the body
 (the lock is now held), ``False`` skips it; the others raise (``Ignore``,
-``Retry``, ``LockNotAcquired``).
+``Retry``, ``LockNotAcquired``). How a copy of a message learns how its first delivery's
+hold ends, before it is ignored or run, is ``redelivery``'s; what the run knows of the hold it
+found is a ``found.Found``.
 """
 
 from __future__ import annotations
@@ -23,59 +25,26 @@ from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Literal, NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import signals, telemetry
+from . import signals
 from ._durations import to_ms
 from ._scripts import RENEW
 from .attempt import seconds_left
-from .config import LockOptions
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
+from .found import Found
 from .inventory import hold_of, release_token
-from .protocol import REPUBLISH, parse_holder, replaced_nesting, request_ticket
-from .run_lock import KEPT, PARKED, ExecutionLock, acquired, adopt, release, watch
+from .protocol import REPUBLISH, held_attempt, parse_holder, replaced_nesting, request_ticket
+from .redelivery import first_delivery
+from .run_lock import KEPT, PARKED, adopt, watch
 
-__all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "Found", "policy_for", "skipped", "when_busy"]
+__all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "policy_for", "skipped", "when_busy"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Found:
-    """A run that found ``lock`` held by ``holder`` (``ttl`` seconds left, if known)."""
-
-    task: Any
-    options: LockOptions
-    lock: ExecutionLock
-    #: the worker's (or apply()'s) request; ``None`` for a direct call
-    request: Any
-    args: Any
-    kwargs: Any
-    holder: str | None
-    ttl: float | None
-    #: monotonic time of the run's first acquire attempt
-    started: float
-    #: monotonic times before ``holder`` and ``ttl`` were asked for, and after they were read:
-    #: the hold's lease ends ``ttl`` s after a time between the two, unless renewed (stalls
-    #: between the script's run and the reply's reading widen the span, never move the end out)
-    asked: float
-    seen: float
-
-    @property
-    def task_id(self) -> str | None:
-        return None if self.request is None else self.request.id
-
-    def took(self) -> bool:
-        """The run holds ``lock`` now."""
-        return acquired(self.task, self.lock, self.task_id, self.started)
-
-    def log_fields(self, outcome: str) -> dict[str, Any]:
-        """The ``extra=`` of a log line about this run and ``outcome``."""
-        return telemetry.log_fields(self.lock.name, self.task_id, self.holder, outcome=outcome)
 
 
 class BusyPolicy(Protocol):
@@ -103,7 +72,7 @@ def policy_for(found: Found) -> BusyPolicy:
     request = found.request
     held_by = parse_holder(found.holder)
     if request is not None and held_by.get("task") == request.id:
-        held, this = _attempt(held_by), (replaced_nesting(request), request.retries or 0)
+        held, this = held_attempt(held_by), (replaced_nesting(request), request.retries or 0)
         if held == this and held_by.get("state") == "running":
             return _redelivered
         if held > this:
@@ -126,22 +95,6 @@ def policy_for(found: Found) -> BusyPolicy:
         if found.options.busy == "reject":
             return _raise  # nor rejected
     return POLICIES[found.options.busy]
-
-
-def _attempt(holder: Mapping[str, str]) -> tuple[int, int]:
-    """Which message of its task id the run a holder (``parse_holder``'s) names ran: a message is
-    later than another when it replaced one more run, or as many and is a later retry
-    (replacement depth, retries)."""
-    return int(holder.get("rep") or 0), int(holder.get("try") or 0)
-
-
-def _continued(found: Found) -> bool:
-    """Whether the lock, no longer held by ``found.holder``, went to the message that continues
-    that run (its retry or replacement, parked for it, or running since): ``lock.busy`` names a
-    later message of its task id."""
-    then, now = parse_holder(found.holder), parse_holder(found.lock.busy[0])
-    task = then.get("task")
-    return task is not None and now.get("task") == task and _attempt(now) > _attempt(then)
 
 
 def _kept(found: Found) -> bool:
@@ -340,7 +293,7 @@ def _redelivered(found: Found) -> bool:
     message's continuation); run if its worker died, or, where another run of the key took the
     lock first, handled as any run that finds the lock busy."""
     task, lock = found.task, found.lock
-    fate = _first_delivery(found)
+    fate = first_delivery(found)
     if fate == "kept":
         why = "redelivered once its first delivery ran, which keeps lock %s for lock_period; ignored"
         _ignored(found, why, lock.name)
@@ -371,82 +324,6 @@ def _redelivered(found: Found) -> bool:
         extra=found.log_fields("busy-wait"),
     )
     return when_busy(replace(found, holder=holder, ttl=ttl, asked=asked, seen=seen))
-
-
-#: How a redelivered copy's first delivery stands (``_first_delivery``).
-_Fate = Literal["alive", "died", "kept", "parked"]
-
-#: Seconds: a hold found gone this close to the end of its lease, or later, may have run out.
-_MARGIN = 0.1
-
-
-def _first_delivery(found: Found) -> _Fate:
-    """How the first delivery holding the lock, its lease ending ``found.ttl`` seconds after
-    ``found.asked`` at the earliest and ``found.seen`` at the latest, stands: ``"kept"``, its
-    run is over and keeps its hold for the rest of ``lock_period``;
-    ``"parked"``, its run parked its hold for its retry or replacement, which adopts it;
-    ``"died"``, that lease ran out unrenewed (the lock is then held here, or ``lock.busy``
-    names the run that took it first); ``"alive"``, it renewed the lease, or let go of it (it
-    ran to its end or retried in a mode that keeps nothing, or its pool child died and the
-    worker released for it).
-
-    This copy watches the hold (``run_lock.watch``): its release hands it over here, whoever
-    else waits for it, and a run that keeps it for its period or parks it for its retry wakes
-    this copy (a kept hold is never watched: the watch answers that at once), so a hold gone
-    otherwise ran out (unless it went well before the end of its lease, let go of otherwise). A
-    live holder renews every ``lock_ttl/3``, so this waits at most one renewal interval for a
-    live holder, and the rest of the lease for a dead one; it is woken at once by a release, a
-    keep or a park.
-    """
-    ends = found.seen + (found.ttl or 0.0)  # at the latest, unless renewed
-    interval = min(found.options.ttl / 3, ends - time.monotonic() - _MARGIN)
-    fate = _watch(found, ends, time.monotonic() + interval) if interval > 0 else None
-    if fate is None:  # not renewed for an interval: watch it until its lease ends
-        fate = _watch(found, ends, ends + _MARGIN)
-    return fate or "alive"
-
-
-def _watch(found: Found, ends: float, until: float) -> _Fate | None:
-    """Watch the first delivery's hold (with ``lock_limit`` above 1, its permit), its lease ending
-    at monotonic ``ends`` at the latest unless renewed, until monotonic ``until``: how it stands,
-    as ``_first_delivery`` says, or ``None`` when it still holds the lock, not renewed."""
-    lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
-    watched = watch(lock, found.holder or "", token)
-    if watched == KEPT:
-        return "kept"
-    if watched == 0:
-        return "alive"  # another copy of the message watches it, and acts on its end
-    if watched is None:  # gone already
-        return _gone(found)
-    fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it
-    if fence in (KEPT, PARKED):  # woken by the run keeping or parking it, out of the queue
-        lock.servers.abandon(token, lock.member(token))  # where its first attempt queued it again
-        return "kept" if fence == KEPT else "parked"
-    if fence == watched:  # handed over by its release: the first delivery let go of it
-        lock.servers.free(token)
-        return "alive"
-    if fence is not None:  # free, taken here
-        lock.take_hold(token, fence, sent_at)
-        if _ran_out(found) == "died":
-            return "died"
-        release(found.task, lock, None, announce=False)  # let go of early: gone, never handed
-        return "alive"
-    holder, left = lock.busy
-    if holder == found.holder:
-        return "alive" if (left or 0.0) > ends - time.monotonic() + _MARGIN else None  # renewed
-    return _gone(found)  # another run took it, not handed over
-
-
-def _gone(found: Found) -> _Fate:
-    """The fate of a first delivery whose hold is gone, not handed to this copy: ``"parked"`` when
-    the message that continues its run has it (``_continued``), else as ``_ran_out`` says."""
-    return "parked" if _continued(found) else _ran_out(found)
-
-
-def _ran_out(found: Found) -> _Fate:
-    """``"died"`` when the lease of ``found``'s hold, unrenewed, may have run out by now (its
-    earliest end: ``found.asked`` on), else ``"alive"``."""
-    return "died" if time.monotonic() >= found.asked + (found.ttl or 0.0) - _MARGIN else "alive"
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,12 @@ from ._durations import to_ms
 from ._process import current_pid
 from ._task_scripts import CLAIM, LET_GO, SETTLE
 from .attempt import hostname, seconds_left
-from .busy import Found, when_busy
+from .busy import when_busy
 from .config import AppSettings, LockOptions, run_key
 from .connection import ClientUnavailable, client_for
 from .enqueue import checked_delay, enqueue_retry, give_up_ticket, superseded
 from .exceptions import LockKeyError, LockNotReplicated, RedisLockError
+from .found import Found
 from .inventory import release_token
 from .protocol import (
     HEADER,

@@ -41,6 +41,7 @@ __all__ = [
     "LockValue",
     "canvas_member",
     "continues",
+    "held_attempt",
     "holder_for",
     "message_continues_hold",
     "message_delay",
@@ -189,6 +190,13 @@ def parse_holder(holder: str | None) -> dict[str, str]:
         return {}
     fields = (field.partition("=") for field in holder.split(" "))
     return {name: unquote(value) for name, _, value in fields}
+
+
+def held_attempt(holder: Mapping[str, str]) -> tuple[int, int]:
+    """Which message of its task id the run a holder (``parse_holder``'s) names ran, as (replacement
+    depth, retries): a message is later than another when it replaced one more run, or as many
+    and is a later retry."""
+    return int(holder.get("rep") or 0), int(holder.get("try") or 0)
 
 
 def message_ticket(headers: Mapping[str, Any] | None) -> tuple[str, str] | None:

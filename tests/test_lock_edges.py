@@ -15,13 +15,14 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-import celery_redislock.busy as busy
 import celery_redislock.lock as lock_module
+import celery_redislock.redelivery as redelivery
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
 from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE
 from celery_redislock.attempt import waiter_member
+from celery_redislock.found import Found
 from celery_redislock.inventory import release_token
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import KEPT_TOKEN, parse_value
@@ -601,8 +602,8 @@ def test_a_copy_that_finds_its_runs_hold_parked_already_learns_that_it_retried(
     if adopted:
         assert ADOPT(client, [name], [retry_token, "c" * 32, 600_000, RETRY.replace("queued", "running")]) > 0
     now = time.monotonic()
-    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
-    assert busy._watch(found, now + LEASE, now + 30) == "parked"
+    found = Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
+    assert redelivery.watch_until(found, now + LEASE, now + 30) == "parked"
     client.delete(name)
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
@@ -614,7 +615,7 @@ def test_a_copy_woken_by_its_runs_end_before_its_first_attempt_leaves_the_queue(
     """The run keeps its hold for its period, or parks it for its retry, between the copy's
     ``WATCH`` and the copy's first attempt, which queues the copy again (the keep or the park
     took it out): the copy, woken, learns how the run ended and leaves the queue, so that
-    nothing of it is left (``busy._watch``)."""
+    nothing of it is left (``redelivery.watch_until``)."""
     client, name = fresh_server.client(), f"{prefix}:k"
     run, copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, COPY))
     run.acquire()
@@ -629,10 +630,10 @@ def test_a_copy_woken_by_its_runs_end_before_its_first_attempt_leaves_the_queue(
             owner.append((parked_for_its_retry(client, run), RETRY))
         return watched
 
-    monkeypatch.setattr(busy, "watch", watch_then_end)
+    monkeypatch.setattr(redelivery, "watch", watch_then_end)
     now = time.monotonic()
-    found = busy.Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
-    assert busy._watch(found, time.monotonic() + LEASE, time.monotonic() + 30) == ending
+    found = Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
+    assert redelivery.watch_until(found, time.monotonic() + LEASE, time.monotonic() + 30) == ending
     token, holder = owner[0]
     assert text(stored(client, name)) == f"{token}:{fence}:{holder}"
     client.delete(name)

@@ -33,8 +33,9 @@ from celery_redislock import (
 )
 from celery_redislock._task_scripts import REPLACE, UNREPLACE
 from celery_redislock.attempt import companion_key
-from celery_redislock.busy import Found, policy_for
+from celery_redislock.busy import policy_for
 from celery_redislock.enqueue import superseded
+from celery_redislock.found import Found
 from celery_redislock.protocol import HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.run_lock import ExecutionLock
 from tests.interrupts import Arm, Interrupt, on_this_thread
