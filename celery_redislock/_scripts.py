@@ -154,14 +154,17 @@ end
 -- token><copy's token>:<fence>:<holder>": ownership, fence and holder read as before), and
 -- queues the copy, as ACQUIRE 'wait' queues a waiter, so that the release of the hold, which
 -- then finds a waiter, hands it to the copy (`hand_to_watcher`); a hold running out is never
--- handed over. A hold marked for a copy still queued is left to that one; a hold kept for its
--- period (`kept_token`), its run over, is not watched.
+-- handed over. A hold marked for a copy still queued (not past its deadline: one gone
+-- unseen is evicted) is left to that one; a hold kept for its period (`kept_token`), its run
+-- over, is not watched.
 -- Returns the hold's fence once marked, 0 if another copy watches it, -1 if it is kept.
 local function watch_hold(key, value, member)
   if owns(value, kept_token) then return -1 end
   local ttl_ms, token = member_fields(member)
   local watched = string.byte(value, 33) ~= 58
+  local now_ms, now_us = clock(redis.call('TIME'))
   if watched and string.sub(value, 33, 64) ~= token then
+    evict(now_ms)
     for _, queued in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
       local _, other = member_fields(queued)
       if other == string.sub(value, 33, 64) then return 0 end
@@ -169,7 +172,6 @@ local function watch_hold(key, value, member)
   end
   local rest = string.sub(value, watched and 65 or 33)
   redis.call('SET', key, string.sub(value, 1, 32) .. token .. rest, 'KEEPTTL')
-  local now_ms, now_us = clock(redis.call('TIME'))
   redis.call('ZADD', queue, 'NX', now_us, member)
   redis.call('ZADD', deadlines, now_ms + tonumber(ttl_ms) + 2000, member)
   local last = tonumber(redis.call('ZRANGE', deadlines, -1, -1, 'WITHSCORES')[2])
@@ -180,10 +182,12 @@ end
 """,
     """
 -- Wakes the copy that watches the hold `value` (WATCH) with `message`, while that copy is
--- queued, taking it out of the queue. Returns the copy's waiter ttl (ms) and holder, or nil
--- when no queued copy watches the hold.
+-- queued (not past its deadline: one gone unseen is evicted, never handed a hold), taking it
+-- out of the queue. Returns the copy's waiter ttl (ms) and holder, or nil when no queued copy
+-- watches the hold.
 local function wake_watcher(value, message)
   if string.byte(value, 33) == 58 then return nil end
+  evict(clock(redis.call('TIME')))
   local watcher = string.sub(value, 33, 64)
   for _, member in ipairs(redis.call('ZRANGE', queue, 0, -1)) do
     local ttl_ms, copy, _, holder = member_fields(member)

@@ -638,3 +638,48 @@ def test_a_copy_woken_by_its_runs_end_before_its_first_attempt_leaves_the_queue(
     assert text(stored(client, name)) == f"{token}:{fence}:{holder}"
     client.delete(name)
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+def test_a_watcher_gone_past_its_deadline_is_neither_handed_the_hold_nor_keeps_the_watch(
+    client: redis.Redis, prefix: str
+) -> None:
+    """A copy (or a later attempt, ``busy``) that watches a run's hold dies while queued (its
+    process SIGKILLed: nothing takes it out of the queue); its member stays queued past its
+    deadline, which evicts a dead waiter everywhere else (another waiter keeps the queue
+    alive). A second copy's ``WATCH`` then takes
+    the watch over (before: 0, "another copy watches it", and the copy was ignored as while its
+    first delivery runs), and the run's release hands the hold to the live copy, never to the
+    dead one (before: handed to the dead token, which held the key, unrenewed, for its ttl)."""
+    name = f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    dead, again = (RedisLock(client, name, ttl=0.1, watchdog=False, holder=COPY) for _ in range(2))
+    run.acquire()
+    fence, gone = run.fence, secrets.token_hex(16)
+    assert watch(dead, RUN, gone) == fence  # queued, then never calls again
+    deadlines = companion_key(name, "waiters")
+    queued: list[Any] = client.zrange(deadlines, 0, -1, withscores=True)
+    ((_, dead_by),) = queued  # the dead watcher's deadline (server ms)
+    other = RedisLock(client, name, ttl=LEASE)  # a live waiter: the queue outlives the dead one
+    other_thread = threading.Thread(target=lambda: other.acquire(timeout=60))
+    other_thread.start()
+    wait_until_queued(client, name, 2)
+
+    def server_ms() -> float:
+        seconds, micros = client.time()
+        return int(seconds) * 1000 + int(micros) / 1000
+
+    wait_for(lambda: server_ms() > dead_by, what="the dead watcher's deadline to pass")
+    token = secrets.token_hex(16)
+    assert watch(again, RUN, token) == fence  # the watch is the live copy's now
+    assert text(stored(client, name))[32:64] == token
+    thread, got = waiting_as(again, token)
+    run.release()
+    thread.join()
+    assert got == [fence]
+    assert parse_value(stored(client, name)) == (token, fence, COPY)
+    assert other_thread.is_alive()  # still waiting: the hold went to the live copy
+    assert again.servers.free(token)  # the copy lets go: the other waiter is woken
+    other_thread.join()
+    assert other.owned()
+    other.release()
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
