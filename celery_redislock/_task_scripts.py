@@ -38,14 +38,16 @@ _ADOPT = """
 -- Adopts the hold queued for the message (its enqueue lock, or the hold its previous
 -- attempt parked for it): re-tokened to ARGV[2], with a fence above its own. A hold
 -- ARGV[2] already owns is this call's own, sent again by a client that lost the reply:
--- its fence is returned again.
+-- its fence is returned again. A watch on the parked hold (WATCH by a later attempt of the
+-- task id, waiting for it) goes with it: how the adopting run ends its hold wakes the watcher.
 -- Returns the fence when adopted, else {PTTL, holder or false} (PTTL -2: gone).
 local value = redis.call('GET', lock)
 if owns(value, ARGV[2]) then return fence_of(value) end
 if owns(value, ARGV[1]) then
   local _, now_us = clock(redis.call('TIME'))
   local fence = math.max(now_us, fence_of(value) + 1)
-  redis.call('SET', lock, hold(ARGV[2], fence, ARGV[4]), 'PX', ARGV[3])
+  local watcher = string.byte(value, 33) ~= 58 and string.sub(value, 33, 64) or ''
+  redis.call('SET', lock, hold(ARGV[2] .. watcher, fence, ARGV[4]), 'PX', ARGV[3])
   return fence
 end
 return {redis.call('PTTL', lock), holder_of(value) or false}

@@ -683,3 +683,37 @@ def test_a_watcher_gone_past_its_deadline_is_neither_handed_the_hold_nor_keeps_t
     assert other.owned()
     other.release()
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+#: The holder of a later attempt of the run's task id (``busy``'s earlier-run wait).
+LATER = "task=t1 try=2 state=running node=second@host pid=3"
+
+
+def test_a_later_attempt_watching_a_parked_hold_is_woken_by_how_its_adopter_ends_it(
+    fresh_server: RedisServer, prefix: str
+) -> None:
+    """A later attempt of the task id (an ``until_expired`` retry back to these arguments) waits
+    for the hold its earlier attempt parked for its own retry, watching it (``WATCH``); that retry
+    adopts it (``ADOPT``), runs, and keeps it for its period (``SETTLE``): the watch goes with
+    the hold, so the later attempt is woken with ``KEPT`` and meets the kept hold with
+    ``lock_busy``, not left waiting until ``lock_wait_timeout`` (before: the adoption dropped the
+    watch, and the wait ran to its deadline)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    run.acquire()
+    retry_token = parked_for_its_retry(client, run)
+    later, token = RedisLock(client, name, ttl=LEASE, holder=LATER), secrets.token_hex(16)
+    fence = watch(later, RETRY, token)
+    assert fence is not None and fence > 0
+    thread, got = waiting_as(later, token)
+    wait_for(lambda: client.info("clients")["blocked_clients"] == 1, what="the later attempt to wait")
+    own = secrets.token_hex(16)
+    adopted = ADOPT(client, [name], [retry_token, own, 600_000, RETRY.replace("queued", "running")])
+    assert isinstance(adopted, int) and adopted > fence
+    watcher = text(stored(client, name))[32:64]
+    assert SETTLE(client, [name], [own, 600_000, adopted]) > 0
+    thread.join()  # its wait ends by itself within 10 s
+    assert (watcher, got) == (token, [KEPT]), "the adoption dropped the watch: the keep woke no one"
+    assert text(stored(client, name)) == f"{KEPT_TOKEN}:{adopted}:{RETRY.replace('queued', 'running')}"
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
