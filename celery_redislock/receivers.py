@@ -23,10 +23,8 @@ Importing the package connects nothing: ``install`` runs when the first
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,7 +36,7 @@ from .config import LockOptions, app_settings, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
 from .protocol import message_continues_hold, message_ticket, request_continues_hold, request_ticket
-from .state import app_state, running
+from .state import app_state, app_states, running
 from .telemetry import log_fields
 
 __all__ = ["RunRequests", "after_run", "free_unkeyed_ticket", "install"]
@@ -71,9 +69,9 @@ def install(app: Any) -> None:
             extra=log_fields(outcome="disabled"),
         )
         return
-    # Once per app (this function is idempotent), holding the app weakly.
+    # Each receiver once per process (its dispatch_uid), for every app, and for good.
     celery_signals.worker_process_init.connect(
-        functools.partial(_mark_pool_child, weakref.ref(app)), weak=False
+        _mark_pool_child, weak=False, dispatch_uid="celery_redislock.mark_pool_child"
     )
     celery_signals.task_revoked.connect(
         _free_revoked, weak=False, dispatch_uid="celery_redislock.free_revoked"
@@ -178,11 +176,12 @@ def free_unkeyed_ticket(task: Any, request: Any, options: LockOptions) -> None:
         _release_ticket_logged(task.app, ticket, why, request_continues_hold(request), options)
 
 
-def _mark_pool_child(app_ref: weakref.ref[Any], **_: Any) -> None:
-    """``worker_process_init`` (sent in a prefork pool child only): this process is one."""
-    app = app_ref()
-    if app is not None:
-        app_state(app).pool_child = current_pid()
+def _mark_pool_child(**_: Any) -> None:
+    """``worker_process_init`` (sent in a prefork pool child only): this process is one, for
+    every app ``install`` connected (its receivers)."""
+    for state in app_states():
+        if state.installed:
+            state.pool_child = current_pid()
 
 
 def _free_revoked(

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 import redis
 import redis.cluster
 
-__all__ = ["AppState", "LockClient", "app_state", "forget_client", "running"]
+__all__ = ["AppState", "LockClient", "app_state", "app_states", "forget_client", "running"]
 
 
 class LockClient(NamedTuple):
@@ -84,6 +84,11 @@ def app_state(app: Any) -> AppState:
         if state is made:
             weakref.finalize(app, _STATES.pop, id(app), None)
     return state
+
+
+def app_states() -> list[AppState]:
+    """The state of every app of this process that has one and is still alive."""
+    return list(_STATES.values())
 
 
 def forget_client(app: Any) -> None:

@@ -107,6 +107,30 @@ def test_install_is_idempotent_and_automatic(app: Celery) -> None:
     assert len(task_postrun.receivers) == receivers
 
 
+def test_install_connects_its_receivers_once_per_process_not_once_per_app(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    """Every receiver ``install`` connects has a ``dispatch_uid`` of the package's
+    (``celery_redislock.``): a process that makes app after app (a test suite) does not
+    gather one more receiver per app, each kept for good."""
+    import celery.signals
+    from celery.utils.dispatch import Signal
+
+    signals = {name: s for name, s in vars(celery.signals).items() if isinstance(s, Signal)}
+    install(app)
+    before = {name: [key for key, _ in signal.receivers] for name, signal in signals.items()}
+    other = new_app(redis_server.url, f"{prefix}-other")
+    try:
+        install(other)
+        added = {
+            name: [receiver for key, receiver in signal.receivers if key not in before[name]]
+            for name, signal in signals.items()
+        }
+        assert {name: receivers for name, receivers in added.items() if receivers} == {}
+    finally:
+        other.close()
+
+
 def test_the_lock_url_defaults_to_a_redis_broker_then_localhost() -> None:
     app = Celery("urls", broker="rediss://:secret@cache.example:6380/2", set_as_current=False)
     assert lock_url(app) == ("rediss://:secret@cache.example:6380/2", "broker_url")
