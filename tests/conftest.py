@@ -2,7 +2,8 @@
 
 After every test, the invariant checker (``tests.invariants``) runs on the
 servers the test used: no key of the test without a TTL, and no lock of the
-test left once its tasks finished (unless marked ``locks_may_remain``).
+test left once its tasks finished (unless marked ``locks_may_remain``); and the test
+left no Celery signal receiver connected (``tests.receiver_guard``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from tests.taskapp import make_app
 
 if TYPE_CHECKING:
     from tests.otel import Otel
+
+#: No test leaves a Celery signal receiver connected (an error at its teardown).
+pytest_plugins = ["tests.receiver_guard"]
 
 
 def pytest_report_header() -> str:
