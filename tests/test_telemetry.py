@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.signals import task_postrun, task_success
+from celery.signals import task_success
 from opentelemetry import trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
@@ -447,12 +447,11 @@ def test_a_deferred_release_is_traced_on_its_task_span_whatever_the_receivers_or
     otel: Otel, fresh_server: RedisServer, prefix: str, spans: str, first: str
 ) -> None:
     """A worker's run sends its release before the result is stored, the step entered in the
-    task's span, and reads the reply at ``task_postrun``, whose package receiver runs first,
-    connected before OpenTelemetry's (which ends the task's span) or after it: ``"auto"`` notes
-    a lost release on the task's span, ``"always"`` makes its span a child of the task's,
-    ended before it."""
+    task's span, and reads the reply after it (``receivers.after_run``), before OpenTelemetry's
+    Celery instrumentation ends the task's span at ``task_postrun``, whether that was set up
+    before the package's ``install`` or after it: ``"auto"`` notes a lost release on the task's
+    span, ``"always"`` makes its span a child of the task's, ended before it."""
     if first == "instrumentation":
-        task_postrun.disconnect(dispatch_uid="celery_redislock.release_after_run")
         CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]
     app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans=spans)
     task, client = app.tasks["taskapp.hold_skip"], fresh_server.client()
