@@ -189,12 +189,16 @@ def _earlier_run(found: Found) -> bool:
     if fence in (KEPT, PARKED):  # woken by the keep or the park, out of the queue
         lock.servers.abandon(token, lock.member(token))  # where its last attempt queued it again
         return _met_again(found)
-    if fence == watched:  # handed over by its release, that run's fence kept
-        return _adopt(found, token)
-    if fence is not None:  # free, taken here (that run's lease ran out)
-        lock.take_hold(token, fence, sent_at)
-        return found.took()
-    raise LockNotAcquired(lock.name, *lock.busy)
+    if fence is None:
+        raise LockNotAcquired(lock.name, *lock.busy)
+    try:  # ``token``, which nothing else knows, holds the lock: given back if this is cut short
+        if fence == watched:  # handed over by its release, that run's fence kept
+            return _adopt(found, token)
+        lock.take_hold(token, fence, sent_at)  # free, taken here (that run's lease ran out)
+    except BaseException:  # an interrupt (a soft time limit) before it was adopted or recorded
+        lock.give_back(token)
+        raise
+    return found.took()
 
 
 def _met_again(found: Found) -> bool:

@@ -69,11 +69,15 @@ def watch_until(found: Found, ends: float, until: float) -> Fate | None:
     if fence in (KEPT, PARKED):  # woken by the run keeping or parking it, out of the queue
         lock.servers.abandon(token, lock.member(token))  # where its first attempt queued it again
         return "kept" if fence == KEPT else "parked"
-    if fence == watched:  # handed over by its release: the first delivery let go of it
-        lock.servers.free(token)
-        return "alive"
-    if fence is not None:  # free, taken here
-        lock.take_hold(token, fence, sent_at)
+    if fence is not None:
+        try:  # ``token``, which nothing else knows, holds the lock: given back if this is cut short
+            if fence == watched:  # handed over by its release: the first delivery let go of it
+                lock.servers.free(token)
+                return "alive"
+            lock.take_hold(token, fence, sent_at)  # free, taken here
+        except BaseException:  # an interrupt (a soft time limit) before it was freed or recorded
+            lock.give_back(token)
+            raise
         if _ran_out(found) == "died":
             return "died"
         release(found.task, lock, None, announce=False)  # let go of early: gone, never handed

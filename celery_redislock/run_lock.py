@@ -241,12 +241,18 @@ def watch(lock: LeaseLock, holder: str, token: str) -> int | None:
     (``PARK``); none of these if its lease runs out. Returns the hold's fence once watched,
     0 when another copy of the message watches it, ``KEPT`` when the run is over and keeps it
     (nothing watched: one round trip), ``None`` when ``holder`` no longer holds it (``lock.busy``
-    then names who does, where known)."""
+    then names who does, where known). Cut short after its send (a lost reply, an interrupt such
+    as a soft time limit), it takes ``token`` out of the queue, so that no release hands the hold
+    to a token nothing knows."""
     servers, member = lock.servers, lock.member(token)
-    if isinstance(servers, Permits):
-        reply = WATCH_PERMIT(lock.client, [lock.name], [holder, member, servers.book.limit])
-    else:
-        reply = WATCH(lock.client, [lock.name], [holder, member])
+    try:
+        if isinstance(servers, Permits):
+            reply = WATCH_PERMIT(lock.client, [lock.name], [holder, member, servers.book.limit])
+        else:
+            reply = WATCH(lock.client, [lock.name], [holder, member])
+    except BaseException:  # sent, maybe run (a lost reply, an interrupt): ``token``, which nothing
+        servers.abandon(token, member)  # else knows, may be queued as the hold's watcher
+        raise
     if isinstance(reply, int):
         return reply
     found, pttl_ms = busy_reply(reply)

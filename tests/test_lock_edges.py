@@ -10,11 +10,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import pytest
 import redis
 
+import celery_redislock.busy as busy
 import celery_redislock.lock as lock_module
 import celery_redislock.redelivery as redelivery
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
@@ -29,6 +31,7 @@ from celery_redislock.protocol import KEPT_TOKEN, parse_value
 from celery_redislock.run_lock import KEPT, PARKED, watch
 from celery_redislock.testing import RedisServer
 from tests.conftest import calls_since, command_calls
+from tests.interrupts import Arm, Interrupt, on_this_thread
 from tests.invariants import stored
 from tests.taskapp import LEASE, text
 from tests.workers import renewed, wait_for
@@ -716,4 +719,80 @@ def test_a_later_attempt_watching_a_parked_hold_is_woken_by_how_its_adopter_ends
     assert (watcher, got) == (token, [KEPT]), "the adoption dropped the watch: the keep woke no one"
     assert text(stored(client, name)) == f"{KEPT_TOKEN}:{adopted}:{RETRY.replace('queued', 'running')}"
     client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+def waiting_run(own: RedisLock) -> Found:
+    """What a later attempt of the run's task id (holder ``LATER``) knows of the run's hold it
+    found (``busy``'s earlier-run wait, ``until_expired``: its mode keeps holds), waiting with
+    the lock object ``own``; a redelivered copy's wait reads only what the two share."""
+    options = SimpleNamespace(rules=SimpleNamespace(settles=True), wait_timeout=30.0, ttl=LEASE)
+    now = time.monotonic()
+    return Found(None, options, own, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
+
+
+def copy_or_later(kind: str, client: redis.Redis, name: str) -> tuple[RedisLock, Callable[[Found], object]]:
+    """The waiter of ``kind`` for the run's hold of ``name``, and how it waits: a redelivered copy
+    (``redelivery.watch_until``) or a later attempt (``busy``'s earlier-run wait)."""
+    if kind == "copy":
+        until = time.monotonic() + 30
+        return RedisLock(client, name, ttl=LEASE, holder=COPY), lambda f: redelivery.watch_until(
+            f, until, until
+        )
+    return RedisLock(client, name, ttl=LEASE, holder=LATER), busy._earlier_run
+
+
+@pytest.mark.parametrize("kind", ["copy", "later_attempt"])
+def test_a_watcher_interrupted_as_its_watch_is_answered_leaves_no_watch_behind(
+    fresh_server: RedisServer, prefix: str, interrupt_read: Arm, kind: str
+) -> None:
+    """An interrupt (a soft time limit) lands as the reply of the waiter's ``WATCH`` is read: the
+    script ran, queueing a token nothing else knows as the hold's watcher. The waiter gives it
+    up on the way out, so the run's release frees the lock at once (before: handed to that
+    token, which held the key, unrenewed, for a lease)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    waiter, wait = copy_or_later(kind, client, name)
+    assert watch(waiter, RUN, secrets.token_hex(16)) is None  # the script loaded: its reply is the one read
+    run.acquire()
+    fired = interrupt_read(on_this_thread())
+    with pytest.raises(Interrupt):
+        wait(waiting_run(waiter))
+    assert fired
+    run.release()
+    assert not client.exists(name), "the release handed the hold to the interrupted watcher"
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+@pytest.mark.parametrize("kind", ["copy", "later_attempt"])
+def test_a_hold_handed_to_a_watcher_as_an_interrupt_lands_is_given_back(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The run's release hands its watched hold to the waiter (its token, which nothing else
+    knows), then an interrupt (a soft time limit) lands before the waiter frees it (a redelivered
+    copy: the first delivery let go) or adopts it (a later attempt, ``ADOPT``): it is given back
+    at once (before: kept, unrenewed, for a lease)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    run.acquire()
+    waiter, wait = copy_or_later(kind, client, name)
+
+    def interrupted(*_: object) -> None:
+        raise Interrupt
+
+    if kind == "copy":
+        monkeypatch.setattr(waiter.servers, "free", interrupted)
+    else:
+        monkeypatch.setattr(busy, "adopt", interrupted)
+
+    def release_once_waited_for() -> None:
+        wait_until_queued(client, name)
+        run.release()
+
+    ended = threading.Thread(target=release_once_waited_for)
+    ended.start()
+    with pytest.raises(Interrupt):
+        wait(waiting_run(waiter))
+    ended.join()
+    assert not client.exists(name), "the hold handed over stayed with a token nobody knows"
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
