@@ -18,6 +18,10 @@ connect is bounded by it too), so N servers cost about one round trip, not N.
   quorum still held it; when errors made that unknown (the servers that failed
   could make a quorum with those that freed it), the first error is raised and
   the hold kept, so ``release()`` can be tried again.
+* extend: likewise, ``LockNotOwned`` (and ``lost``) when fewer than a quorum
+  still held it, the first error (the hold kept, renewed in time for either
+  TTL) when the servers that failed could make a quorum with those that
+  extended it.
 * the watchdog renews the hold on every server (one lease per server, each
   batched with that server's other leases) and reports the lock lost when
   fewer than a quorum of servers still hold it; a loss on a minority is
@@ -196,9 +200,15 @@ class Quorum:
         return freed >= self.needed
 
     def extend(self, token: str, ttl: float) -> bool:
-        """Set the hold to ``ttl`` on every server; whether a quorum of them still held it."""
+        """Set the hold to ``ttl`` on every server; whether a quorum of them still held it; when
+        errors made that unknown (the servers that failed to answer could make a quorum with
+        those that extended it), the first error."""
         replies = self._on_all(RENEW, [to_ms(ttl), token])
-        return sum(isinstance(reply, list) and not reply for reply in replies) >= self.needed
+        extended = sum(isinstance(reply, list) and not reply for reply in replies)
+        errors = [reply for reply in replies if isinstance(reply, Exception)]
+        if extended < self.needed <= extended + len(errors):
+            raise errors[0]
+        return extended >= self.needed
 
     def confirm(self, token: str, member: str) -> None:
         """Nothing to wait for: a Redlock's servers are primaries without replicas to count."""

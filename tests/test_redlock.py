@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock
-from celery_redislock._scripts import ACQUIRE, RELEASE, Script
+from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW, Script
 from celery_redislock.redlock import Redlock
 from celery_redislock.testing import RedisServer
 from tests.conftest import independent_servers
@@ -302,6 +302,52 @@ def test_a_release_that_cannot_have_freed_a_majority_raises_lock_not_owned(
     with pytest.raises(LockNotOwned):
         lock.release()
     assert late == [servers[-1].port] and not lock.held()
+
+
+def test_an_extend_whose_outcome_errors_made_unknown_raises_the_error_and_keeps_the_hold(
+    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every server applies an ``extend()`` to a shorter TTL, but only the first one's reply comes
+    in time. A majority may hold the lock (they all do): ``extend()`` raises the error, as a
+    single server's does when its outcome is unknown, not ``LockNotOwned`` with ``lost`` set (a
+    false loss, which stops a task with a ``lock_on_lost`` policy); and the watchdog renews the
+    hold in time for the shorter TTL the servers may have applied (before: not rescheduled,
+    so it expired on every server before the next renewal)."""
+    name = f"{prefix}:k"
+    lock = RedisLock([server.url for server in servers], name, ttl=60)
+    assert lock.acquire(blocking=False)
+    late = late_replies(monkeypatch, RENEW, servers[1:])
+    with pytest.raises(redis.exceptions.TimeoutError, match="no reply within"):
+        lock.extend(15)
+    monkeypatch.undo()
+    assert sorted(late) == sorted(server.port for server in servers[1:])
+    assert not lock.lost.is_set() and lock.held()
+    with servers[0].client() as client:
+        assert client.pttl(name) <= 15000  # applied
+        renewed(client, name)  # renewed before the 15 s ran out (every ttl/3 would be 20 s on)
+    assert lock.owned()
+    lock.release()
+
+
+def test_an_extend_that_cannot_have_kept_a_majority_raises_lock_not_owned(
+    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold is gone from a majority of the servers, and the last server's reply to the
+    ``extend()`` comes too late: whatever it did, no majority holds the lock. ``LockNotOwned``,
+    ``lost`` set."""
+    name = f"{prefix}:k"
+    lock = RedisLock([server.url for server in servers], name, ttl=10, watchdog=False)
+    assert lock.acquire(blocking=False)
+    for server in servers[: len(servers) // 2 + 1]:
+        with server.client() as client:
+            client.delete(name)
+    late = late_replies(monkeypatch, RENEW, servers[-1:])
+    with pytest.raises(LockNotOwned):
+        lock.extend(5)
+    monkeypatch.undo()
+    assert late == [servers[-1].port] and lock.lost.is_set()
+    with pytest.raises(LockNotOwned):
+        lock.release()
 
 
 @contextmanager
