@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ from tests.conftest import independent_servers
 from tests.invariants import keys_without_ttl
 from tests.ports import held_port
 from tests.taskapp import LEASE
-from tests.workers import renewed
+from tests.workers import renewed, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,35 @@ def test_a_stalled_server_does_not_starve_the_renewals_on_the_others(prefix: str
         for lock in locks:
             lock.release()
         live.close()
+
+
+def test_renewals_failing_on_a_majority_lose_the_lock_only_when_their_leases_could_have_run_out(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two of three servers stall (SIGSTOP): the watchdog's renewals there time out, a majority
+    failing by errors. As with one server, that is no loss until the leases could have run out
+    (last success + ttl): the servers come back before, and the lock is renewed there and
+    still held, ``lost`` never set."""
+    caplog.set_level(logging.WARNING, logger="celery_redislock.watchdog")
+    with independent_servers(3) as three:
+        name = f"{prefix}:k"
+        lock = RedisLock([server.url for server in three], name, ttl=12)  # due every 4 s, lost at 12
+        assert lock.acquire(blocking=False)
+        for server in three[1:]:
+            os.kill(server.pid, signal.SIGSTOP)
+        try:
+
+            def failed_on_both() -> bool:  # this lock's leases there, the process's only ones failing
+                return sum("lock(s) failed" in record.getMessage() for record in caplog.records) >= 2
+
+            wait_for(failed_on_both, what="the renewals on the stalled servers to fail")
+        finally:
+            for server in three[1:]:
+                os.kill(server.pid, signal.SIGCONT)
+        with three[1].client() as client:
+            renewed(client, name)
+        assert not lock.lost.is_set() and lock.owned()
+        lock.release()
 
 
 def late_replies(monkeypatch: pytest.MonkeyPatch, script: Script, servers: list[RedisServer]) -> list[int]:
