@@ -10,11 +10,15 @@ it is replaced by another.
 
 Cancellation (``asyncio.timeout``, ``task.cancel()``) timeline:
 
-* during ``acquire()``: the Redis exchange in flight is finished, not cut
-  (bounded by the client's ``socket_timeout``), then the attempt is undone
-  owner-checked (leave the waiter queue; release the lock if it was granted,
-  also by a fair hand-over that arrived while waiting), then
-  ``CancelledError`` propagates: a cancelled acquire never leaves a lock held;
+* during ``acquire()``: the Redis call in flight is finished, not cut, then
+  the attempt is undone owner-checked (leave the waiter queue; release the
+  lock if it was granted, also by a fair hand-over that arrived while
+  waiting), then ``CancelledError`` propagates: a cancelled acquire never
+  leaves a lock held. Each of the two calls runs under the client's retry
+  policy, each try bounded by its ``socket_timeout`` (and connect timeout):
+  against a server that does not answer, a cancellation waits for every try
+  and backoff of both (redis-py 8.1's default: 11 tries, backoff up to 1 s),
+  many times ``socket_timeout``; a client's ``retry`` bounds it;
 * during ``release()``: the release is finished and the object forgets the
   hold before ``CancelledError`` propagates: a cancelled release is a release.
 """
