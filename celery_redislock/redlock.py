@@ -193,22 +193,22 @@ class Quorum:
         """Whether a quorum still held the lock; when errors made that unknown (the servers that
         failed to answer could make a quorum with those that freed it), the first error."""
         replies = self._on_all(RELEASE, [token])
-        freed = sum(1 for reply in replies if reply == 1)
-        errors = [reply for reply in replies if isinstance(reply, Exception)]
-        if freed < self.needed <= freed + len(errors):
-            raise errors[0]
-        return freed >= self.needed
+        return self._quorum(replies, sum(1 for reply in replies if reply == 1))
 
     def extend(self, token: str, ttl: float) -> bool:
         """Set the hold to ``ttl`` on every server; whether a quorum of them still held it; when
         errors made that unknown (the servers that failed to answer could make a quorum with
         those that extended it), the first error."""
         replies = self._on_all(RENEW, [to_ms(ttl), token])
-        extended = sum(isinstance(reply, list) and not reply for reply in replies)
+        return self._quorum(replies, sum(isinstance(reply, list) and not reply for reply in replies))
+
+    def _quorum(self, replies: list[Any], done: int) -> bool:
+        """Whether ``done`` servers of those that sent ``replies`` make a quorum; when errors made
+        that unknown (the servers that failed could make one with them), the first error."""
         errors = [reply for reply in replies if isinstance(reply, Exception)]
-        if extended < self.needed <= extended + len(errors):
+        if done < self.needed <= done + len(errors):
             raise errors[0]
-        return extended >= self.needed
+        return done >= self.needed
 
     def confirm(self, token: str, member: str) -> None:
         """Nothing to wait for: a Redlock's servers are primaries without replicas to count."""
