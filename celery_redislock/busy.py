@@ -291,7 +291,8 @@ def _stale_copy(found: Found) -> bool:
 
 def _redelivered(found: Found) -> bool:
     """A redelivered message (acks_late, visibility timeout, a dead consumer's messages), its lock
-    held by its own first delivery: ignored while that delivery runs, and once it ended (at once
+    held by its own first delivery: ignored while that delivery runs or another copy of the
+    message (or a later attempt of its task id) watches its hold, and once it ended (at once
     where the run keeps its hold for ``lock_period``, also when that happens as the copy watches
     it, and where, as the copy watches, the run parks its hold for its retry or replacement: the
     message's continuation); run if its worker died, or, where another run of the key took the
@@ -306,6 +307,10 @@ def _redelivered(found: Found) -> bool:
         _ignored(found, why, lock.name)
     if fate == "alive":
         _ignored(found, "redelivered while its first delivery runs; ignored")
+    if fate == "watched":
+        _ignored(
+            found, "redelivered while another copy or a later attempt waits for its first delivery; ignored"
+        )
     asked = time.monotonic()
     if lock.held() or lock.acquire(blocking=False):
         logger.warning(

@@ -21,7 +21,7 @@ __all__ = ["Fate", "first_delivery", "watch_until"]
 
 
 #: How a redelivered copy's first delivery stands (``first_delivery``).
-Fate = Literal["alive", "died", "kept", "parked"]
+Fate = Literal["alive", "died", "kept", "parked", "watched"]
 
 #: Seconds: a hold found gone this close to the end of its lease, or later, may have run out.
 _MARGIN = 0.1
@@ -35,7 +35,8 @@ def first_delivery(found: Found) -> Fate:
     ``"died"``, that lease ran out unrenewed (the lock is then held here, or ``lock.busy``
     names the run that took it first); ``"alive"``, it renewed the lease, or let go of it (it
     ran to its end or retried in a mode that keeps nothing, or its pool child died and the
-    worker released for it).
+    worker released for it); ``"watched"``, another copy of the message, or a later attempt of
+    its task id, watches the hold already, and acts on how it ends.
 
     This copy watches the hold (``run_lock.watch``): its release hands it over here, whoever
     else waits for it, and a run that keeps it for its period or parks it for its retry wakes
@@ -62,7 +63,7 @@ def watch_until(found: Found, ends: float, until: float) -> Fate | None:
     if watched == KEPT:
         return "kept"
     if watched == 0:
-        return "alive"  # another copy of the message watches it, and acts on its end
+        return "watched"  # another copy (or a later attempt) watches it, and acts on its end
     if watched is None:  # gone already
         return _gone(found)
     fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it

@@ -4,17 +4,20 @@ held or queued, and a lost hold fails loudly but does not hide the error of the 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import pytest
 import redis
+from celery.exceptions import Ignore
 
 import celery_redislock.busy as busy
 import celery_redislock.lock as lock_module
@@ -795,4 +798,30 @@ def test_a_hold_handed_to_a_watcher_as_an_interrupt_lands_is_given_back(
         wait(waiting_run(waiter))
     ended.join()
     assert not client.exists(name), "the hold handed over stayed with a token nobody knows"
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+def test_a_copy_that_finds_the_hold_watched_already_says_so_as_it_is_ignored(
+    fresh_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy of the message comes while another copy of it, or a later attempt of its task id,
+    watches the run's hold (``WATCH`` answers 0): that one acts on how the hold ends, so this
+    copy is ignored, saying so (before: "while its first delivery runs", which it cannot know:
+    that delivery may have died, its watcher left to find out)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run, first_copy = (RedisLock(client, name, ttl=LEASE, holder=h) for h in (RUN, LATER))
+    run.acquire()
+    watcher = secrets.token_hex(16)
+    assert watch(first_copy, RUN, watcher) == run.fence
+    copy = RedisLock(client, name, ttl=LEASE, holder=COPY)
+    task = SimpleNamespace(name="t")
+    found = replace(waiting_run(copy), task=task)
+    with caplog.at_level(logging.INFO, logger="celery_redislock.busy"), pytest.raises(Ignore):
+        busy._redelivered(found)
+    assert (
+        "redelivered while another copy or a later attempt waits for its first delivery; ignored"
+        in caplog.text
+    )
+    first_copy.servers.abandon(watcher, first_copy.member(watcher))
+    run.release()
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
