@@ -12,7 +12,9 @@ while a beat is down):
 
 * an interval (``schedule(run_every)``, a number, a ``timedelta``): the
   epoch-aligned bucket of ``run_every`` holding the send time, i.e. the one
-  starting at ``floor(now / run_every) * run_every`` (UTC);
+  starting at ``floor(now / run_every) * run_every`` (UTC); with ``relative=True``,
+  which Celery runs every ``run_every`` rounded down to a whole day, hour, minute or
+  second, the bucket of that period (of whole days: of the app's local calendar);
 * crontab, solar, clocked (any Celery ``BaseSchedule`` with
   ``remaining_estimate``): the latest time the schedule fires at or before the
   send time, to the second.
@@ -68,7 +70,7 @@ import secrets
 import socket
 import weakref
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, time, timedelta, timezone
 from typing import Any, cast
 
 import redis
@@ -99,6 +101,8 @@ CLOCK_TOLERANCE = 60.0
 OPTION = "lock_beat"
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _MICROSECOND = timedelta(microseconds=1)
+#: The units Celery rounds a relative interval's runs down to, largest first.
+_UNITS = (timedelta(days=1), timedelta(hours=1), timedelta(minutes=1), timedelta(seconds=1))
 #: How far back a fired slot is looked for (a crontab on 29 February fires every 4 to 8 years).
 _LOOKBACK = timedelta(minutes=2**23)
 #: Fires closer together than this are not told apart (Celery's crontab fires at whole minutes).
@@ -137,18 +141,43 @@ def slot_of(entry_schedule: Any, now: datetime) -> Slot:
     now = maybe_make_aware(now)
     if isinstance(entry_schedule, schedule):
         run_every: timedelta = cast(Any, entry_schedule).run_every  # not in celery-types' stubs
-        step = run_every // _MICROSECOND
-        if step <= 0:
+        if run_every // _MICROSECOND <= 0:
             raise LockConfigurationError(f"schedule {entry_schedule!r}: run_every must be > 0 for slots")
-        elapsed = (now - _EPOCH) // _MICROSECOND
-        start = _EPOCH + (elapsed - elapsed % step) * _MICROSECOND
-        return Slot(start, start + step * _MICROSECOND)
+        if cast(Any, entry_schedule).relative:
+            return _relative_slot(run_every, now)
+        return _bucket(run_every, now)
     if not isinstance(entry_schedule, BaseSchedule):
         raise LockConfigurationError(
             f"cannot tell the slots of schedule {entry_schedule!r} ({type(entry_schedule).__name__}); "
             "allowed: a celery.schedules schedule, crontab, solar, or another BaseSchedule"
         )
     return _fired_slot(entry_schedule, now)
+
+
+def _bucket(length: timedelta, now: datetime) -> Slot:
+    """The epoch-aligned bucket of ``length`` holding ``now``."""
+    step = length // _MICROSECOND
+    elapsed = (now - _EPOCH) // _MICROSECOND
+    start = _EPOCH + (elapsed - elapsed % step) * _MICROSECOND
+    return Slot(start, start + step * _MICROSECOND)
+
+
+def _relative_slot(run_every: timedelta, now: datetime) -> Slot:
+    """The slot of ``schedule(run_every, relative=True)``, which runs at ``run_every`` after its
+    last run rounded down to a whole unit of ``run_every`` (a day, hour, minute or second;
+    ``celery.utils.time.delta_resolution``): every ``run_every`` rounded down to that unit (90 s:
+    every minute). Its slots are the epoch-aligned buckets of that period; of whole days, of the
+    calendar of ``now``'s timezone, whose midnights (the runs) move in UTC with summer time."""
+    unit = next((unit for unit in _UNITS if run_every >= unit), None)
+    if unit is None:
+        return _bucket(run_every, now)
+    period = run_every // unit * unit
+    if unit < timedelta(days=1):
+        return _bucket(period, now)
+    day = now.date().toordinal()
+    first = date.fromordinal(day - day % period.days)
+    start, end = (datetime.combine(d, time(), tzinfo=now.tzinfo) for d in (first, first + period))
+    return Slot(start.astimezone(timezone.utc), end.astimezone(timezone.utc))
 
 
 def _fired_slot(fired: BaseSchedule, now: datetime) -> Slot:

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -300,6 +301,68 @@ def test_three_beats_2s_apart_send_each_crontab_minute_once(app: Celery) -> None
     run(beats, clock, at(2026, 1, 1, 10, 8, 30), 0.25)
     slots = [slot for _, slot, _ in sent(app)]
     assert slots == [f"2026-01-01T{9 + (58 + n) // 60:02d}:{(58 + n) % 60:02d}:00Z" for n in range(1, 11)]
+
+
+def relative(run_every: timedelta, tz: str) -> Callable[[Callable[[], datetime]], schedule]:
+    """``schedule(run_every, relative=True)`` whose clock reads in ``tz``, as beat's ``app.now()``
+    does: Celery rounds a relative interval's next run down in the timezone of the last one."""
+    zone = ZoneInfo(tz)
+    return lambda now: schedule(run_every, relative=True, nowfun=lambda: now().astimezone(zone))
+
+
+@pytest.mark.parametrize(
+    ("run_every", "tz", "start", "until"),
+    [  # Celery runs these every minute, and every local midnight (23 h apart as summer time starts)
+        pytest.param(
+            timedelta(seconds=90), "UTC", at(2026, 1, 1, 10, 0, 0, 130000), at(2026, 1, 1, 10, 10), id="90s"
+        ),
+        pytest.param(timedelta(days=1), "Europe/London", at(2026, 3, 26, 12), at(2026, 4, 2), id="day-dst"),
+    ],
+)
+def test_a_relative_interval_sends_every_run_its_beat_makes(
+    app: Celery, run_every: timedelta, tz: str, start: datetime, until: datetime
+) -> None:
+    """A relative interval runs at its ``run_every`` after the last run rounded down to a whole
+    unit of it (minute, hour, day): more often than once per ``run_every`` when that is not a
+    whole number of units. One beat's own runs are each a slot of their own; the same entry
+    opted out (``lock_beat: False``) shows what Celery sends."""
+    app.conf.update(timezone=tz)
+    entries = {
+        "opted": {"task": "taskapp.beat_job", "schedule": relative(run_every, tz), "args": ["o"]},
+        "plain": {
+            "task": "taskapp.beat_job",
+            "schedule": relative(run_every, tz),
+            "args": ["p"],
+            "options": {"lock_beat": False},
+        },
+    }
+    clock = Clock(start)
+    run(
+        [SimulatedBeat(app, clock, 0.0, entries)],
+        clock,
+        until,
+        0.25 if run_every < timedelta(hours=1) else 60,
+    )
+    messages = sent(app)
+    plain = [m for m in messages if m[0] == "['p']"]
+    opted = [slot for args, slot, _ in messages if args == "['o']"]
+    assert len(plain) >= 6
+    assert len(opted) == len(set(opted)) == len(plain), opted
+
+
+def test_relative_interval_slots_are_named_alike_by_beats_started_at_different_times(app: Celery) -> None:
+    """Beats started a minute apart run a relative 2-minute interval at odd and even minutes:
+    the job still runs once per 2-minute slot."""
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 130000))
+    entries = {
+        "job": {"task": "taskapp.beat_job", "schedule": relative(timedelta(minutes=2), "UTC"), "args": ["r"]}
+    }
+    beats = [SimulatedBeat(app, clock, -1.0, entries)]
+    run(beats, clock, at(2026, 1, 1, 10, 1, 0, 500000), 0.25)
+    beats.append(SimulatedBeat(app, clock, 1.0, entries))
+    run(beats, clock, at(2026, 1, 1, 10, 20), 0.25)
+    slots = [slot for _, slot, _ in sent(app)]
+    assert len(slots) == len(set(slots)) >= 9, slots
 
 
 def test_beats_coming_back_after_all_were_down_run_the_current_slot_once(app: Celery) -> None:
