@@ -421,20 +421,21 @@ class BeatGuard:
             "beat": self.holder,
             "claimed": bool(opted),
         }
-        if opted and not self._claim(header):
-            return self._not_sent(entry, advance)
         return self._send_slot(entry, header, producer, advance, kwargs)
 
     def _send_slot(
         self, entry: Any, header: dict[str, Any], producer: Any, advance: bool, kwargs: dict[str, Any]
     ) -> Any:
-        """Send ``entry``'s message carrying its slot (``header``, claimed or not). A claimed slot
-        whose send raised before anything went out (the publish failed, or never began) is freed:
-        another beat may send it. One that did go out (an error after it: the schedule's sync, a
-        ``SystemExit``) keeps its claim."""
+        """Claim the slot in ``header`` if it says so, and send ``entry``'s message carrying it. A
+        claim whose claim or send raised before anything went out (an interrupt as the claim's
+        reply is read: beat's ``SystemExit`` on SIGTERM; the publish failed, or never began) is
+        freed, owner-checked: another beat may send the slot. One that did go out (an error after
+        it: the schedule's sync, a ``SystemExit``) keeps its claim."""
         published: list[bool] = []
         sending = _sending.set((entry.task, header, published))
         try:
+            if header["claimed"] and not self._claim(header):
+                return self._not_sent(entry, advance)
             return self._apply_async(entry, producer, advance, **kwargs)
         except BaseException:
             if header["claimed"] and not published:

@@ -29,6 +29,7 @@ from celery_redislock.beat import CLOCK_TOLERANCE, guard, slot_of
 from celery_redislock.protocol import BEAT_HEADER
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
+from tests.interrupts import Arm
 from tests.taskapp import Recorder, make_app
 from tests.workers import threads_worker, wait_for
 
@@ -456,6 +457,51 @@ def test_a_beat_whose_send_raises_frees_its_slot_only_if_nothing_went_out(
     assert failed == [fails]
     slots = [slot for _, slot, _ in sent(app)]
     assert slots.count("2026-01-01T10:00:10Z") == 1, slots
+
+
+def claiming() -> bool:
+    """Whether this thread is in a beat's claim of a slot."""
+    frame = sys._getframe()
+    while frame is not None and not (
+        frame.f_code.co_name == "_claim" and frame.f_globals["__name__"] == "celery_redislock.beat"
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame is not None
+
+
+def test_a_beat_interrupted_as_it_claims_a_slot_leaves_it_to_the_other_beats(
+    app: Celery, interrupt_read: Arm
+) -> None:
+    """Beat's SIGTERM and SIGINT handler raises ``SystemExit`` wherever the main thread is, here
+    as the first beat reads the reply to its claim of the 10:00:20 slot (Redis ran it): that beat
+    exits without sending. The other beat, which tries the slot next, sends it."""
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 500000))
+    entries = {
+        "plain": {
+            "task": "taskapp.beat_off",
+            "schedule": every(10),
+            "args": ["p"],
+            "options": {"lock_beat": True},
+        }
+    }
+    first, second = SimulatedBeat(app, clock, 0.0, entries), SimulatedBeat(app, clock, -0.3, entries)
+    run([first, second], clock, at(2026, 1, 1, 10, 0, 15), 0.05)  # the 10:00:10 slot: connected
+    stepping_first = [False]
+    fired = interrupt_read(lambda: stepping_first[0] and claiming(), SystemExit)
+    beats = [first, second]
+    while clock.now < at(2026, 1, 1, 10, 0, 25):
+        for beat in list(beats):
+            stepping_first[0] = beat is first
+            try:
+                beat.step()
+            except SystemExit:
+                beats.remove(beat)  # that beat exits
+            finally:
+                stepping_first[0] = False
+        clock.now += timedelta(seconds=0.05)
+    assert fired == [1] and beats == [second]
+    slots = [slot for _, slot, _ in sent(app)]
+    assert slots == ["2026-01-01T10:00:10Z", "2026-01-01T10:00:20Z"], slots
 
 
 def test_the_send_task_fallback_is_deduplicated_by_the_worker(
