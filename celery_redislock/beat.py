@@ -181,16 +181,21 @@ def _relative_slot(run_every: timedelta, now: datetime) -> Slot:
 
 
 def _fired_slot(fired: BaseSchedule, now: datetime) -> Slot:
-    """The slot of a schedule that fires at points in time: the latest one at or before ``now``."""
+    """The slot of a schedule that fires at points in time: the latest one at or before ``now``.
+
+    Times are reckoned in UTC and shown to the schedule in ``now``'s timezone: Python adds to,
+    and compares, two times of one timezone by their wall clocks, which summer time repeats
+    or skips (a wall-clock step back from 02:00 CET lands on the 02:00 CEST an hour before)."""
     probe: Any = copy.copy(fired)  # asked "when next?" as seen from a moment of our choosing
     probe.app = fired.app
+    local, now = now.tzinfo, now.astimezone(timezone.utc)
     seen_from = [now]
     probe.nowfun = lambda: seen_from[0]
 
     def next_fire(after: datetime) -> datetime:
-        seen_from[0] = after
+        seen_from[0] = after.astimezone(local)
         try:
-            remaining: timedelta = probe.remaining_estimate(after)
+            remaining: timedelta = probe.remaining_estimate(seen_from[0])
         except NotImplementedError:
             raise LockConfigurationError(
                 f"cannot tell the slots of schedule {fired!r}: it has no remaining_estimate()"

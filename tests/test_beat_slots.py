@@ -366,6 +366,42 @@ def test_relative_interval_slots_are_named_alike_by_beats_started_at_different_t
     assert len(slots) == len(set(slots)) >= 9, slots
 
 
+@pytest.mark.parametrize(
+    ("start", "until"),
+    [
+        pytest.param(at(2026, 10, 24, 23), at(2026, 10, 25, 3), id="clocks-back"),  # 02:00-03:00 twice
+        pytest.param(at(2026, 3, 28, 23), at(2026, 3, 29, 3), id="clocks-forward"),  # 02:00-03:00 skipped
+    ],
+)
+def test_a_crontab_in_a_summer_time_zone_sends_every_run_its_beat_makes(
+    app: Celery, start: datetime, until: datetime
+) -> None:
+    """A half-hourly crontab in Paris as clocks change: the beat's runs are each a slot of their
+    own, as many as Celery sends for the same entry opted out."""
+    app.conf.update(timezone="Europe/Paris")
+    zone = ZoneInfo("Europe/Paris")
+
+    def half_hourly(now: Callable[[], datetime]) -> crontab:
+        return crontab(minute="0,30", nowfun=lambda: now().astimezone(zone), app=app)
+
+    entries = {
+        "opted": {"task": "taskapp.beat_job", "schedule": half_hourly, "args": ["o"]},
+        "plain": {
+            "task": "taskapp.beat_job",
+            "schedule": half_hourly,
+            "args": ["p"],
+            "options": {"lock_beat": False},
+        },
+    }
+    clock = Clock(start)
+    run([SimulatedBeat(app, clock, 0.0, entries)], clock, until, 5)
+    messages = sent(app)
+    plain = [m for m in messages if m[0] == "['p']"]
+    opted = [slot for args, slot, _ in messages if args == "['o']"]
+    assert len(plain) >= 5
+    assert len(opted) == len(set(opted)) == len(plain), opted
+
+
 def test_beats_coming_back_after_all_were_down_run_the_current_slot_once(app: Celery) -> None:
     clock = Clock(at(2026, 1, 1, 9, 59, 0))
     entries = {"hourly": {"task": "taskapp.beat_job", "schedule": cron(minute=0), "args": ["h"]}}
