@@ -314,24 +314,32 @@ def test_a_grant_whose_reply_came_too_late_is_given_back(
     assert left == [None] * len(left), f"the late grants were kept: {left}"
 
 
-def test_a_release_that_cannot_have_freed_a_majority_raises_lock_not_owned(
-    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("call", ["release", "extend"])
+def test_a_call_that_cannot_have_reached_a_majority_raises_lock_not_owned(
+    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
     """The hold is gone from a majority of the servers (expired while its owner was paused, say),
-    and the release's reply from the last server comes too late. Whatever that server did, no
-    majority held the lock: ``release()`` raises ``LockNotOwned``, as with every reply in,
-    rather than the timeout (the hold kept, for a retry that then counts the key found gone as
-    released: the loss never told)."""
+    and the last server's reply to the ``release()`` or ``extend()`` comes too late. Whatever
+    that server did, no majority held the lock: ``LockNotOwned``, as with every reply in, rather
+    than the timeout (the hold kept, for a retry of the release that then counts the key found
+    gone as released: the loss never told); ``extend()`` sets ``lost``, and the release after it
+    raises ``LockNotOwned`` too."""
     name = f"{prefix}:k"
     lock = RedisLock([server.url for server in servers], name, ttl=10, watchdog=False)
     assert lock.acquire(blocking=False)
     for server in servers[: len(servers) // 2 + 1]:
         with server.client() as client:
             client.delete(name)
-    late = late_replies(monkeypatch, RELEASE, servers[-1:])
+    late = late_replies(monkeypatch, RELEASE if call == "release" else RENEW, servers[-1:])
     with pytest.raises(LockNotOwned):
-        lock.release()
-    assert late == [servers[-1].port] and not lock.held()
+        lock.release() if call == "release" else lock.extend(5)
+    monkeypatch.undo()
+    assert late == [servers[-1].port]
+    if call == "extend":
+        assert lock.lost.is_set()
+        with pytest.raises(LockNotOwned):
+            lock.release()
+    assert not lock.held()
 
 
 def test_an_extend_whose_outcome_errors_made_unknown_raises_the_error_and_keeps_the_hold(
@@ -357,27 +365,6 @@ def test_an_extend_whose_outcome_errors_made_unknown_raises_the_error_and_keeps_
         renewed(client, name)  # renewed before the 15 s ran out (every ttl/3 would be 20 s on)
     assert lock.owned()
     lock.release()
-
-
-def test_an_extend_that_cannot_have_kept_a_majority_raises_lock_not_owned(
-    servers: list[RedisServer], prefix: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The hold is gone from a majority of the servers, and the last server's reply to the
-    ``extend()`` comes too late: whatever it did, no majority holds the lock. ``LockNotOwned``,
-    ``lost`` set."""
-    name = f"{prefix}:k"
-    lock = RedisLock([server.url for server in servers], name, ttl=10, watchdog=False)
-    assert lock.acquire(blocking=False)
-    for server in servers[: len(servers) // 2 + 1]:
-        with server.client() as client:
-            client.delete(name)
-    late = late_replies(monkeypatch, RENEW, servers[-1:])
-    with pytest.raises(LockNotOwned):
-        lock.extend(5)
-    monkeypatch.undo()
-    assert late == [servers[-1].port] and lock.lost.is_set()
-    with pytest.raises(LockNotOwned):
-        lock.release()
 
 
 @contextmanager
