@@ -265,13 +265,14 @@ class Watchdog(LeaseSet):
     @contextlib.contextmanager
     def changing(self, leases: Iterable[Lease]) -> Iterator[None]:
         """While the owner changes the hold of ``leases`` (``extend()``): no renewal of them is in
-        flight, and none is picked."""
+        flight, and none is picked. Interrupted while it waits (a soft time limit), they are
+        picked again: a lease left marked would never be renewed, nor found lost."""
         leases = list(leases)
-        with self._cond:
-            for lease in leases:
-                lease.changing = True
-                self._await_landing(lease)
         try:
+            with self._cond:
+                for lease in leases:
+                    lease.changing = True
+                    self._await_landing(lease)
             yield
         finally:
             with self._cond:

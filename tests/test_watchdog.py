@@ -23,6 +23,7 @@ from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import Lease, get_watchdog
 from tests.conftest import Topology, calls_in, calls_since, command_calls
+from tests.interrupts import Interrupt
 from tests.taskapp import LEASE, make_app
 from tests.workers import renewed, threads_worker, wait_for
 
@@ -506,3 +507,62 @@ def test_an_exception_no_loop_catches_does_not_end_the_renewals(
         with contextlib.suppress(LockNotOwned):
             lock.release()
         client.close()
+
+
+def renewed_before_it_expires(client: redis.Redis, key: str) -> None:
+    """Wait until a watchdog renews ``key`` (its PTTL goes up); fail at once if it expires first."""
+    lowest = client.pttl(key)
+    assert lowest > 0, f"{key} is not held (PTTL {lowest})"
+
+    def renewed_or_gone() -> bool:
+        nonlocal lowest
+        now = client.pttl(key)
+        assert now > 0, f"{key} expired under its owner: the watchdog no longer renewed it"
+        lowest, rose = min(lowest, now), now > lowest
+        return rose
+
+    wait_for(renewed_or_gone, what=f"a renewal of {key}")
+
+
+def interrupt_the_wait_for_landing(monkeypatch: pytest.MonkeyPatch, held: HeldRenewal) -> None:
+    """The owner's next wait for a renewal in flight to land is cut short by an ``Interrupt`` (a
+    soft time limit landing as it waits), once; ``held.owner_waits`` is set then."""
+    watchdog = get_watchdog()
+    waits = watchdog._await_landing
+
+    def interrupted(lease: Lease) -> None:
+        monkeypatch.setattr(watchdog, "_await_landing", waits)
+        held.owner_waits.set()
+        raise Interrupt
+
+    monkeypatch.setattr(watchdog, "_await_landing", interrupted)
+
+
+def test_an_extend_interrupted_as_it_waits_for_a_renewal_in_flight_leaves_the_lock_renewed(
+    redis_server: RedisServer,
+    prefix: str,
+    held_renewal: Callable[[str], HeldRenewal],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A soft time limit lands in ``extend()`` while it waits for a renewal in flight to land
+    (before anything is sent): the hold is unchanged, and the watchdog goes on renewing it.
+    Before, the lease stayed marked as being changed, which the watchdog never picks: the key
+    expired under its owner, ``lost`` never set (a second holder, unreported)."""
+    client, key = redis_server.client(), f"{prefix}:k"
+    held = held_renewal(key)
+    lock = RedisLock(client, key, ttl=6)
+    assert lock.acquire()
+    try:
+        assert held.picked.wait(30)
+        interrupt_the_wait_for_landing(monkeypatch, held)
+        with pytest.raises(Interrupt):
+            lock.extend(60)
+        held.go.set()
+        assert held.landed.wait(30)
+        renewed_before_it_expires(client, key)
+        assert lock.owned() and not lock.found_lost()
+    finally:
+        held.go.set()
+        with contextlib.suppress(LockNotOwned):
+            lock.release()
+
