@@ -274,8 +274,8 @@ class LeaseLock(LockCore):
                 return
             token, leases = self.token or "", list(self._leases)
             self.freeing()  # an acquire meanwhile (another thread) takes a hold of its own
-        _discard(leases)
         try:
+            _discard(leases)  # waits for a renewal in flight: an interrupt may land there too
             released = self._free(token)
         except BaseException:  # maybe sent: a retry finding the key gone counts it as released
             with self._state:

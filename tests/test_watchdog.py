@@ -566,3 +566,32 @@ def test_an_extend_interrupted_as_it_waits_for_a_renewal_in_flight_leaves_the_lo
         with contextlib.suppress(LockNotOwned):
             lock.release()
 
+
+
+def test_a_release_interrupted_as_it_waits_for_a_renewal_in_flight_keeps_the_hold(
+    redis_server: RedisServer,
+    prefix: str,
+    held_renewal: Callable[[str], HeldRenewal],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A soft time limit lands in ``release()`` while it waits for a renewal in flight to land
+    (before the release is sent): as for any interrupted release, the hold is kept, so that
+    ``release()`` (``task_postrun``, for a task) can be tried again and frees the key. Before,
+    the object held nothing any more: the retry raised ``LockNotOwned`` and the key stayed,
+    unrenewed, for its lease."""
+    client, key = redis_server.client(), f"{prefix}:k"
+    held = held_renewal(key)
+    lock = RedisLock(client, key, ttl=6)
+    assert lock.acquire()
+    try:
+        assert held.picked.wait(30)
+        interrupt_the_wait_for_landing(monkeypatch, held)
+        with pytest.raises(Interrupt):
+            lock.release()
+        held.go.set()
+        assert held.landed.wait(30)
+        lock.release()
+        assert client.exists(key) == 0
+    finally:
+        held.go.set()
+        client.delete(key)
