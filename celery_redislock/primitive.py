@@ -310,15 +310,16 @@ class LeaseLock(LockCore):
             sent_at = mod_time.monotonic()
             try:
                 owned = self.servers.extend(token, new_ttl)
+                if owned:
+                    for lease in leases:
+                        get_watchdog().reschedule(lease, new_ttl, sent_at)
             except BaseException:  # interrupted or failed after the send: Redis may have set new_ttl
-                for lease in leases:
+                for lease in leases:  # (also once it did, before the watchdog was told)
                     get_watchdog().reschedule(lease, new_ttl, sent_at, known=False)
                 raise
             if not owned:
                 self.lost.set()
                 raise LockNotOwned(self.name)
-            for lease in leases:
-                get_watchdog().reschedule(lease, new_ttl, sent_at)
 
     def locked(self) -> bool:
         """Whether anyone holds the lock (one round trip)."""
