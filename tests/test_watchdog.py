@@ -567,7 +567,6 @@ def test_an_extend_interrupted_as_it_waits_for_a_renewal_in_flight_leaves_the_lo
             lock.release()
 
 
-
 def test_a_release_interrupted_as_it_waits_for_a_renewal_in_flight_keeps_the_hold(
     redis_server: RedisServer,
     prefix: str,
