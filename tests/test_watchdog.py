@@ -599,10 +599,10 @@ def test_a_release_interrupted_as_it_waits_for_a_renewal_in_flight_keeps_the_hol
 def test_an_extend_interrupted_after_its_reply_renews_in_time_for_the_ttl_it_set(
     redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A soft time limit lands in ``extend(3)`` of a 30 s lease once Redis answered, before the
-    watchdog is told of the new TTL: the watchdog renews the hold in time for the 3 s, as after
-    an interrupt before the reply. Before, it stayed on the 30 s schedule (next renewal 10 s
-    on) and the key expired under its owner after 3 s."""
+    """A soft time limit lands in ``extend(6)`` of a 60 s lease once Redis answered, before the
+    watchdog is told of the new TTL: the watchdog renews the hold in time for the 6 s, as after
+    an interrupt before the reply. Before, it stayed on the 60 s schedule (next renewal 20 s
+    on) and the key expired under its owner after 6 s."""
     client, key = redis_server.client(), f"{prefix}:k"
     watchdog = get_watchdog()
     reschedule = watchdog.reschedule
@@ -614,13 +614,13 @@ def test_an_extend_interrupted_after_its_reply_renews_in_time_for_the_ttl_it_set
             raise Interrupt
         reschedule(*args, **kwargs)
 
-    lock = RedisLock(client, key, ttl=30)
+    lock = RedisLock(client, key, ttl=60)
     assert lock.acquire()
     try:
         monkeypatch.setattr(watchdog, "reschedule", interrupted_once)
         with pytest.raises(Interrupt):
-            lock.extend(3)
-        assert fired and 0 < client.pttl(key) <= 3000  # Redis set it
+            lock.extend(6)
+        assert fired and 0 < client.pttl(key) <= 6000  # Redis set it
         renewed_before_it_expires(client, key)
         assert lock.owned() and not lock.found_lost()
     finally:
