@@ -243,8 +243,9 @@ def canvas_member(options: Mapping[str, Any]) -> bool:
 
 
 def message_delay(options: Mapping[str, Any]) -> float:
-    """Seconds until a message sent with ``options`` (``countdown``/``eta``) may run."""
-    if options.get("countdown") is not None:
+    """Seconds until a message sent with ``options`` (``countdown``/``eta``) may run. As Celery
+    reads them: a ``countdown`` of 0 leaves the ``eta``, if any, to say (``if countdown:``)."""
+    if options.get("countdown"):
         return max(float(options["countdown"]), 0.0)
     if options.get("eta") is not None:
         return max(seconds_until(options["eta"]), 0.0)

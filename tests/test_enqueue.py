@@ -243,6 +243,17 @@ def test_an_expiring_message_bounds_its_enqueue_lock(app: Celery) -> None:
 
 
 @pytest.mark.locks_may_remain("the message is never consumed: its enqueue lock stays until it expires")
+def test_a_zero_countdown_beside_an_eta_leaves_the_eta_to_extend_the_enqueue_lock(app: Celery) -> None:
+    """Celery converts a ``countdown`` to an eta only when it is non-zero (``if countdown:``):
+    ``countdown=0`` beside an ``eta`` sends the message for that eta, and its lock must live
+    until then plus ``lock_queue_ttl``, not expire while the message still waits."""
+    x, task = fresh(), app.tasks["taskapp.until_executed"]
+    task.apply_async((x,), countdown=0, eta=datetime.now(timezone.utc) + timedelta(hours=2))
+    pttl = recorder(app).client.pttl(task_lock_key(task, (x,)))
+    assert pttl > 2 * 3_600_000, f"the lock expires in {pttl} ms, before the message's eta"
+
+
+@pytest.mark.locks_may_remain("the message is never consumed: its enqueue lock stays until it expires")
 def test_a_tasks_own_expires_bounds_its_enqueue_lock(app: Celery) -> None:
     """``expires`` set on the task (Celery's ``Task.apply_async`` applies it under the call's
     options, as ``task_annotations`` does): the message expires after 30 s, and so does its lock."""
