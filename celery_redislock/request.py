@@ -11,12 +11,13 @@ name and child pid), so a lock taken over meanwhile is left alone. The
 enqueue lock the message carries goes too (owner-checked by its token: a
 no-op once the child adopted or freed it), where the message was
 acknowledged and will not come back, so that a message that died waiting for
-its execution lock is not kept as the one every later ``delay()`` is a
-duplicate of. A child that died waiting for the lock (or a permit) leaves
-the waiter queue (``inventory.leave_queue_of``), so that the next release
-wakes a live waiter. Where Celery retries the task instead
-(``task_retry_on_worker_lost``), a mode that keeps the lock across retries
-has the dead run's hold parked for the retry as it is sent (``lost_retry``).
+its execution lock, or (``until_executing``, which has none) before its run
+freed it, is not kept as the one every later ``delay()`` is a duplicate of.
+A child that died waiting for the lock (or a permit) leaves the waiter queue
+(``inventory.leave_queue_of``), so that the next release wakes a live waiter.
+Where Celery retries the task instead (``task_retry_on_worker_lost``), a mode
+that keeps the lock across retries has the dead run's hold parked for the
+retry as it is sent (``lost_retry``).
 
 Never while the child still runs: billiard reports a hard time limit
 (``on_timeout``) *before* it stops the child (SIGTERM, then SIGKILL 0.1 s
@@ -100,9 +101,13 @@ class LockedRequest(Request):
             self._release_once_gone(pid, "hard time limit")
 
     def _locking_pid(self) -> int | None:
-        """The pid of the process that ran the task under an execution lock (``None``: no such lock)."""
+        """The pid of the process that ran the task under a lock of the run (``None``: no such
+        lock): an execution lock, or the enqueue lock its message carries, which the run frees
+        as it starts where the mode has no execution lock (``until_executing``)."""
         options = bound_options(self.task)
-        if options is None or not options.rules.execution_lock or self.worker_pid is None:
+        if options is None or self.worker_pid is None:
+            return None
+        if not (options.rules.execution_lock or options.rules.frees_ticket):
             return None
         return int(self.worker_pid)
 
@@ -189,17 +194,18 @@ class LockedRequest(Request):
         options = bound_options(self.task)
         if pid is None or options is None:
             return
-        task = self.task
+        task, locked = self.task, options.rules.execution_lock
         try:
             key = task_lock_key(task, self.args, self.kwargs)
             client, _ = client_for(task.app)
             holder = self._holder(pid)
-            outcome = self._let_go(client, key, holder, options)
+            outcome = self._let_go(client, key, holder, options) if locked else None
             ticket = message_ticket(self.request_dict)  # the message's headers
             if ticket is not None and self._delivered_for_good():
                 gone = f"task {self.name}[{self.id}]: pool child {self.worker_pid} gone ({why})"
                 give_up_ticket(client, ticket, message_continues_hold(self.request_dict), options, gone)
-            leave_queue_of(client, key, holder, options.limit)  # died waiting: the next waiter gets the wake
+            if locked:  # died waiting: the next waiter gets the wake
+                leave_queue_of(client, key, holder, options.limit)
         except Exception:  # the main process's event loop must go on
             logger.exception(
                 "task %s[%s]: could not release its dead pool child's lock",

@@ -201,6 +201,13 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         lock_retry_delay=60,
     )(gated)
     locked_task(name="taskapp.acks_late", lock_mode="until_executed", acks_late=True)(gated)
+
+    def slow_start(self: Task[Any, Any], task_id: str, args: Any, kwargs: Any) -> None:
+        recorder.record("before", self, args[0])
+        recorder.wait_gate(args[0])
+
+    # its run is held up before its body (``before_start``), its message's enqueue lock not freed yet
+    locked_task(name="taskapp.slow_start", lock_mode="until_executing", before_start=slow_start)(gated)
     if not conf.get("redislock_replicas"):  # lock_limit > 1 is refused with replicas: permits are unconfirmed
         # up to 3 runs of one key at once; a long lease: after a kill, only the main process frees in time
         locked_task(name="taskapp.limited", lock_limit=3, lock_ttl=300)(gated)

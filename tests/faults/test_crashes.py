@@ -136,6 +136,32 @@ def test_a_terminated_or_timed_out_task_frees_its_lock_at_once(stage: Stage, how
     assert second.get(timeout=RESULT_TIMEOUT) == x
 
 
+@pytest.mark.parametrize("how", ["sigkill", "hard_time_limit"])
+def test_a_pool_child_gone_before_its_run_freed_an_until_executing_enqueue_lock_frees_it(
+    stage: Stage, how: str
+) -> None:
+    """``until_executing`` has no execution lock: the run frees its message's enqueue lock as it
+    starts. A child that dies before (killed, or stopped at its hard time limit, in a
+    ``before_start`` here) leaves it to the main process, as in the modes with an execution
+    lock; else every ``delay()`` was refused as a duplicate of the dead task for
+    ``lock_queue_ttl``."""
+    stage.worker("prefork", "prefork", 2)
+    x, task = fresh(), stage.task("slow_start")
+    key = task_lock_key(task, (x,))
+    first = task.apply_async((x,), time_limit=2) if how == "hard_time_limit" else task.delay(x)
+    child = int(stage.wait_events("before", x)[0][4])
+    assert stage.client.exists(key)
+    if how == "sigkill":
+        os.kill(child, signal.SIGKILL)
+    wait_for(lambda: not stage.client.exists(key), what="the main process to free the enqueue lock")
+    with pytest.raises(WorkerLostError if how == "sigkill" else TimeLimitExceeded):
+        first.get(timeout=RESULT_TIMEOUT)
+    again = task.delay(x)
+    assert again.id != first.id
+    stage.recorder.open_gate(x)
+    assert again.get(timeout=RESULT_TIMEOUT) == x
+
+
 def test_a_hard_time_limit_frees_the_lock_only_once_the_child_is_gone(stage: Stage) -> None:
     """A hard time limit: the pool sends SIGTERM to the child, waits 0.1 s, then sends SIGKILL.
     The body ignores SIGTERM, so its child runs on until the SIGKILL. The duplicate waiting for
