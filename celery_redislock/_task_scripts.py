@@ -40,6 +40,7 @@ _ADOPT = """
 -- ARGV[2] already owns is this call's own, sent again by a client that lost the reply:
 -- its fence is returned again. A watch on the parked hold (WATCH by a later attempt of the
 -- task id, waiting for it) goes with it: how the adopting run ends its hold wakes the watcher.
+-- A hold kept for its period by an earlier attempt of the run's task id is taken over (below).
 -- Returns the fence when adopted, else {PTTL, holder or false} (PTTL -2: gone).
 local value = redis.call('GET', lock)
 if owns(value, ARGV[2]) then return fence_of(value) end
@@ -48,6 +49,38 @@ if owns(value, ARGV[1]) then
   local fence = math.max(now_us, fence_of(value) + 1)
   local watcher = string.byte(value, 33) ~= 58 and string.sub(value, 33, 64) or ''
   redis.call('SET', lock, hold(ARGV[2] .. watcher, fence, ARGV[4]), 'PX', ARGV[3])
+  return fence
+end
+-- The common refusal (a hold no run keeps: running, queued, or none) ends here, before what only
+-- a kept hold needs is set up: a kept hold's token is all zeros (`kept_token`), one whose first
+-- digit is not '0' is not kept.
+if not value or string.byte(value, 1) ~= 48 then
+  return {redis.call('PTTL', lock), holder_of(value) or false}
+end
+"""
+
+_ADOPT_KEPT = """
+-- The hold is kept for its period (`kept_token`), its run over, by an earlier attempt of the run's
+-- own task id (the holders' task fields equal, its (rep, try) below the run's): that attempt sent
+-- the retry or replacement carrying ARGV[1] and did not park its hold for it (an interrupt, such
+-- as a soft time limit, landed between the send and the run's record of it). The run takes it
+-- over, as it would have adopted it parked: re-tokened to ARGV[2], with a fence above the kept
+-- one, ARGV[4], for ARGV[3] ms. Not a hold kept by the same attempt (a copy of a message whose
+-- first delivery ran and kept it), by a later one (a stale copy) or by another task id's run, nor
+-- one the message declined (DECLINE: it failed before adopting, and the park let go of the hold).
+-- The task field and attempt of a holder written by ``protocol.holder_for`` (nil for another kind).
+local function attempt_of(holder)
+  local task, try = string.match(holder, '^task=(%S+) try=(%d+) ')
+  return task, tonumber(string.match(holder, ' rep=(%d+)') or '0'), tonumber(try)
+end
+local kept_task, kept_rep, kept_try = attempt_of(holder_of(value) or '')
+local task, rep, try = attempt_of(ARGV[4])
+local earlier = kept_task and kept_task == task and (kept_rep < rep or (kept_rep == rep and kept_try < try))
+if owns(value, kept_token) and earlier
+    and redis.call('EXISTS', prefix .. 'declined:' .. ARGV[1]) == 0 then
+  local _, now_us = clock(redis.call('TIME'))
+  local fence = math.max(now_us, fence_of(value) + 1)
+  redis.call('SET', lock, hold(ARGV[2], fence, ARGV[4]), 'PX', ARGV[3])
   return fence
 end
 return {redis.call('PTTL', lock), holder_of(value) or false}
@@ -318,7 +351,7 @@ return {'freed'}
 #: What ``PARK`` and ``DECLINE`` reply when they let go of a hold no retry will adopt.
 LET_GO = MappingProxyType({2: "released", 3: "settled"})
 
-ADOPT = Script(_ADOPT)
+ADOPT = Script(_ADOPT, _ADOPT_KEPT)
 CLAIM = Script(_CLAIM)
 DECLINE = Script(_DECLINE)
 DROP = Script(_DROP)

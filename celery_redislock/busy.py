@@ -213,8 +213,10 @@ def _met_again(found: Found) -> bool:
 
 
 def _adopt(found: Found, token: str) -> bool:
-    """Adopt the hold ``token`` owns now (parked or handed over to it, or taken free) under a token
-    and a fence of the run's own (``run_lock.adopt``). Gone since (a copy of the message that gave
+    """Adopt the hold ``token`` owns now (parked or handed over to it, or taken free), or the one
+    the run a retry or replacement continues kept for its period instead of parking it for
+    ``token`` (``ADOPT`` takes that over), under a token and a fence of the run's own
+    (``run_lock.adopt``). Gone since (a copy of the message that gave
     it up freed it): taken afresh, as a run whose message's hold is gone is; else
     ``LockNotAcquired``."""
     lock = found.lock
@@ -343,12 +345,12 @@ class AdoptParked:
 
     def __call__(self, found: Found) -> bool:
         """Wait (at most ``lock_wait_timeout``) until that run parks the hold for ``token`` (its
-        park wakes this waiter) or frees it, then adopt it; else ``LockNotAcquired``."""
-        lock = found.lock
-        fence = lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout)
-        if fence is not None:  # ``token`` owns the hold now: parked for it, or taken free
-            return _adopt(found, self.token)
-        raise LockNotAcquired(lock.name, *lock.busy)
+        park wakes this waiter) or frees it, then adopt it. Not woken in time: adopted all the
+        same where ``ADOPT`` can (that run ended and kept the hold for its period without parking
+        it, as when an interrupt landed between its send of this message and its record of it:
+        taken over; parked or freed just now); else ``LockNotAcquired``."""
+        found.lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout)
+        return _adopt(found, self.token)  # woken: ``token`` owns the hold (parked for it, or taken free)
 
 
 #: A policy -> the outcome it goes for (``telemetry.OUTCOMES``); the others (``_redelivered``,

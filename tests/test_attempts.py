@@ -1038,6 +1038,66 @@ def test_a_hold_is_never_parked_for_a_declined_token(client: redis.Redis, prefix
     client.delete(key)
 
 
+def test_adopt_takes_over_only_a_hold_kept_by_an_earlier_attempt_of_its_task_id(
+    client: redis.Redis, prefix: str
+) -> None:
+    """``ADOPT`` of a retry's or replacement's ticket whose hold its previous attempt kept for
+    ``lock_period`` instead of parking it (an interrupt between the retry's send and the run's
+    record of it): the message takes it over (its own token, a fence above the kept one, its
+    holder, the lock's ttl), as it would have adopted it parked. Not a hold kept by the same
+    attempt (a copy of a message whose first delivery ran and kept it), by a later one (a stale
+    copy), by another task id's run, nor one whose ticket the message declined (``DECLINE``:
+    it failed before adopting, and the park let go of the hold): those are refused, the hold
+    untouched."""
+    key, ticket, own = f"{prefix}:kept", "b" * 32, "c" * 32
+    granted = int(client.time()[0]) * 1_000_000 - 20_000_000
+
+    def kept_by(holder: str) -> bytes:
+        value = f"{'0' * 32}:{granted}:{holder}"
+        client.set(key, value, px=40_000)
+        return value.encode()
+
+    def adopt(attempt: str) -> Any:
+        return ADOPT(client, [key], [ticket, own, 30_000, f"task=t {attempt} state=running node=n pid=2"])
+
+    refusals = [
+        ("try=1", "task=t try=1 state=running node=n pid=1"),  # the same attempt
+        ("try=1", "task=t try=1 state=queued node=n pid=1 period=60000"),  # parked for it, declined
+        ("try=1", "task=t try=2 state=running node=n pid=1"),  # a later retry
+        ("try=0 rep=1", "task=t try=0 state=running node=n pid=1 rep=1"),  # the same replacement
+        ("try=3", "task=t try=0 state=running node=n pid=1 rep=1"),  # a deeper replacement
+        ("try=1", "task=u try=0 state=running node=n pid=1"),  # another task id
+        ("try=1", "task=t2 try=0 state=running node=n pid=1"),
+        ("try=1", "t:1"),  # not a task's holder
+    ]
+    for attempt, holder in refusals:
+        value = kept_by(holder)
+        refused = adopt(attempt)
+        assert isinstance(refused, list) and refused[1] == holder.encode(), (attempt, holder, refused)
+        assert client.get(key) == value and 30_000 < client.pttl(key) <= 40_000
+
+    declined = companion_key(key, f"declined:{ticket}")
+    client.set(declined, "1", px=40_000)
+    value = kept_by("task=t try=0 state=running node=n pid=1")
+    assert isinstance(adopt("try=1"), list) and client.get(key) == value
+    client.delete(declined)
+
+    for attempt, holder in [
+        ("try=1", "task=t try=0 state=running node=n pid=1"),  # the retry of the attempt that kept it
+        ("try=0 rep=1", "task=t try=4 state=running node=n pid=1"),  # a replacement
+        ("try=1 rep=1", "task=t try=0 state=running node=n pid=1 rep=1"),  # a replacement's retry
+    ]:
+        kept_by(holder)
+        fence = adopt(attempt)
+        assert isinstance(fence, int) and fence > granted, (attempt, holder, fence)
+        taken = parse_value(client.get(key))
+        running = f"task=t {attempt} state=running node=n pid=2"
+        assert taken == (own, fence, running) and 0 < client.pttl(key) <= 30_000
+        assert adopt(attempt) == fence  # resent after a lost reply: its own, the same fence
+        assert RELEASE(client, [key], [own]) == 1
+    assert not client.exists(key)
+
+
 @pytest.mark.parametrize(
     ("parked_by", "known_period_ms", "kept"),
     [("this_version", 0, True), ("an_older_version", 0, False), ("an_older_version", 50_000, True)],

@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.app.task import Task
 from celery.canvas import Signature
-from celery.exceptions import Retry, SoftTimeLimitExceeded
+from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 from celery.signals import task_failure, task_postrun, task_revoked
 from celery.utils.dispatch import Signal
 from kombu.exceptions import OperationalError
@@ -48,6 +49,7 @@ from celery_redislock.signals import lock_acquired, lock_released
 from celery_redislock.state import app_state, running
 from celery_redislock.testing import RedisServer
 from tests.interrupts import define
+from tests.invariants import Sampler
 from tests.taskapp import recorder as recorder_for
 from tests.workers import WorkerProcess, runs_over, threads_worker, wait_for
 
@@ -222,6 +224,146 @@ def test_a_soft_time_limit_before_park_is_sent_keeps_the_lock_for_the_retry(
             assert (held.get("state"), held.get("try")) == ("queued", "1"), value
             assert recorder.pttl(key) > 60_000
         finally:
+            recorder.delete(key)
+
+
+@pytest.mark.parametrize("mode", ["until_expired", "until_executed"])
+def test_a_soft_time_limit_right_after_a_retry_is_sent_does_not_swallow_the_retry(
+    app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """An attempt retries with the same arguments, and the soft time limit lands right after the
+    retry's message was published, before the run recorded it (``send_continuation``; or the
+    send raised after the broker took the message): the run lets go of its hold as after any
+    run, unparked. until_expired keeps it for ``lock_period`` (owned by no token, its holder
+    attempt 0's); until_executed releases it. The retry's message, its ticket's hold gone or
+    kept by the attempt it continues, takes the lock over (until_expired: a fence above the kept
+    one, the period then counted from its own run) or afresh, and runs: a task's own retry is
+    never swallowed by its own lock. Every key has a TTL throughout; after the retry's run the
+    lock is kept for its period (until_expired) or gone. Before, until_expired's retry waited
+    ``lock_wait_timeout`` for a park that never comes (``busy.AdoptParked``), then failed with
+    ``LockNotAcquired``."""
+    started: list[tuple[int, int]] = []
+
+    def retry_once(self: Any, x: int) -> None:
+        started.append((self.request.retries, self.request.lock_fence))
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+
+    period = {"lock_period": 60} if mode == "until_expired" else {}
+    task = define(app, f"retried_{mode}", retry_once, lock_mode=mode, lock_wait_timeout=2, **period)
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(task, (x,))
+    publish, fired = Task.apply_async, list[int]()
+
+    def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = publish(self, *args, **kwargs)
+        if not fired and self.name == task.name and threading.current_thread() is not threading.main_thread():
+            fired.append(1)
+            raise SoftTimeLimitExceeded()
+        return result
+
+    monkeypatch.setattr(Task, "apply_async", sent_then_interrupted)
+    with recorder_of(app) as recorder:
+        try:
+            # one pool thread: the retry runs once attempt 0's run is over and let go
+            with Sampler(recorder, prefix), postruns(task) as done, threads_worker(app, concurrency=1):
+                result = task.delay(x)
+                wait_for(
+                    lambda: done.count(result.id) == 2 and runs_over(task.name),
+                    what=lambda: f"both attempts' end; started {started}, lock {recorder.get(key)!r}",
+                )
+                assert fired == [1]
+                assert [attempt for attempt, _ in started] == [0, 1], "the retry did not run"
+                assert result.get(timeout=RESULT_TIMEOUT) == x
+            assert started[1][1] > started[0][1]  # a fence above attempt 0's
+            if mode == "until_expired":
+                kept = parse_value(recorder.get(key))
+                assert kept is not None and kept.kept, f"not kept: {recorder.get(key)!r}"
+                assert parse_holder(kept.holder)["try"] == "1" and kept.fence == started[1][1]
+                assert 0 < recorder.pttl(key) <= 60_000
+            else:
+                assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+        finally:
+            recorder.delete(key)
+
+
+@pytest.mark.parametrize("mode", ["until_expired", "until_executed"])
+def test_a_retry_that_met_its_interrupted_attempt_still_running_runs_once_it_let_go(
+    app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """As above, the soft time limit lands right after the retry was sent, and the attempt goes
+    on a while (its body catches what Celery's ``retry`` raises for it, ``Reject``, and waits).
+    The retry arrives meanwhile, finds it running and waits for it to park the hold for it
+    (``busy.AdoptParked``); the attempt then lets go unparked: until_expired keeps the hold for
+    its period, which wakes no waiter. The test lets the wait end only once the attempt is over
+    (as ``lock_wait_timeout`` would end it). The retry then takes the kept hold over (or the
+    lock, free, afresh) and runs. Before, until_expired's failed with ``LockNotAcquired``."""
+    started: list[tuple[int, int]] = []
+    threads: list[int] = []  # attempt 0's
+    gates = recorder_for(app)
+
+    def retry_once(self: Any, x: int) -> None:
+        started.append((self.request.retries, self.request.lock_fence))
+        if self.request.retries == 0:
+            threads.append(threading.get_ident())
+            try:
+                self.retry(countdown=0)
+            except Reject:  # the interrupt, as Celery's retry raises it after a send that raised
+                gates.wait_gate(x)
+                raise
+
+    period = {"lock_period": 60} if mode == "until_expired" else {}
+    task = define(app, f"met_{mode}", retry_once, lock_mode=mode, lock_wait_timeout=60, **period)
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(task, (x,))
+    publish, fired = Task.apply_async, list[int]()
+
+    def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = publish(self, *args, **kwargs)
+        if not fired and self.name == task.name and threading.current_thread() is not threading.main_thread():
+            fired.append(1)
+            raise SoftTimeLimitExceeded()
+        return result
+
+    wait_as, attempt_over = celery_redislock.primitive.LeaseLock.wait_as, threading.Event()
+    waiting: list[str] = []
+
+    def waits_for_the_attempt(self: Any, token: str, deadline: float, **kwargs: Any) -> Any:
+        if waiting or self.name != key or threading.current_thread() is threading.main_thread():
+            return wait_as(self, token, deadline, **kwargs)
+        waiting.append(token)
+        assert attempt_over.wait(RESULT_TIMEOUT), "attempt 0 did not end"
+        return wait_as(self, token, 0.0, **kwargs)  # its deadline passed: one look, then given up
+
+    monkeypatch.setattr(Task, "apply_async", sent_then_interrupted)
+    monkeypatch.setattr(celery_redislock.primitive.LeaseLock, "wait_as", waits_for_the_attempt)
+    with recorder_of(app) as recorder:
+        try:
+            with Sampler(recorder, prefix), postruns(task) as done, threads_worker(app, concurrency=2):
+                result = task.delay(x)
+                wait_for(lambda: waiting, what="the retry to wait for attempt 0")
+                gates.open_gate(x)
+                wait_for(  # over once its let-go ran: out of ``running``
+                    lambda: done.count(result.id) == 1 and (threads[0], result.id) not in running,
+                    what="attempt 0's end",
+                )
+                attempt_over.set()
+                wait_for(
+                    lambda: done.count(result.id) == 2 and runs_over(task.name),
+                    what=lambda: f"both attempts' end; started {started}, lock {recorder.get(key)!r}",
+                )
+                assert fired == [1]
+                assert [attempt for attempt, _ in started] == [0, 1], "the retry did not run"
+                assert result.get(timeout=RESULT_TIMEOUT) == x
+            assert started[1][1] > started[0][1]
+            if mode == "until_expired":
+                kept = parse_value(recorder.get(key))
+                assert kept is not None and kept.kept, f"not kept: {recorder.get(key)!r}"
+                assert parse_holder(kept.holder)["try"] == "1" and kept.fence == started[1][1]
+            else:
+                assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+        finally:
+            attempt_over.set()
             recorder.delete(key)
 
 
