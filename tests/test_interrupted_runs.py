@@ -227,6 +227,23 @@ def test_a_soft_time_limit_before_park_is_sent_keeps_the_lock_for_the_retry(
             recorder.delete(key)
 
 
+def interrupted_after_its_send(monkeypatch: pytest.MonkeyPatch, task: Any) -> list[int]:
+    """From now on, the first ``apply_async`` of ``task`` on a worker thread (its retry's send)
+    publishes the message, then raises ``SoftTimeLimitExceeded``, as a soft time limit landing
+    right after the send would. Returns a list that gets a 1 when it did."""
+    publish, fired = Task.apply_async, list[int]()
+
+    def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = publish(self, *args, **kwargs)
+        if not fired and self.name == task.name and threading.current_thread() is not threading.main_thread():
+            fired.append(1)
+            raise SoftTimeLimitExceeded()
+        return result
+
+    monkeypatch.setattr(Task, "apply_async", sent_then_interrupted)
+    return fired
+
+
 @pytest.mark.parametrize("mode", ["until_expired", "until_executed"])
 def test_a_soft_time_limit_right_after_a_retry_is_sent_does_not_swallow_the_retry(
     app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch, mode: str
@@ -253,16 +270,8 @@ def test_a_soft_time_limit_right_after_a_retry_is_sent_does_not_swallow_the_retr
     task = define(app, f"retried_{mode}", retry_once, lock_mode=mode, lock_wait_timeout=2, **period)
     x = uuid.uuid4().int % 10**9
     key = task_lock_key(task, (x,))
-    publish, fired = Task.apply_async, list[int]()
+    fired = interrupted_after_its_send(monkeypatch, task)
 
-    def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = publish(self, *args, **kwargs)
-        if not fired and self.name == task.name and threading.current_thread() is not threading.main_thread():
-            fired.append(1)
-            raise SoftTimeLimitExceeded()
-        return result
-
-    monkeypatch.setattr(Task, "apply_async", sent_then_interrupted)
     with recorder_of(app) as recorder:
         try:
             # one pool thread: the retry runs once attempt 0's run is over and let go
@@ -316,14 +325,7 @@ def test_a_retry_that_met_its_interrupted_attempt_still_running_runs_once_it_let
     task = define(app, f"met_{mode}", retry_once, lock_mode=mode, lock_wait_timeout=60, **period)
     x = uuid.uuid4().int % 10**9
     key = task_lock_key(task, (x,))
-    publish, fired = Task.apply_async, list[int]()
-
-    def sent_then_interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = publish(self, *args, **kwargs)
-        if not fired and self.name == task.name and threading.current_thread() is not threading.main_thread():
-            fired.append(1)
-            raise SoftTimeLimitExceeded()
-        return result
+    fired = interrupted_after_its_send(monkeypatch, task)
 
     wait_as, attempt_over = celery_redislock.primitive.LeaseLock.wait_as, threading.Event()
     waiting: list[str] = []
@@ -335,7 +337,6 @@ def test_a_retry_that_met_its_interrupted_attempt_still_running_runs_once_it_let
         assert attempt_over.wait(RESULT_TIMEOUT), "attempt 0 did not end"
         return wait_as(self, token, 0.0, **kwargs)  # its deadline passed: one look, then given up
 
-    monkeypatch.setattr(Task, "apply_async", sent_then_interrupted)
     monkeypatch.setattr(celery_redislock.primitive.LeaseLock, "wait_as", waits_for_the_attempt)
     with recorder_of(app) as recorder:
         try:

@@ -538,16 +538,21 @@ def interrupt_the_wait_for_landing(monkeypatch: pytest.MonkeyPatch, held: HeldRe
     monkeypatch.setattr(watchdog, "_await_landing", interrupted)
 
 
-def test_an_extend_interrupted_as_it_waits_for_a_renewal_in_flight_leaves_the_lock_renewed(
+@pytest.mark.parametrize("call", ["extend", "release"])
+def test_a_call_interrupted_as_it_waits_for_a_renewal_in_flight_keeps_the_hold(
     redis_server: RedisServer,
     prefix: str,
     held_renewal: Callable[[str], HeldRenewal],
     monkeypatch: pytest.MonkeyPatch,
+    call: str,
 ) -> None:
-    """A soft time limit lands in ``extend()`` while it waits for a renewal in flight to land
-    (before anything is sent): the hold is unchanged, and the watchdog goes on renewing it.
-    Before, the lease stayed marked as being changed, which the watchdog never picks: the key
-    expired under its owner, ``lost`` never set (a second holder, unreported)."""
+    """A soft time limit lands in ``extend()`` or ``release()`` while it waits for a renewal in
+    flight to land (before anything is sent): the hold is unchanged. After the extend the
+    watchdog goes on renewing it (before: the lease stayed marked as being changed, which the
+    watchdog never picks: the key expired under its owner, ``lost`` never set, a second holder
+    unreported); after the release, as after any interrupted release, ``release()`` can be tried
+    again (by the run's end, for a task) and frees the key (before: the object held nothing any
+    more, the retry raised ``LockNotOwned`` and the key stayed, unrenewed, for its lease)."""
     client, key = redis_server.client(), f"{prefix}:k"
     held = held_renewal(key)
     lock = RedisLock(client, key, ttl=6)
@@ -556,43 +561,19 @@ def test_an_extend_interrupted_as_it_waits_for_a_renewal_in_flight_leaves_the_lo
         assert held.picked.wait(30)
         interrupt_the_wait_for_landing(monkeypatch, held)
         with pytest.raises(Interrupt):
-            lock.extend(60)
+            lock.extend(60) if call == "extend" else lock.release()
         held.go.set()
         assert held.landed.wait(30)
-        renewed_before_it_expires(client, key)
-        assert lock.owned() and not lock.found_lost()
+        if call == "extend":
+            renewed_before_it_expires(client, key)
+            assert lock.owned() and not lock.found_lost()
+        else:
+            lock.release()
+            assert client.exists(key) == 0
     finally:
         held.go.set()
         with contextlib.suppress(LockNotOwned):
             lock.release()
-
-
-def test_a_release_interrupted_as_it_waits_for_a_renewal_in_flight_keeps_the_hold(
-    redis_server: RedisServer,
-    prefix: str,
-    held_renewal: Callable[[str], HeldRenewal],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A soft time limit lands in ``release()`` while it waits for a renewal in flight to land
-    (before the release is sent): as for any interrupted release, the hold is kept, so that
-    ``release()`` (``task_postrun``, for a task) can be tried again and frees the key. Before,
-    the object held nothing any more: the retry raised ``LockNotOwned`` and the key stayed,
-    unrenewed, for its lease."""
-    client, key = redis_server.client(), f"{prefix}:k"
-    held = held_renewal(key)
-    lock = RedisLock(client, key, ttl=6)
-    assert lock.acquire()
-    try:
-        assert held.picked.wait(30)
-        interrupt_the_wait_for_landing(monkeypatch, held)
-        with pytest.raises(Interrupt):
-            lock.release()
-        held.go.set()
-        assert held.landed.wait(30)
-        lock.release()
-        assert client.exists(key) == 0
-    finally:
-        held.go.set()
         client.delete(key)
 
 
