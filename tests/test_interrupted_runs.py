@@ -348,6 +348,12 @@ def test_a_retry_that_met_its_interrupted_attempt_still_running_runs_once_it_let
                     lambda: done.count(result.id) == 1 and (threads[0], result.id) not in running,
                     what="attempt 0's end",
                 )
+                # The worker stores attempt 0's ``Reject`` as its result after the run, on the pool
+                # thread: before the retry runs, so that the retry's result is the one left.
+                meta = f"celery-task-meta-{result.id}"
+                wait_for(
+                    lambda: b'"FAILURE"' in (recorder.get(meta) or b""), what="attempt 0's result stored"
+                )
                 attempt_over.set()
                 wait_for(
                     lambda: done.count(result.id) == 2 and runs_over(task.name),
