@@ -244,6 +244,43 @@ def interrupted_after_its_send(monkeypatch: pytest.MonkeyPatch, task: Any) -> li
     return fired
 
 
+def the_retry_ran(
+    recorder: Any,
+    key: str,
+    task: Any,
+    result: Any,
+    done: list[str],
+    started: list[tuple[int, int]],
+    fired: list[int],
+    x: int,
+) -> None:
+    """Both attempts of ``result`` ended (``done``: their postruns); the interrupt fired once, the
+    retry ran after attempt 0 (``started``: (retries, fence) of each start), and its result is
+    the task's."""
+    wait_for(
+        lambda: done.count(result.id) == 2 and runs_over(task.name),
+        what=lambda: f"both attempts' end; started {started}, lock {recorder.get(key)!r}",
+    )
+    assert fired == [1]
+    assert [attempt for attempt, _ in started] == [0, 1], "the retry did not run"
+    assert result.get(timeout=RESULT_TIMEOUT) == x
+
+
+def the_retry_holds_as_its_mode_says(
+    recorder: Any, key: str, started: list[tuple[int, int]], mode: str
+) -> None:
+    """The retry took the lock with a fence above attempt 0's; once it ran, ``until_expired`` keeps
+    its hold for the 60 s period, ``until_executed`` leaves nothing."""
+    assert started[1][1] > started[0][1]
+    if mode == "until_expired":
+        kept = parse_value(recorder.get(key))
+        assert kept is not None and kept.kept, f"not kept: {recorder.get(key)!r}"
+        assert parse_holder(kept.holder)["try"] == "1" and kept.fence == started[1][1]
+        assert 0 < recorder.pttl(key) <= 60_000
+    else:
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+
+
 @pytest.mark.parametrize("mode", ["until_expired", "until_executed"])
 def test_a_soft_time_limit_right_after_a_retry_is_sent_does_not_swallow_the_retry(
     app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch, mode: str
@@ -277,21 +314,8 @@ def test_a_soft_time_limit_right_after_a_retry_is_sent_does_not_swallow_the_retr
             # one pool thread: the retry runs once attempt 0's run is over and let go
             with Sampler(recorder, prefix), postruns(task) as done, threads_worker(app, concurrency=1):
                 result = task.delay(x)
-                wait_for(
-                    lambda: done.count(result.id) == 2 and runs_over(task.name),
-                    what=lambda: f"both attempts' end; started {started}, lock {recorder.get(key)!r}",
-                )
-                assert fired == [1]
-                assert [attempt for attempt, _ in started] == [0, 1], "the retry did not run"
-                assert result.get(timeout=RESULT_TIMEOUT) == x
-            assert started[1][1] > started[0][1]  # a fence above attempt 0's
-            if mode == "until_expired":
-                kept = parse_value(recorder.get(key))
-                assert kept is not None and kept.kept, f"not kept: {recorder.get(key)!r}"
-                assert parse_holder(kept.holder)["try"] == "1" and kept.fence == started[1][1]
-                assert 0 < recorder.pttl(key) <= 60_000
-            else:
-                assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+                the_retry_ran(recorder, key, task, result, done, started, fired, x)
+            the_retry_holds_as_its_mode_says(recorder, key, started, mode)
         finally:
             recorder.delete(key)
 
@@ -355,20 +379,8 @@ def test_a_retry_that_met_its_interrupted_attempt_still_running_runs_once_it_let
                     lambda: b'"FAILURE"' in (recorder.get(meta) or b""), what="attempt 0's result stored"
                 )
                 attempt_over.set()
-                wait_for(
-                    lambda: done.count(result.id) == 2 and runs_over(task.name),
-                    what=lambda: f"both attempts' end; started {started}, lock {recorder.get(key)!r}",
-                )
-                assert fired == [1]
-                assert [attempt for attempt, _ in started] == [0, 1], "the retry did not run"
-                assert result.get(timeout=RESULT_TIMEOUT) == x
-            assert started[1][1] > started[0][1]
-            if mode == "until_expired":
-                kept = parse_value(recorder.get(key))
-                assert kept is not None and kept.kept, f"not kept: {recorder.get(key)!r}"
-                assert parse_holder(kept.holder)["try"] == "1" and kept.fence == started[1][1]
-            else:
-                assert not recorder.exists(key), f"left: {recorder.get(key)!r}, {recorder.pttl(key)} ms"
+                the_retry_ran(recorder, key, task, result, done, started, fired, x)
+            the_retry_holds_as_its_mode_says(recorder, key, started, mode)
         finally:
             attempt_over.set()
             recorder.delete(key)
