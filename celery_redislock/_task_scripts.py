@@ -44,12 +44,16 @@ _ADOPT = """
 -- Returns the fence when adopted, else {PTTL, holder or false} (PTTL -2: gone).
 local value = redis.call('GET', lock)
 if owns(value, ARGV[2]) then return fence_of(value) end
-if owns(value, ARGV[1]) then
+-- Re-tokens the hold to ARGV[2] (`watcher` after it, if any), running as ARGV[4] for ARGV[3] ms,
+-- with a fence above its own; returns the fence.
+local function take_over(watcher)
   local _, now_us = clock(redis.call('TIME'))
   local fence = math.max(now_us, fence_of(value) + 1)
-  local watcher = string.byte(value, 33) ~= 58 and string.sub(value, 33, 64) or ''
   redis.call('SET', lock, hold(ARGV[2] .. watcher, fence, ARGV[4]), 'PX', ARGV[3])
   return fence
+end
+if owns(value, ARGV[1]) then
+  return take_over(string.byte(value, 33) ~= 58 and string.sub(value, 33, 64) or '')
 end
 -- The common refusal (a hold no run keeps: running, queued, or none) ends here, before what only
 -- a kept hold needs is set up: a kept hold's token is all zeros (`kept_token`), one whose first
@@ -78,10 +82,7 @@ local task, rep, try = attempt_of(ARGV[4])
 local earlier = kept_task and kept_task == task and (kept_rep < rep or (kept_rep == rep and kept_try < try))
 if owns(value, kept_token) and earlier
     and redis.call('EXISTS', prefix .. 'declined:' .. ARGV[1]) == 0 then
-  local _, now_us = clock(redis.call('TIME'))
-  local fence = math.max(now_us, fence_of(value) + 1)
-  redis.call('SET', lock, hold(ARGV[2], fence, ARGV[4]), 'PX', ARGV[3])
-  return fence
+  return take_over('')
 end
 return {redis.call('PTTL', lock), holder_of(value) or false}
 """
