@@ -146,14 +146,14 @@ def redislock() -> None:
 def list_locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
     """List the locks held under the app's prefix."""
     context = _context(ctx)
-    locks = context.task_locks(task_name) if task_name else held_locks(context.client, context.prefix)
+    locks = held_locks(context.client, context.prefix) if task_name is None else context.task_locks(task_name)
     rows = context.rows(locks)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     elif rows:
         click.echo(_table(rows))
     else:
-        whose = f" by task {task_name!r}" if task_name else ""
+        whose = "" if task_name is None else f" by task {task_name!r}"
         click.echo(f"no locks held{whose} under prefix {context.prefix!r} in Redis at {context.url}")
 
 

@@ -417,6 +417,7 @@ def test_purge_takes_a_task_name_the_app_no_longer_has_if_it_has_locks(setup: Se
         (["purge"], "Missing option '--task'"),
         (["purge", "--task", "taskapp.nope"], "unknown task 'taskapp.nope'"),
         (["list", "--task", "taskapp.nope"], "unknown task 'taskapp.nope'"),
+        (["list", "--task", ""], "unknown task ''"),  # not every lock, as no --task lists them
     ],
 )
 def test_bad_input_gets_an_error_naming_it(setup: Setup, args: list[str], message: str) -> None:
