@@ -187,6 +187,10 @@ def _json_option(option: str, text: str, kind: type) -> Any:
         value = kombu_json.loads(text)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint=option) from None
+    # an envelope's value its type refuses (Decimal, UUID, bytes: each raises its own), or
+    # nesting too deep to read
+    except (ArithmeticError, TypeError, AttributeError, RecursionError) as exc:
+        raise click.BadParameter(f"not valid JSON: {type(exc).__name__}: {exc}", param_hint=option) from None
     if not isinstance(value, kind):
         expected = "a JSON list" if kind is list else "a JSON object"
         raise click.BadParameter(f"must be {expected}, got {text!r}", param_hint=option)

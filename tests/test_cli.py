@@ -407,6 +407,32 @@ def test_purge_takes_a_task_name_the_app_no_longer_has_if_it_has_locks(setup: Se
         (["release", "--task", "taskapp.per_user", "--args", "[5"], "--args: not valid JSON"),
         (["release", "--task", "taskapp.per_user", "--args", '{"a": 1}'], "--args: must be a JSON list"),
         (["release", "--task", "taskapp.per_user", "--kwargs", "[]"], "--kwargs: must be a JSON object"),
+        # what kombu's envelopes decode to raises what its type raises, not only ValueError
+        (
+            [
+                "release",
+                "--task",
+                "taskapp.per_user",
+                "--args",
+                '[{"__type__": "decimal", "__value__": "x"}]',
+            ],
+            "--args: not valid JSON",
+        ),
+        (
+            ["release", "--task", "taskapp.per_user", "--args", '[{"__type__": "uuid", "__value__": "x"}]'],
+            "--args: not valid JSON",
+        ),
+        (
+            [
+                "release",
+                "--task",
+                "taskapp.per_user",
+                "--kwargs",
+                '{"a": {"__type__": "bytes", "__value__": 5}}',
+            ],
+            "--kwargs: not valid JSON",
+        ),
+        (["release", "--task", "taskapp.per_user", "--args", "[" * 100_000], "--args: not valid JSON"),
         (["release", "--task", "taskapp.per_user", "--args", "[1, 2, 3, 4]"], "LockKeyError"),
         (
             ["release", "--task", "taskapp.per_user", "--args", '["nobody", 1]'],
