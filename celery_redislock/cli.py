@@ -60,6 +60,17 @@ class _Group(click.Group):
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
 
 
+def _utf8(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A key or a task name: UTF-8 text, as every key of the package is. A command line's bytes
+    that are not UTF-8 reach Python as lone surrogates, which no key can hold."""
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise click.BadParameter(f"{value!r} is not UTF-8", ctx, param) from None
+    return value
+
+
 @dataclass
 class _Context:
     app: Any
@@ -140,7 +151,7 @@ def redislock() -> None:
 
 
 @redislock.command(name="list")
-@click.option("--task", "task_name", metavar="NAME", help="Only this task's locks.")
+@click.option("--task", "task_name", callback=_utf8, metavar="NAME", help="Only this task's locks.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @click.pass_context
 def list_locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None:
@@ -158,7 +169,7 @@ def list_locks(ctx: click.Context, task_name: str | None, as_json: bool) -> None
 
 
 @redislock.command()
-@click.argument("key")
+@click.argument("key", callback=_utf8)
 @click.pass_context
 def show(ctx: click.Context, key: str) -> None:
     """Show the lock at KEY and how many wait for it."""
@@ -210,8 +221,10 @@ def _released(context: _Context, lock: HeldLock, why: str) -> bool:
 
 
 @redislock.command()
-@click.argument("key", required=False)
-@click.option("--task", "task_name", metavar="NAME", help="Release the lock of a call of this task...")
+@click.argument("key", callback=_utf8, required=False)
+@click.option(
+    "--task", "task_name", callback=_utf8, metavar="NAME", help="Release the lock of a call of this task..."
+)
 @click.option("--args", "args_json", metavar="JSON", help="...with these positional arguments (a list).")
 @click.option("--kwargs", "kwargs_json", metavar="JSON", help="...and keyword arguments (an object).")
 @click.pass_context
@@ -249,7 +262,9 @@ def release(
 
 
 @redislock.command()
-@click.option("--task", "task_name", metavar="NAME", required=True, help="Whose locks to free.")
+@click.option(
+    "--task", "task_name", callback=_utf8, metavar="NAME", required=True, help="Whose locks to free."
+)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 def purge(ctx: click.Context, task_name: str, yes: bool) -> None:

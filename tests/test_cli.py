@@ -444,6 +444,11 @@ def test_purge_takes_a_task_name_the_app_no_longer_has_if_it_has_locks(setup: Se
         (["purge", "--task", "taskapp.nope"], "unknown task 'taskapp.nope'"),
         (["list", "--task", "taskapp.nope"], "unknown task 'taskapp.nope'"),
         (["list", "--task", ""], "unknown task ''"),  # not every lock, as no --task lists them
+        # bytes a command line holds that are not UTF-8 (Python's argv has them as lone surrogates)
+        (["show", "k\udcff"], "Invalid value for 'KEY': 'k\\udcff' is not UTF-8"),
+        (["release", "k\udcff"], "Invalid value for '[KEY]': 'k\\udcff' is not UTF-8"),
+        (["list", "--task", "t\udcff"], "Invalid value for '--task': 't\\udcff' is not UTF-8"),
+        (["purge", "--task", "t\udcff"], "Invalid value for '--task': 't\\udcff' is not UTF-8"),
     ],
 )
 def test_bad_input_gets_an_error_naming_it(setup: Setup, args: list[str], message: str) -> None:
