@@ -331,14 +331,18 @@ def held_locks(client: Client, prefix: str, task: str | None = None) -> list[Hel
 def scan_keys(client: Client, prefix: str, task: str | None = None) -> Iterator[str]:
     """The keys under ``{prefix}:`` (``{prefix}:{task}:`` if given), each once, as SCAN (in a
     Cluster, on each primary) finds them: locks and their companion keys, maybe others; and
-    the permits of the semaphores named there, ``{<name>}:permit:<i>`` (``permit_of``).
+    the permits of the semaphores named there, ``{<name>}:permit:<i>`` (``permit_of``). A key
+    that is not UTF-8 is left out: the package's keys are text.
 
     One SCAN finds both: its pattern also matches keys with anything before the prefix,
     which are left out here (SCAN's cost is the keyspace's, whatever the pattern)."""
     under = f"{prefix}:{task}:" if task is not None else f"{prefix}:"
     seen: set[str] = set()
     for found in client.scan_iter(match="*" + _glob_escape(under) + "*", count=1000):
-        key = text(found)
+        try:
+            key = text(found)
+        except UnicodeDecodeError:  # not UTF-8: no key of the package (another app's, binary)
+            continue
         if key in seen:  # SCAN can return a key twice
             continue
         if key.startswith(under) or (key.startswith("{" + under) and permit_of(key) is not None):

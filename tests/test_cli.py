@@ -466,6 +466,33 @@ def test_a_key_that_holds_no_lock_is_named(setup: Setup) -> None:
     assert setup.recorder.client.exists(f"{setup.prefix}:events")
 
 
+def test_keys_that_are_not_utf8_are_passed_over(setup: Setup) -> None:
+    """A key that is not UTF-8 text, as no key of the package is, is passed over by the commands
+    that walk the prefix: it ended them with a ``UnicodeDecodeError`` traceback, also one of
+    another app that holds the prefix further in (SCAN's pattern is ``*{prefix}:*``)."""
+    client = setup.recorder.client
+    key = f"{setup.prefix}:old.binary_task:{fresh() * 6}{'0' * 4}"  # a task's key: 64 hex digits
+    others = [
+        b"\xff" + key.encode(),
+        key.encode() + b"\xff",
+        f"{setup.prefix}:old.binary_task:".encode() + b"\xff",
+    ]
+    for other in others:
+        client.set(other, b"not a lock", px=60_000)
+    lock = RedisLock(client, key, ttl=30, holder="task=t1 try=0 state=running node=n pid=1")
+    assert lock.acquire(blocking=False)
+    try:
+        assert [row["key"] for row in setup.listed() if "binary_task" in row["key"]] == [key]
+        summary = setup.cli("stats", "--json", "--limit", "0")
+        assert summary.exit_code == 0, summary.output
+        assert key in [row["key"] for row in json.loads(summary.stdout)["oldest"]["locks"]]
+        purged = setup.cli("purge", "--task", "old.binary_task", "--yes")
+        assert purged.exit_code == 0 and "released 1 of 1 lock(s)" in purged.stdout, purged.output
+        assert not lock.owned()
+    finally:
+        client.delete(*others, key)
+
+
 def test_listing_scans_with_the_prefix_escaped_and_never_uses_keys(
     fresh_server: RedisServer, prefix: str
 ) -> None:
