@@ -274,4 +274,13 @@ def _url_client(app: Any) -> tuple[Client, str, str]:
     if source == "broker_url" and url.startswith("rediss://") and isinstance(ssl, dict):
         options.update(ssl)
     transport_options = app_settings(app).transport_options or app.conf.get("broker_transport_options") or {}
-    return redis_client(url, transport_options, **options), masked(url), source
+    try:
+        client = redis_client(url, transport_options, **options)
+    except LockConfigurationError:
+        raise
+    except ValueError as exc:  # a broker URL: a redislock_url was checked with the settings
+        where = f"app {app.main or app!r}"
+        raise LockConfigurationError(
+            f"{where}: {source}={masked(url)!r} is not a URL redis-py reads: {exc}"
+        ) from None
+    return client, masked(url), source

@@ -457,6 +457,21 @@ def test_bad_input_gets_an_error_naming_it(setup: Setup, args: list[str], messag
     assert message in result.output
 
 
+def test_a_broker_url_redis_py_cannot_read_is_named(refused_port: int) -> None:
+    """The locks' URL taken from ``broker_url`` (no ``redislock_url``), which the settings'
+    check does not see: a URL redis-py refuses ended the command with a ``ValueError``
+    traceback. It is named, its password masked."""
+    app = make_app(f"redis://127.0.0.1:{refused_port}/0", f"p-{fresh()}", "q")
+    app.conf.update(redislock_url=None, broker_url="redis://user:secret@localhost:abc/0")
+    try:
+        result = run(app, "list")
+    finally:
+        app.close()
+    assert result.exit_code == 1
+    assert "broker_url='redis://user:**@localhost:abc/0'" in result.output
+    assert "Port could not be cast to integer" in result.output and "secret" not in result.output
+
+
 def test_a_key_that_holds_no_lock_is_named(setup: Setup) -> None:
     setup.recorder.push(f"{setup.prefix}:events", "not a lock")
     for command in ("show", "release"):
