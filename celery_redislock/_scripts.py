@@ -387,6 +387,15 @@ wake_next(fence_of(current), now_ms, now_us)
 return 1
 """
 
+_FORCE_RELEASE = """
+-- FORCE_RELEASE. KEYS[1] lock. ARGV[1] the token of a hold read from the lock by another than
+-- its owner (`celery redislock release`), ARGV[2] '', ARGV[3] the hold's fence.
+-- RELEASE (what follows) of that hold alone: the token and the fence both, as one token is not
+-- one hold when the hold is kept for its period (`kept_token`, that of every kept hold).
+-- Returns 1 when it is released, 0 when the lock holds another hold, or none: untouched.
+if fence_of(redis.call('GET', lock) or '') ~= tonumber(ARGV[3]) then return 0 end
+"""
+
 _LEAVE_QUEUE = """
 -- LEAVE_QUEUE. KEYS[1] lock (the queue, deadlines and wake lists are its companions).
 -- ARGV[1] a holder description.
@@ -676,5 +685,6 @@ def bulks(encoder: Any, values: Iterable[str | int]) -> list[bytes]:
 
 ACQUIRE = Script(_ACQUIRE_FAST, _ACQUIRE_GRANTED, _ACQUIRE, idempotent=True)
 RELEASE = Script(_RELEASE_FAST, _RELEASE)
+FORCE_RELEASE = Script(_FORCE_RELEASE, _RELEASE_FAST, _RELEASE)
 LEAVE_QUEUE = Script(_LEAVE_QUEUE)
 RENEW = Script(_RENEW)

@@ -15,13 +15,14 @@ Installed through Celery's ``celery.commands`` entry point:
 * ``purge --task NAME``: free every lock of one task, after a confirmation
   (``--yes`` skips it). Nothing frees every lock at once.
 
-A forced release runs the owner-checked release script with the token just
-read from the lock: it frees exactly the hold that was read (a hold taken over
-meanwhile is left alone and reported) and wakes the next waiter, as the
-owner's release would. It is logged (WARNING, ``celery_redislock.inventory``)
-with the key and the holder. The holder's watchdog finds the lock gone within one
-renewal interval and handles the loss per ``lock_on_lost``: a task goes on
-running unlocked unless that is ``"raise"`` or ``"terminate"``.
+A forced release runs the owner-checked release script with the token and the
+fence just read from the lock: it frees exactly the hold that was read (a hold
+taken over meanwhile, or kept for its period by a later run, is left alone and
+reported) and wakes the next waiter, as the owner's release would. It is logged
+(WARNING, ``celery_redislock.inventory``) with the key and the holder. The holder's
+watchdog finds the lock gone within one renewal interval and handles the loss per
+``lock_on_lost``: a task goes on running unlocked unless that is ``"raise"`` or
+``"terminate"``.
 """
 
 from __future__ import annotations

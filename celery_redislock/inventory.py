@@ -27,7 +27,7 @@ from redis.crc import key_slot
 
 from ._permit_scripts import LEAVE_PERMIT_QUEUE, RELEASE_PERMIT
 from ._redis import PooledConnection
-from ._scripts import LEAVE_QUEUE, RELEASE, Script, bulks, plain_client
+from ._scripts import FORCE_RELEASE, LEAVE_QUEUE, RELEASE, Script, bulks, plain_client
 from ._task_scripts import SETTLE
 from .attempt import companion_key
 from .connection import Client
@@ -353,7 +353,8 @@ def scan_keys(client: Client, prefix: str, task: str | None = None) -> Iterator[
 def force_release(client: Client, lock: HeldLock, why: str, limit: int | None = None) -> bool:
     """Free the hold ``lock`` describes, whoever holds it; whether it was freed.
 
-    ``False`` when that hold is gone or was taken over since it was read:
+    ``False`` when that hold is gone or was taken over since it was read (another token, or
+    another fence: every hold kept for its period has the same token, ``KEPT_TOKEN``):
     Redis is then unchanged. Logged at WARNING, naming ``why``. A permit is given back
     to its semaphore (``RELEASE_PERMIT``: its first waiter is woken, as by its holder),
     whose ``limit`` its users agree on, where known (else: at least the permit's number);
@@ -362,7 +363,7 @@ def force_release(client: Client, lock: HeldLock, why: str, limit: int | None = 
     """
     permit = permit_of(lock.key)
     if permit is None or (limit is not None and permit[1] > limit):
-        released = release_token(client, lock.key, lock.token)
+        released = bool(int(FORCE_RELEASE(client, [lock.key], [lock.token, "", lock.fence])))
     else:  # the script reads permits 1..limit, where the token is found and a waiter handed one
         limit = permit[1] if limit is None else limit
         released = bool(int(RELEASE_PERMIT(client, [permit[0]], [lock.token, "", limit])))

@@ -29,7 +29,7 @@ from kombu.utils import json as kombu_json
 from celery_redislock import LockNotOwned, RedisLock, RedisSemaphore, task_lock_key
 from celery_redislock.cli import force_release, read_lock, redislock
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import parse_value
+from celery_redislock.protocol import LockValue, parse_value
 from celery_redislock.testing import RedisServer
 from examples._support import QUEUE, ROOT, Worker
 from tests.conftest import calls_since, command_calls
@@ -171,6 +171,36 @@ def test_list_shows_a_lock_kept_for_its_period_as_kept(setup: Setup) -> None:
     line = next(line for line in setup.cli("list").stdout.splitlines() if key in line)
     assert line.split()[:4] == ["taskapp.until_expired", result.id, "0", "kept"]
     client.delete(key)
+
+
+def test_a_forced_release_frees_only_the_kept_hold_it_read(setup: Setup) -> None:
+    """``until_expired``: a hold kept for its period is owned by no token (``KEPT_TOKEN``), the
+    same for every kept hold. A forced release of one read earlier (``purge`` shows its table,
+    then asks) freed whichever hold was kept at the key by then: a later run's, its period just
+    begun, which was never shown. It frees only the hold it read (its fence, too)."""
+    x, task = fresh(), setup.task("until_expired")
+    key, client = task_lock_key(task, (x,)), setup.recorder.client
+
+    def kept_run() -> LockValue:
+        assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
+        value = wait_for(
+            lambda: (held := parse_value(client.get(key))) is not None and held.kept and held,
+            what="the run to keep its lock",
+        )
+        assert isinstance(value, LockValue)
+        return value
+
+    kept_run()
+    read = read_lock(client, key, setup.prefix)
+    assert read is not None and read.state == "kept"
+    client.delete(key)  # its period ends
+    later = kept_run()
+    assert later.fence > read.fence
+    try:
+        assert not force_release(client, read, "a test")
+        assert parse_value(client.get(key)) == later
+    finally:
+        client.delete(key)
 
 
 def test_enqueue_locks_are_listed_as_queued_and_released_by_task_and_arguments(setup: Setup) -> None:
