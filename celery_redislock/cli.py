@@ -15,6 +15,8 @@ Installed through Celery's ``celery.commands`` entry point:
 * ``purge --task NAME``: free every lock of one task, after a confirmation
   (``--yes`` skips it). Nothing frees every lock at once.
 
+``release`` and ``purge`` exit with status 1 when a lock they read was not freed.
+
 A forced release runs the owner-checked release script with the token and the
 fence just read from the lock: it frees exactly the hold that was read (a hold
 taken over meanwhile, or kept for its period by a later run, is left alone and
@@ -217,7 +219,7 @@ def _released(context: _Context, lock: HeldLock, why: str) -> bool:
         return True
     now = read_lock(context.client, lock.key, context.prefix)
     now_held = f"now held by {now.holder}" if now is not None else "now free"
-    click.echo(f"not released {lock.key}: it changed hands while being released ({now_held})", err=True)
+    click.echo(f"not released {lock.key}: it changed hands since it was read ({now_held})", err=True)
     return False
 
 
@@ -281,6 +283,8 @@ def purge(ctx: click.Context, task_name: str, yes: bool) -> None:
     why = f"by hand, celery redislock purge --task {task_name}"
     freed = sum(_released(context, lock, why) for lock in locks)
     click.echo(f"released {freed} of {len(locks)} lock(s) of task {task_name!r}")
+    if freed < len(locks):
+        ctx.exit(1)
 
 
 #: ``stats``' lists of locks: (JSON key, title, columns).

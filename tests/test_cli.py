@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import click
 import pytest
 from celery import Celery
 from celery.bin.base import CLIContext
@@ -414,6 +415,36 @@ def test_purge_asks_first_and_frees_only_that_tasks_locks(setup: Setup) -> None:
     quiet = setup.cli("purge", "--task", "taskapp.refuse", "--yes")
     assert quiet.exit_code == 0 and "Release these" not in quiet.output
     assert held("taskapp.refuse") == set()
+
+
+def test_purge_exits_1_when_a_lock_changed_hands_before_it_was_confirmed(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``purge`` frees the holds it showed once asked: one that changed hands meanwhile is left
+    to its new holder and reported (``not released``), and the command exits 1, as ``release``
+    does (docs/operations.md), not 0 with a lock of the task still held."""
+    client = setup.recorder.client
+    key = f"{setup.prefix}:old.handed_task:{'cd' * 32}"
+    shown, later = (
+        RedisLock(client, key, ttl=30, holder=f"task={task_id} try=0 state=running node=n pid=1")
+        for task_id in ("t1", "t2")
+    )
+    assert shown.acquire(blocking=False)
+
+    def confirmed(text: str, **options: Any) -> bool:  # the user says yes once it changed hands
+        shown.release()
+        assert later.acquire(blocking=False)
+        return True
+
+    monkeypatch.setattr(click, "confirm", confirmed)
+    try:
+        purged = setup.cli("purge", "--task", "old.handed_task")
+        assert f"not released {key}: it changed hands" in purged.output
+        assert "released 0 of 1 lock(s)" in purged.stdout
+        assert purged.exit_code == 1, purged.output
+        assert later.owned()
+    finally:
+        later.release()
 
 
 def test_purge_takes_a_task_name_the_app_no_longer_has_if_it_has_locks(setup: Setup) -> None:
