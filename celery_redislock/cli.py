@@ -4,7 +4,8 @@ Installed through Celery's ``celery.commands`` entry point:
 
 * ``list [--task NAME] [--json]``: the locks held under the app's prefix
   (found with SCAN, never KEYS): task, holder task id, attempt, state
-  (``queued``: an enqueue lock whose message waits; ``running``), the task's
+  (``queued``: an enqueue lock whose message waits; ``running``; ``kept``: an
+  ``until_expired`` lock through its period after its run), the task's
   ``lock_mode``, the node and pid that took it, TTL left and fence;
 * ``show KEY``: one lock, and how many wait for it;
 * ``stats [--json] [--limit N]``: a summary of every lock under the prefix
