@@ -43,7 +43,7 @@ from kombu.utils import json as kombu_json
 from ._permit_scripts import MAX_LIMIT
 from .config import AppSettings, LockOptions, app_settings, bound_options
 from .connection import Client, client_for
-from .exceptions import RedisLockError
+from .exceptions import LockConfigurationError, RedisLockError
 from .inventory import HeldLock, force_release, held_locks, read_lock, read_locks
 from .modes import QUEUED_SUFFIXES
 from .semaphore import PermitBook
@@ -191,7 +191,19 @@ def _existing(context: _Context, key: str) -> HeldLock:
         return lock
     if context.client.exists(key):
         raise click.ClickException(f"key {key!r} holds no lock (not a celery-redislock lock value)")
+    permits = _permits_held(context, key)
+    if permits:  # a semaphore's name (a call of a task with a lock_limit above 1): its holds
+        raise click.ClickException(f"no lock at key {key!r}; its permits are held: {', '.join(permits)}")
     raise click.ClickException(f"no lock at key {key!r} in Redis at {context.url} (free, or never taken)")
+
+
+def _permits_held(context: _Context, name: str) -> list[str]:
+    """The keys of the permits held of the semaphore ``name`` (none for a name no semaphore can have)."""
+    try:
+        keys = PermitBook(name, MAX_LIMIT).keys
+    except LockConfigurationError:
+        return []
+    return [lock.key for lock in read_locks(context.client, keys, context.prefix)]
 
 
 def _json_option(option: str, text: str, kind: type) -> Any:

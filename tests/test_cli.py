@@ -334,6 +334,32 @@ def test_a_limited_tasks_permits_are_listed_and_released_by_call_and_purged(setu
     assert setup.recorder.client.exists(*(companion_key(key, f"permit:{i}") for i in (1, 2, 3))) == 0
 
 
+def test_the_key_of_a_limited_call_is_not_called_free_while_its_permits_are_held(setup: Setup) -> None:
+    """The key of a call of a task with ``lock_limit`` above 1 (``task_lock_key``'s) names a
+    semaphore, whose holds are its permits: ``show`` and ``release`` of that key said "free, or
+    never taken" while runs held them. They name the permits held instead, and free nothing."""
+    task, x = setup.task("limited"), fresh()
+    key = task_lock_key(task, (x,))
+    client = setup.recorder.client
+    runs = [
+        RedisSemaphore(client, key, 3, ttl=30, holder=f"task={fresh()} try=0 state=running node=n pid=1")
+        for _ in range(2)
+    ]
+    for permit in runs:
+        assert permit.acquire(blocking=False)
+    try:
+        for command in ("show", "release"):
+            result = setup.cli(command, key)
+            assert result.exit_code == 1
+            assert "free, or never taken" not in result.output
+            held = ", ".join(companion_key(key, f"permit:{i}") for i in (1, 2))
+            assert f"no lock at key {key!r}; its permits are held: {held}" in result.output
+        assert all(permit.owned() for permit in runs)
+    finally:
+        for permit in runs:
+            permit.release()
+
+
 def test_releasing_a_permit_by_key_wakes_its_semaphores_waiter(setup: Setup) -> None:
     client = setup.recorder.client
     name = f"{setup.prefix}:sem-{fresh()}"
