@@ -39,7 +39,7 @@ from .protocol import message_continues_hold, message_ticket, request_continues_
 from .state import app_state, app_states, running
 from .telemetry import log_fields
 
-__all__ = ["RunRequests", "after_run", "free_unkeyed_ticket", "install"]
+__all__ = ["RunRequests", "after_run", "free_dropped_ticket", "free_unkeyed_ticket", "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,22 +199,29 @@ def _free_revoked(
 
 
 def _free_unrunnable(sender: Any = None, message: Any = None, name: str | None = None, **_: Any) -> None:
-    """``task_unknown`` / ``task_rejected`` (worker main process; ``sender``: its consumer): a
-    message that will never run frees the enqueue lock it carries, or, a retry's or a
-    replacement's, gives up the hold of the run it continues (``give_up_ticket``), with its
-    task's options (the task its headers name, ``name`` for ``task_unknown``)."""
+    """``task_unknown`` / ``task_rejected`` (worker main process; ``sender``: its consumer):
+    ``free_dropped_ticket``."""
+    free_dropped_ticket(sender, message, name)
+
+
+def free_dropped_ticket(consumer: Any, message: Any, name: str | None = None) -> None:
+    """A message the worker's ``consumer`` drops (it will never run: an unknown task, a message
+    rejected, or one whose body cannot be decoded) frees the enqueue lock it carries, or, a
+    retry's or a replacement's, gives up the hold of the run it continues (``give_up_ticket``),
+    with its task's options (the task its headers name, or ``name``). Read from the message's
+    headers alone: its body may be unreadable."""
     headers = getattr(message, "headers", None)
     fields: Mapping[str, Any] = headers if isinstance(headers, Mapping) else {}
-    ticket, app = message_ticket(fields), getattr(sender, "app", None)
+    ticket, app = message_ticket(fields), getattr(consumer, "app", None)
     if ticket is None or app is None:
         return
     name = name or fields.get("task")
     # The options of a task this app registers: a rejected message's (invalid, or of a content
-    # type the worker does not accept), or an unknown one's registered after the worker started.
-    # Of a task it does not register (another app's, another release's), the mode, period and
-    # queue ttl are unknown: no options (``give_up_ticket``: a hold parked already is let go of
-    # with the period its holder names, as its run would; one not parked yet is marked declined,
-    # and its run's park lets go of it as its mode says).
+    # type the worker does not accept), an undecodable one's, or an unknown one's registered
+    # after the worker started. Of a task it does not register (another app's, another
+    # release's), the mode, period and queue ttl are unknown: no options (``give_up_ticket``: a
+    # hold parked already is let go of with the period its holder names, as its run would; one
+    # not parked yet is marked declined, and its run's park lets go of it as its mode says).
     task = app.tasks.get(name) if isinstance(name, str) else None
     why = f"message for {name or 'an invalid task'} dropped"
     _release_ticket_logged(app, ticket, why, message_continues_hold(fields), bound_options(task))

@@ -1,4 +1,5 @@
-"""The worker main process's side of ``LockedTask``: freeing the lock of a pool child that died.
+"""The worker main process's side of ``LockedTask``: freeing the lock of a pool child that died,
+and the enqueue lock of a message whose body cannot be decoded (``strategy``).
 
 When a prefork child dies mid-task (SIGKILL, OOM, a hard time limit,
 ``revoke(terminate=True)``, ``lock_on_lost="terminate"``), nothing in it can
@@ -32,11 +33,14 @@ import logging
 import os
 import select
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
+from celery.worker.strategy import default as default_strategy
+from kombu.exceptions import DecodeError
 
 from ._process import current_pid
 from .config import LockOptions, bound_options
@@ -45,11 +49,12 @@ from .enqueue import give_up_ticket
 from .inventory import leave_queue_of, release_held_by, settle_held_by
 from .lost_retry import LostRun, retrying
 from .protocol import holder_for, message_continues_hold, message_ticket, sent_attempt
+from .receivers import free_dropped_ticket
 from .semaphore import release_permit_held_by
 from .task import task_lock_key
 from .telemetry import crash_released, log_fields
 
-__all__ = ["LockedRequest"]
+__all__ = ["LockedRequest", "strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,25 @@ CHILD_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
 #: Longest wait (seconds) for a child past its hard time limit to terminate (SIGKILL follows 0.1 s
 #: after it is told); past it, its lock is left to its lease.
 CHILD_EXIT_TIMEOUT = 60.0
+
+
+def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Callable[..., Any]:
+    """``LockedTask.Strategy``: Celery's default strategy for the messages of ``task`` in the
+    worker's main process, but a message whose body cannot be decoded (corrupt: ``DecodeError``)
+    frees the enqueue lock its headers carry (``free_dropped_ticket``), then goes on to Celery's
+    consumer, which logs it and acknowledges it (``on_decode_error``, which sends no signal): it
+    will never run, and must not hold its arguments' lock for ``lock_queue_ttl``. (A content
+    type the worker does not accept is rejected with ``task_rejected``, whose receiver frees it.)"""
+    handle = default_strategy(task, app, consumer, **options)
+
+    def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **more: Any) -> Any:
+        try:
+            return handle(message, body, ack, reject, callbacks, **more)
+        except DecodeError:
+            free_dropped_ticket(consumer, message)
+            raise
+
+    return on_message
 
 
 class LockedRequest(Request):

@@ -81,6 +81,7 @@ class LockedTask(OnCommit):
     """
 
     Request = "celery_redislock.request:LockedRequest"
+    Strategy = "celery_redislock.request:strategy"
 
     #: When the lock is held: ``"while_executing"`` (the body's run), ``"until_executing"``
     #: (from ``apply_async`` until the run starts), ``"until_executed"`` (from ``apply_async``

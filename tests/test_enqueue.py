@@ -3,6 +3,8 @@ the lock handed to the worker, kept or released as each mode says."""
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import threading
@@ -273,6 +275,36 @@ def test_a_publish_error_releases_the_enqueue_lock(app: Celery) -> None:
         task.delay(x, blob=object())  # keyed by x alone, but the message cannot be encoded
     assert not recorder(app).client.exists(task_lock_key(task, (x,)))
     assert queued(app) == 0
+
+
+@pytest.mark.parametrize("mode", ["until_executing", "until_executed", "until_and_while_executing"])
+@pytest.mark.parametrize("damage", ["a_body_that_does_not_decode", "a_content_type_the_worker_refuses"])
+def test_a_message_the_worker_cannot_decode_frees_its_enqueue_lock(
+    app: Celery, mode: str, damage: str
+) -> None:
+    """A message whose body the worker cannot read: corrupt (Celery's consumer logs the
+    ``DecodeError`` and acknowledges it, ``on_decode_error``, which sends no signal), or of a
+    content type the worker does not accept (``ContentDisallowed``: ``task_rejected``). It never
+    runs: its enqueue lock, read from its headers, is freed as it is dropped, so that the next
+    call of its arguments is sent and runs rather than being refused for ``lock_queue_ttl``."""
+    x, task, client = fresh(), app.tasks[f"taskapp.{mode}"], recorder(app).client
+    idle = f"{app.conf.task_default_queue}-idle"  # no worker consumes it
+    key = task_lock_key(task, (x,))
+    task.apply_async((x,), queue=idle)
+    popped = client.rpop(idle)
+    assert isinstance(popped, bytes), f"{idle} holds {popped!r}"
+    sent = json.loads(popped)  # kombu's Redis envelope: the body base64-encoded
+    if damage == "a_body_that_does_not_decode":
+        sent["body"] = base64.b64encode(b"{not json").decode()
+    else:
+        sent["content-type"] = "application/x-python-serialize"  # pickle: not in accept_content
+    client.lpush(app.conf.task_default_queue, json.dumps(sent))
+    with worker(app):
+        after = fresh()  # consumed after the damaged message (FIFO): it was dropped by then
+        assert task.delay(after).get(timeout=RESULT_TIMEOUT) == after
+        assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
+        assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
+    assert len(starts(app, x)) == 1
 
 
 def test_a_chord_of_identical_signatures_runs_every_member(app: Celery) -> None:
