@@ -225,6 +225,8 @@ def checked_delay(task: Any, options: Mapping[str, Any]) -> float:
             )
         except (TypeError, ValueError, OverflowError, AttributeError):  # AttributeError: a date
             valid = False
+        if name == "eta" and isinstance(value, (int, float)):  # seconds: ``expires``' form, not ``eta``'s
+            valid = False
         if not valid:
             raise LockConfigurationError(
                 f"task {task.name!r}: {name}={value!r} is not valid; allowed: {allowed}"

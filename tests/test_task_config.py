@@ -200,16 +200,30 @@ def test_unkeyable_arguments_fail_at_apply_async_before_sending(
 
 
 @pytest.mark.parametrize(
+    "mode", ["until_executing", "until_executed", "until_and_while_executing", "until_expired"]
+)
+@pytest.mark.parametrize(
     ("option", "value"),
-    [("countdown", float("nan")), ("countdown", "soon"), ("eta", "tomorrow"), ("expires", "never")],
+    [
+        ("countdown", float("nan")),
+        ("countdown", "soon"),
+        ("eta", "tomorrow"),
+        ("eta", 123),
+        ("eta", [1]),
+        ("expires", "never"),
+        ("expires", [1]),
+    ],
 )
 def test_a_bad_countdown_eta_or_expires_is_named_before_the_enqueue_lock(
-    app: Celery, client: redis.Redis, prefix: str, option: str, value: object
+    app: Celery, client: redis.Redis, prefix: str, mode: str, option: str, value: object
 ) -> None:
     """An enqueue lock's TTL is read from them: a NaN countdown raised ``ttl must be finite``,
-    an option the call never named, and the others a bare ``ValueError`` naming none."""
-    task = define(app, lock_mode="until_executed")
-    with pytest.raises(LockConfigurationError, match=rf"task 'cfg\.add': {option}={value!r} is not valid"):
+    an option the call never named, and the others a bare ``ValueError`` naming none; an ``eta``
+    in seconds (which ``expires`` takes, not ``eta``) was taken as one, and the send then failed
+    with Celery's ``AttributeError: 'int' object has no attribute 'isoformat'``, naming none."""
+    task = define(app, lock_mode=mode, lock_period=60 if mode == "until_expired" else None)
+    message = f"task 'cfg.add': {option}={value!r} is not valid"
+    with pytest.raises(LockConfigurationError, match=re.escape(message)):
         task.apply_async((1,), **{option: value})
     assert client.llen(f"q-{prefix}") == 0
     assert nothing_under(client, prefix)
