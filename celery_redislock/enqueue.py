@@ -28,7 +28,10 @@ taken afresh is released. With ``"replace"`` (``UNREPLACE``) the lock goes
 back to the message it was taken from, no longer superseded, unless a worker
 dropped that message already; then it is freed. If a later call took the
 lock over meanwhile, that call's message stands, and its own undo would give
-the lock back past the unsent message. A superseded message is marked until
+the lock back past the unsent message. An undo that fails too (Redis cut
+off) leaves the lock to its ttl: under ``redislock_on_error="fail"`` nothing
+is sent; under ``"run"`` the message is sent carrying the ticket all the same,
+and its worker adopts or frees what the take left. A superseded message is marked until
 a worker meets it, for as long as either lock could live: a copy of it
 delivered again is dropped too.
 """
@@ -161,14 +164,23 @@ def _send_locked(
             _undo(task, key, task_id, undo)  # nothing was sent: the lock must not name it
         if not failed:
             raise
-        # the take failed (not replicated: as unreachable): as ``redislock_on_error`` says
-        where = f"task {task.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
-        if task.lock_settings.on_error == "fail":
-            raise RedisLockError(where) from exc
-        unlocked = log_fields(key, task_id, outcome="unlocked")
-        logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
+        _take_failed(task, key, task_id, url, exc)  # raises under redislock_on_error="fail"
+        # The take may have reached Redis (its reply lost) and its undo failed: the message carries
+        # the ticket all the same, so that its worker adopts or frees what it left, owner-checked.
+        headers[HEADER] = {"key": key, "token": token, FRESH: True}
         return send(task_id), None
     return None, busy
+
+
+def _take_failed(task: Any, key: str, task_id: str, url: str, exc: BaseException) -> None:
+    """The take of the enqueue lock ``key`` failed (``exc``: a Redis error, or not replicated: as
+    unreachable): as ``redislock_on_error`` says, raise ``RedisLockError`` (``"fail"``), or log
+    that the message is sent unlocked (``"run"``)."""
+    where = f"task {task.name!r}[{task_id}]: could not take enqueue lock {key!r} at {url}: {exc}"
+    if task.lock_settings.on_error == "fail":
+        raise RedisLockError(where) from exc
+    unlocked = log_fields(key, task_id, outcome="unlocked")
+    logger.warning("%s; sending it unlocked (redislock_on_error='run')", where, extra=unlocked)
 
 
 def _dispatched(options: Mapping[str, Any]) -> bool:

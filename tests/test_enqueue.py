@@ -30,8 +30,9 @@ from celery_redislock.lock import companion_key
 from celery_redislock.protocol import HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
+from tests.interrupts import Arm, on_this_thread
 from tests.invariants import stored
-from tests.taskapp import recorder
+from tests.taskapp import make_app, recorder
 from tests.workers import runs_over, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
@@ -305,6 +306,61 @@ def test_a_message_the_worker_cannot_decode_frees_its_enqueue_lock(
         assert not client.exists(key), f"left: {client.get(key)!r}, {client.pttl(key)} ms"
         assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
     assert len(starts(app, x)) == 1
+
+
+def cut_off_after_the_take(
+    app: Celery, key: str, interrupt_read: Arm, monkeypatch: pytest.MonkeyPatch
+) -> threading.Event:
+    """From now on, this thread's first script call is cut off once it ran (its reply lost: a
+    ``ConnectionError`` once the lock ``key`` is in Redis), and every script call naming ``key``
+    fails to be sent (Redis unreachable) until the returned event is cleared: the take of an
+    enqueue lock whose undo fails too. Commands other than scripts (the broker's) go through."""
+    down, client = threading.Event(), recorder(app).client
+    send: Any = redis.connection.AbstractConnection.send_packed_command
+
+    def failing_send(self: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+        data = b"".join(command) if isinstance(command, list) else bytes(command)
+        if down.is_set() and b"EVALSHA" in data and key.encode() in data:
+            raise redis.ConnectionError("injected: Redis unreachable")
+        return send(self, command, *args, **kwargs)
+
+    def taken() -> None:
+        wait_for(lambda: client.exists(key), what="the take to reach Redis")
+        down.set()
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", failing_send)
+    interrupt_read(on_this_thread(), error=redis.ConnectionError, then=taken)
+    return down
+
+
+@pytest.mark.parametrize("mode", ["until_executing", "until_executed", "until_and_while_executing"])
+def test_a_take_whose_reply_and_undo_are_lost_still_lets_the_unlocked_message_run_and_free_it(
+    redis_server: RedisServer, prefix: str, interrupt_read: Arm, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """``redislock_on_error="run"``: the enqueue lock's take reaches Redis, its reply is lost and
+    its undo cannot be sent. The message is sent, as the setting says; it carries the ticket all
+    the same, so that its worker adopts or frees the lock the take left, owner-checked. Before,
+    it was sent without it: ``until_executed``'s run found its own message's lock held and was
+    skipped, its body never run, and in every mode the lock refused each later call of its
+    arguments for ``lock_queue_ttl``."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_on_error="run")
+    try:
+        x, task, client = fresh(), app.tasks[f"taskapp.{mode}"], recorder(app).client
+        key = task_lock_key(task, (x,)) + (":queued" if mode == "until_and_while_executing" else "")
+        task.delay(fresh())  # the connection made and the scripts loaded: the next call is the take
+        down = cut_off_after_the_take(app, key, interrupt_read, monkeypatch)
+        sent = task.delay(x)
+        down.clear()
+        assert client.exists(key), "the take left no lock: nothing to test"
+        with worker(app):
+            assert sent.get(timeout=RESULT_TIMEOUT) == x
+            wait_for(lambda: not client.exists(key), what="the lock the take left to go")
+            again = task.delay(x)
+            assert again.id != sent.id
+            assert again.get(timeout=RESULT_TIMEOUT) == x
+        assert len(starts(app, x)) == 2
+    finally:
+        app.close()
 
 
 def test_a_chord_of_identical_signatures_runs_every_member(app: Celery) -> None:
