@@ -22,7 +22,7 @@ from celery.result import GroupResult
 from celery.signals import after_task_publish, task_prerun
 from kombu.exceptions import EncodeError
 
-from celery_redislock import DuplicateTask, LockedTask, signals, task_lock_key
+from celery_redislock import DuplicateTask, LockedTask, RedisLockError, signals, task_lock_key
 from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock._task_scripts import ADOPT, SETTLE, WATCH
 from celery_redislock.attempt import Attempt
@@ -361,6 +361,26 @@ def test_a_take_whose_reply_and_undo_are_lost_still_lets_the_unlocked_message_ru
         assert len(starts(app, x)) == 2
     finally:
         app.close()
+
+
+def test_a_take_whose_reply_and_undo_are_lost_under_fail_raises_and_leaves_the_lock_to_its_ttl(
+    app: Celery, interrupt_read: Arm, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``redislock_on_error="fail"`` (the default), the take cut off as above: ``apply_async``
+    raises ``RedisLockError`` naming the key, nothing is sent, and the lock stays until it expires
+    (``lock_queue_ttl``), a WARNING naming its key (docs/design.md: ``redislock release KEY``)."""
+    x, warm, task, client = fresh(), fresh(), app.tasks["taskapp.until_executed"], recorder(app).client
+    key = task_lock_key(task, (x,))
+    task.delay(warm)  # the connection made and the scripts loaded: the next call is the take
+    down = cut_off_after_the_take(app, key, interrupt_read, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="celery_redislock"), pytest.raises(RedisLockError) as raised:
+        task.delay(x)
+    down.clear()
+    assert f"could not take enqueue lock {key!r}" in str(raised.value)
+    assert any(key in record.getMessage() for record in caplog.records if record.levelno == logging.WARNING)
+    assert queued(app) == 1  # the first call's message alone
+    assert 0 < client.pttl(key) <= 3_600_000
+    client.delete(key, task_lock_key(task, (warm,)))  # the second: its message is never consumed
 
 
 def test_a_chord_of_identical_signatures_runs_every_member(app: Celery) -> None:
