@@ -195,7 +195,7 @@ def _loan(pool: Any) -> _Loan | None:
         if loan is None:
             return None
         try:
-            loan.connection = pool.get_connection()
+            loan.connection = _checkout(pool)
         except BaseException:
             _LENDING.give_up(pool, loan)
             raise
@@ -241,7 +241,7 @@ class PooledConnection:
     def __enter__(self) -> Any:
         self.loan = loan = _loan(self.pool)
         if loan is None:
-            self.connection = self.pool.get_connection()
+            self.connection = _checkout(self.pool)
             return self.connection
         self.connection = connection = loan.connection
         try:
@@ -321,12 +321,38 @@ def _connect_clean(connection: Any, fresh: bool = False) -> bool:
     were looked at). A connected one is not asked to connect: redis-py 8's ``connect()`` runs its
     retry policy even then."""
     if getattr(connection, "_sock", None) is None:  # its private socket (see ``_stale``)
-        connection.connect()
+        _connect(connection)
     stale = _stale(connection, fresh)
     if stale:
         connection.disconnect()
-        connection.connect()
+        _connect(connection)
     return stale is not None
+
+
+def _checkout(pool: Any) -> Any:
+    """``pool.get_connection()``: a connection of ``pool``, connected. Cut short in its handshake
+    by anything but a Redis error (an interrupt, a soft time limit: redis-py cleans up after a
+    Redis error only), the pool's idle connections are dropped, connected afresh on their next
+    use: redis-py put the half-connected one back among them, where it counts as connected, the
+    handshake's reply maybe unread (the next exchange on it would read it as its own) or its
+    database not selected yet."""
+    try:
+        return pool.get_connection()
+    except redis.exceptions.RedisError:
+        raise
+    except BaseException:
+        pool.disconnect(inuse_connections=False)
+        raise
+
+
+def _connect(connection: Any) -> None:
+    """``connection.connect()``; cut short in its handshake by anything but a Redis error (see
+    ``_checkout``), it is dropped, not left counting as connected."""
+    try:
+        connection.connect()
+    except BaseException:
+        connection.disconnect()
+        raise
 
 
 def _stale(connection: Any, fresh: bool = False) -> bool | None:

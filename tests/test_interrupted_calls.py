@@ -299,3 +299,77 @@ def test_an_interrupted_shortening_extend_does_not_let_the_hold_expire_under_its
         other.release()
     assert not taken, f"a second holder took the key while the first held it (lost: {lock.lost.is_set()})"
     lock.release()
+
+
+@pytest.mark.parametrize("when", ["first call", "reconnecting"])
+def test_an_interrupted_connection_handshake_leaves_the_client_reading_its_own_replies(
+    fresh_server: RedisServer,
+    prefix: str,
+    when: str,
+    interrupt_read: Arm,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A semaphore's acquire is interrupted in a connection's handshake, HELLO sent and its reply
+    not read (the server held up, SIGSTOP, until the next command is sent): the first call of a
+    fresh client (redis-py puts the half-connected connection back in its pool, where it counts
+    as connected), or the undo of an acquire interrupted after its send, which connects afresh
+    (the interrupted exchange dropped its connection). The calls that follow read their own
+    replies, not the handshake's. (A lock's undo, or a lock's next acquire, reads it without
+    noticing, and leaves its own reply for the next call to read as its answer.)"""
+    other = fresh_server.client()
+    theirs = RedisLock(other, f"{prefix}:b", ttl=30)
+    assert theirs.acquire(blocking=False)
+    client, name = fresh_server.client(), f"{prefix}:a"
+    mine = RedisSemaphore(client, name, 2, ttl=30)
+    thread, handshaking = threading.current_thread(), threading.local()
+    on_connect = redis.connection.AbstractConnection.on_connect_check_health
+    send = redis.connection.AbstractConnection.send_packed_command
+    resumed: list[int] = []
+
+    def on_connect_check_health(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handshaking.now = True
+        try:
+            return on_connect(self, *args, **kwargs)
+        finally:
+            handshaking.now = False
+
+    def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
+        send(self, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        if fired and not resumed and threading.current_thread() is thread:
+            resumed.append(1)  # the first command after the interrupted handshake is on its way
+            os.kill(fresh_server.pid, signal.SIGCONT)
+
+    def stop_the_server() -> None:  # the handshake's reply comes only once resumed
+        os.kill(fresh_server.pid, signal.SIGSTOP)
+
+    def in_a_handshake() -> bool:
+        return threading.current_thread() is thread and getattr(handshaking, "now", False)
+
+    patch = redis.connection.AbstractConnection
+    monkeypatch.setattr(patch, "on_connect_check_health", on_connect_check_health)
+    if when == "first call":
+        stop_the_server()
+    else:
+        client.script_load(ACQUIRE_PERMIT.source)  # the acquire's read is its own reply's
+        assert RedisLock(client, f"{prefix}:c", ttl=30).acquire(blocking=False)  # connected
+        client.delete(f"{prefix}:c")
+        at_its_read = on_this_thread()
+        interrupt_read(lambda: at_its_read() and not in_a_handshake(), then=stop_the_server)
+    fired = interrupt_read(in_a_handshake)
+    monkeypatch.setattr(patch, "send_packed_command", send_packed_command)
+    try:
+        with pytest.raises(Interrupt):
+            mine.acquire(blocking=False)
+        assert fired
+        assert_right_answers(client, prefix)
+    finally:
+        os.kill(fresh_server.pid, signal.SIGCONT)
+    assert resumed
+    monkeypatch.undo()
+    assert not [record.getMessage() for record in caplog.records if "could not leave" in record.getMessage()]
+    assert not mine.held()
+    if when == "reconnecting":  # its undo was cut short: a permit it was granted is left to expire
+        client.delete(*held_keys(name))
+    assert not client.exists(*held_keys(name))
+    theirs.release()
