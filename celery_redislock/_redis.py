@@ -401,6 +401,19 @@ FRESH_FOR = 0.5
 _POLL = getattr(select, "poll", None)
 
 
+#: ``reply_grace`` of a client without a ``socket_timeout`` (one that would wait forever).
+REPLY_GRACE = 5.0
+
+
+def reply_grace(client: Any) -> float:
+    """How late past its own timeout a blocking command's reply (BLPOP's) may come before the
+    server counts as gone (seconds): as long as the client waits for any other reply, its
+    ``socket_timeout``, else ``REPLY_GRACE``. A server busy with another client's long command
+    (a script, a big ``KEYS``) answers everyone late, its blocked clients too."""
+    timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+    return float(timeout) if timeout else REPLY_GRACE
+
+
 def call_with_timeout(client: redis.Redis, timeout: float, *command: str | int) -> Any:
     """Send ``command`` and wait at most ``timeout`` seconds for the reply to start.
 

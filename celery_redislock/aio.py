@@ -40,7 +40,7 @@ from redis.exceptions import NoScriptError
 
 from . import telemetry
 from ._durations import Duration, to_ms
-from ._redis import call_with_timeout_async, deadline
+from ._redis import call_with_timeout_async, deadline, reply_grace
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script
 from .attempt import Attempt, LockCore, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
@@ -287,7 +287,8 @@ class AsyncOneKey:
         """Blocks until woken by a release, the holder's TTL runs out, or the deadline."""
         wait = attempt.pause()
         key = self.wake_prefix + attempt.token
-        reply = await call_with_timeout_async(self.client, wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+        grace = reply_grace(self.client)
+        reply = await call_with_timeout_async(self.client, wait + grace, "BLPOP", key, f"{wait:.3f}")
         return None if reply is None else reply[1]
 
     async def abandon(self, token: str, member: str) -> None:

@@ -25,7 +25,7 @@ import redis
 import redis.cluster
 
 from ._durations import Duration, seconds, to_ms
-from ._redis import PooledConnection, call_with_timeout, node_client, send_later
+from ._redis import PooledConnection, call_with_timeout, node_client, reply_grace, send_later
 from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
@@ -147,7 +147,8 @@ class OneServer:
         wait = attempt.pause()
         key = self._wake_prefix + attempt.token
         try:
-            reply = call_with_timeout(node_client(self.client, key), wait + 1.0, "BLPOP", key, f"{wait:.3f}")
+            node = node_client(self.client, key)
+            reply = call_with_timeout(node, wait + reply_grace(node), "BLPOP", key, f"{wait:.3f}")
         except (redis.exceptions.MovedError, redis.exceptions.AskError):
             return None  # a Cluster moving the slot: try again through the client, which follows it
         return None if reply is None else reply[1]

@@ -12,6 +12,7 @@ import gc
 import os
 import shutil
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -175,6 +176,34 @@ def calls_in(stats: dict[str, Any]) -> dict[str, int]:
 def calls_since(client: redis.Redis, before: dict[str, int]) -> dict[str, int]:
     after = command_calls(client)
     return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
+
+
+#: A script that keeps its server busy for ARGV[1] ms: Redis runs one command at a time, so every
+#: other client's reply waits, as it would behind another application's long command.
+BUSY_SCRIPT = """
+local function now_ms() local t = redis.call('TIME'); return t[1] * 1000 + t[2] / 1000 end
+local till = now_ms() + tonumber(ARGV[1])
+while now_ms() < till do end
+return 1
+"""
+
+
+def busy_for(server: RedisServer, seconds: float) -> threading.Thread:
+    """Keep ``server`` busy for ``seconds``, from a thread started now (joined by the caller)."""
+    busy = server.client(socket_timeout=seconds + 30)
+
+    def run() -> None:
+        busy.eval(BUSY_SCRIPT, 0, int(seconds * 1000))
+        busy.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def blocked_clients(client: redis.Redis) -> int:
+    """How many clients of ``client``'s server are blocked (a BLPOP's, say)."""
+    return sum("b" in entry["flags"] for entry in client.client_list())
 
 
 # -- topologies: one server, Redlock over three, a Cluster, a Sentinel-watched primary ------------

@@ -27,6 +27,7 @@ from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import Lease
+from tests.conftest import blocked_clients, busy_for
 from tests.taskapp import LEASE
 
 
@@ -48,6 +49,31 @@ async def until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
     while not await condition():
         assert time.monotonic() < deadline, f"never: {what}"
         await asyncio.sleep(0.005)  # poll the condition against the deadline
+
+
+def test_a_waiter_answered_late_by_a_busy_server_goes_on_waiting(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """``test_lock_edges``' test of the same name, for ``AsyncRedisLock``: the BLPOP's reply,
+    late behind another client's long command, is waited for (the client has no
+    ``socket_timeout``: ``REPLY_GRACE``, 5 s), and the waiter is handed the lock."""
+    name = f"{prefix}:k"
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        holder = AsyncRedisLock(client, name, ttl=30, watchdog=False)
+        waiter = AsyncRedisLock(client, name, ttl=1, fair=True)
+        await holder.acquire()
+        waiting = asyncio.ensure_future(waiter.acquire(timeout=60))
+        sync_client = redis_server.client()
+        await until(lambda: asyncio.to_thread(lambda: blocked_clients(sync_client) > 0), "the waiter's BLPOP")
+        await asyncio.to_thread(busy_for(redis_server, 2.5).join)
+        await holder.release()  # handed to the waiter, if it still waits
+        assert await waiting
+        assert await waiter.owned()
+        await waiter.release()
+        sync_client.close()
+
+    run(redis_server, body)
 
 
 def test_acquire_release_and_the_sync_lock_share_the_key(redis_server: RedisServer, prefix: str) -> None:

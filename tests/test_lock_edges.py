@@ -33,7 +33,7 @@ from celery_redislock.lock import companion_key
 from celery_redislock.protocol import KEPT_TOKEN, parse_value
 from celery_redislock.run_lock import KEPT, PARKED, watch
 from celery_redislock.testing import RedisServer
-from tests.conftest import calls_since, command_calls
+from tests.conftest import blocked_clients, busy_for, calls_since, command_calls
 from tests.interrupts import Arm, Interrupt, on_this_thread
 from tests.invariants import stored
 from tests.taskapp import LEASE, text
@@ -115,6 +115,36 @@ def test_a_stalled_server_is_reported_and_does_not_stall_other_leases(
         os.kill(fresh_server.pid, signal.SIGCONT)
     healthy.release()
     assert fresh_server.client().exists(f"{prefix}:stalled") == 0  # expired, not renewed
+
+
+def test_a_waiter_answered_late_by_a_busy_server_goes_on_waiting(
+    redis_server: RedisServer, client: redis.Redis, prefix: str
+) -> None:
+    """A server busy with another client's long command when a waiter's BLPOP times out answers
+    it late: the waiter goes on waiting, as any of its commands waits out the client's
+    ``socket_timeout`` (5 s here), and is handed the lock when it is freed. Its own ``ttl``
+    (1 s) bounds each BLPOP; the server stays busy 2.5 s from just after the BLPOP was sent."""
+    name = f"{prefix}:k"
+    holder = RedisLock(client, name, ttl=30, watchdog=False)
+    waiter = RedisLock(redis_server.client(socket_timeout=5), name, ttl=1, fair=True)
+    holder.acquire()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire(timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_for(lambda: blocked_clients(client), what="the waiter's BLPOP")
+    busy_for(redis_server, 2.5).join()
+    holder.release()  # handed to the waiter, if it still waits
+    thread.join(60)
+    assert [f"{type(exc).__name__}: {exc}" for exc in errors] == []
+    assert waiter.owned()
+    waiter.release()
 
 
 def test_a_key_of_another_type_loses_only_its_own_lease(client: redis.Redis, prefix: str) -> None:
