@@ -9,6 +9,7 @@ from the queue, and a real worker runs it where a test needs the worker's side.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections import Counter
@@ -196,8 +197,17 @@ class SimulatedBeat:
     """A guarded Celery ``Scheduler`` whose clock is the fake one, ``skew`` seconds off,
     ticked as ``celery beat`` ticks it: again after the delay each tick returns."""
 
-    def __init__(self, app: Celery, clock: Clock, skew: float, entries: dict[str, dict[str, Any]]) -> None:
-        self.clock, self.skew = clock, timedelta(seconds=skew)
+    def __init__(
+        self,
+        app: Celery,
+        clock: Clock,
+        skew: float,
+        entries: dict[str, dict[str, Any]],
+        spins: int = 0,
+    ) -> None:
+        #: a tick that sent returns 0 and beat ticks again at once: up to ``spins`` such ticks
+        #: per step are a beat spinning (counted in ``spun``), one more fails the test
+        self.clock, self.skew, self.spins, self.spun = clock, timedelta(seconds=skew), spins, 0
         self.scheduler = Scheduler(app, lazy=True)
         # celery-types takes only ScheduleEntry values; Celery's merge_inplace takes entry fields too
         self.scheduler.merge_inplace(
@@ -211,11 +221,13 @@ class SimulatedBeat:
         return self.clock.now + self.skew
 
     def step(self) -> None:
-        for _ in range(100):  # a tick that sent returns 0: tick again at once
+        for _ in range(self.spins or 100):  # a tick that sent returns 0: tick again at once
             if self.clock.now < self.wake_at:
                 return
             self.wake_at = self.clock.now + timedelta(seconds=self.scheduler.tick())
-        raise AssertionError("the scheduler kept asking to tick again at once")
+        if not self.spins:
+            raise AssertionError("the scheduler kept asking to tick again at once")
+        self.spun += 1  # the fake clock moves on, as a real one does while beat spins
 
 
 def run(beats: list[SimulatedBeat], clock: Clock, until: datetime, step: float) -> None:
@@ -403,6 +415,52 @@ def test_a_crontab_in_a_summer_time_zone_sends_every_run_its_beat_makes(
     clock = Clock(start)
     run([SimulatedBeat(app, clock, 0.0, entries)], clock, until, 5)
     each_run_a_slot_of_its_own(app, at_least=5)
+
+
+def test_beats_through_the_repeated_hour_send_each_run_celery_makes_once(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Paris, 25 October 2026: 02:00-03:00 comes twice, in summer time (00:00-01:00Z) then in
+    winter time (01:00-02:00Z). Celery's crontab reckons the next run in wall-clock time from
+    the last one (celery#10107), so a half-hourly job runs at the first 02:00 and 02:30, then at
+    03:00: none in the hour repeated. The slot of a send at the second 02:00:01 (01:00:01Z) is
+    therefore the first 02:30's (00:30Z), as the plain entry's sends show. A beat started in the
+    repeated hour without schedule state (a container that lost its schedule file) finds its
+    next run at 02:30 of the first occurrence, in the past: it sends at every tick until the
+    second 02:30. Those sends are all of the 00:30Z slot, which ran: dropped. Beats 2 s apart
+    and the late one send each run once, and no other."""
+    app.conf.update(timezone="Europe/Paris")
+    zone = ZoneInfo("Europe/Paris")
+    half_hourly = crontab(minute="0,30", app=app)
+    second_two = slot_of(half_hourly, at(2026, 10, 25, 1, 0, 1).astimezone(zone))  # 02:00:01, fold=1
+    assert (second_two.id, second_two.end) == ("2026-10-25T00:30:00Z", at(2026, 10, 25, 2))
+
+    def paris_half_hourly(now: Callable[[], datetime]) -> crontab:
+        return crontab(minute="0,30", nowfun=lambda: now().astimezone(zone), app=app)
+
+    opted = {"opted": {"task": "taskapp.beat_job", "schedule": paris_half_hourly, "args": ["o"]}}
+    plain = {
+        "plain": {
+            "task": "taskapp.beat_job",
+            "schedule": paris_half_hourly,
+            "args": ["p"],
+            "options": {"lock_beat": False},
+        }
+    }
+    clock = Clock(at(2026, 10, 24, 22, 50))
+    beats = [SimulatedBeat(app, clock, -1.0, {**opted, **plain}), SimulatedBeat(app, clock, 1.0, opted)]
+    run(beats, clock, at(2026, 10, 25, 1, 20), 5)
+    late = SimulatedBeat(app, clock, 0.0, opted, spins=5)
+    with caplog.at_level(logging.INFO, logger="celery_redislock.beat"):
+        run([*beats, late], clock, at(2026, 10, 25, 3, 10), 5)
+    assert late.spun >= 100  # it sent at every tick for the rest of the second 02:00-02:30
+    dropped = [r for r in caplog.records if "slot 2026-10-25T00:30:00Z not sent: a duplicate" in r.message]
+    assert len(dropped) >= 500
+    runs = ["2026-10-24T23:00:00Z", "2026-10-24T23:30:00Z", "2026-10-25T00:00:00Z", "2026-10-25T00:30:00Z"]
+    runs += ["2026-10-25T02:00:00Z", "2026-10-25T02:30:00Z", "2026-10-25T03:00:00Z"]
+    messages = sent(app)
+    assert [slot for args, slot, _ in messages if args == "['o']"] == runs
+    assert len([m for m in messages if m[0] == "['p']"]) == len(runs)  # Celery's runs, one beat's
 
 
 def test_beats_coming_back_after_all_were_down_run_the_current_slot_once(app: Celery) -> None:
