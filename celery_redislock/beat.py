@@ -17,7 +17,7 @@ while a beat is down):
   second, the bucket of that period (of whole days: of the app's local calendar);
 * crontab, solar, clocked (any Celery ``BaseSchedule`` with
   ``remaining_estimate``): the latest time the schedule fires at or before the
-  send time, to the second.
+  send time (a solar event: or up to a second after it), to the second.
 
 A beat sends an entry at most once per slot of its own clock, so every beat
 sends the same slot ids whenever it started; a beat whose clock is D seconds
@@ -75,7 +75,7 @@ from typing import Any, cast
 
 import redis
 from celery import signals as celery_signals
-from celery.schedules import BaseSchedule, schedule
+from celery.schedules import BaseSchedule, schedule, solar
 from celery.utils.time import maybe_make_aware
 
 from ._durations import to_ms
@@ -105,8 +105,12 @@ _MICROSECOND = timedelta(microseconds=1)
 _UNITS = (timedelta(days=1), timedelta(hours=1), timedelta(minutes=1), timedelta(seconds=1))
 #: How far back a fired slot is looked for (a crontab on 29 February fires every 4 to 8 years).
 _LOOKBACK = timedelta(minutes=2**23)
-#: Fires closer together than this are not told apart (Celery's crontab fires at whole minutes).
+#: The grid, from the epoch, a fire is looked for on: fires closer together than this are not told
+#: apart (Celery's crontab fires at whole minutes).
 _RESOLUTION = timedelta(seconds=30)
+#: A solar event this soon after a send is the send's: event times come with up to 0.2 s of noise,
+#: and a beat sends an event at the time it reckons from its last run, which the slot's may trail.
+_SOLAR_NOISE = timedelta(seconds=1)
 
 #: (task name, header, published) of the message a guarded beat is sending in this thread;
 #: ``published`` gets an item once the message went out (``after_task_publish``).
@@ -181,15 +185,18 @@ def _relative_slot(run_every: timedelta, now: datetime) -> Slot:
 
 
 def _fired_slot(fired: BaseSchedule, now: datetime) -> Slot:
-    """The slot of a schedule that fires at points in time: the latest one at or before ``now``.
+    """The slot of a schedule that fires at points in time: the latest one at or before ``now``
+    (for a solar event, or up to ``_SOLAR_NOISE`` after it).
 
     Times are reckoned in UTC and shown to the schedule in ``now``'s timezone: Python adds to,
     and compares, two times of one timezone by their wall clocks, which summer time repeats
-    or skips (a wall-clock step back from 02:00 CET lands on the 02:00 CEST an hour before)."""
+    or skips (a wall-clock step back from 02:00 CET lands on the 02:00 CEST an hour before).
+    The fire is reckoned from the last point of the ``_RESOLUTION`` grid before it, the same for
+    every beat: a solar event's time depends on where its computation starts."""
     probe: Any = copy.copy(fired)  # asked "when next?" as seen from a moment of our choosing
     probe.app = fired.app
     local, now = now.tzinfo, now.astimezone(timezone.utc)
-    seen_from = [now]
+    seen, seen_from = now + (_SOLAR_NOISE if isinstance(fired, solar) else timedelta()), [now]
     probe.nowfun = lambda: seen_from[0]
 
     def next_fire(after: datetime) -> datetime:
@@ -202,23 +209,27 @@ def _fired_slot(fired: BaseSchedule, now: datetime) -> Slot:
             ) from None
         return after + remaining
 
+    def fired_after(point: int) -> bool:
+        """Whether the first fire after grid point ``point`` is seen by ``now``."""
+        return next_fire(_EPOCH + point * _RESOLUTION) <= seen
+
     # Widen the window back from now until it holds a fire, then halve it around that fire.
-    step, high = timedelta(minutes=1), now
-    while next_fire(now - step) > now:
-        if step >= _LOOKBACK:
+    step, high = 1, -((_EPOCH - seen) // _RESOLUTION)
+    while not fired_after(high - step):
+        if step * _RESOLUTION >= _LOOKBACK:
             raise LockConfigurationError(f"schedule {fired!r} never fired in the {_LOOKBACK} before {now}")
-        high, step = now - step, step * 2
-    low = now - step
-    while high - low > _RESOLUTION:
-        middle = low + (high - low) / 2
-        if next_fire(middle) <= now:
+        high, step = high - step, step * 2
+    low = high - step
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fired_after(middle):
             low = middle
         else:
             high = middle
-    fire = next_fire(low)
+    fire = next_fire(_EPOCH + low * _RESOLUTION)
     while True:
         later = next_fire(fire)
-        if later <= fire or later > now:  # a one-off (clocked) fires no later
+        if later <= fire or later > seen:  # a one-off (clocked) fires no later
             break
         fire = later
     start = _whole_second(fire)

@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Literal
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -155,6 +155,34 @@ def test_a_solar_slot_is_the_latest_event_to_the_second(bare_app: Celery) -> Non
     (yesterday,), (today,) = before, after
     assert yesterday.startswith("2026-05-31T03:5") and today.startswith("2026-06-01T03:51:")
     assert slot_of(sunrise, at(2026, 6, 1, 12)).end.date().isoformat() == "2026-06-02"
+
+
+@pytest.mark.parametrize(
+    ("event", "latitude", "longitude"),
+    [("sunrise", 48.85, 2.35), ("dusk_nautical", 40.7, -74.0)],  # Paris, New York
+)
+def test_a_solar_slot_is_the_event_every_beat_sends_it_for(
+    bare_app: Celery, event: Literal["sunrise", "dusk_nautical"], latitude: float, longitude: float
+) -> None:
+    """Solar event times come with up to 0.2 s of noise that depends on where the computation
+    starts. A beat sends an event as soon as it falls due, reckoned from its last run (or from
+    when it started): every day of 2026, the slot of that send is the event, named alike by
+    a beat running for days and one started half a day before."""
+    pytest.importorskip("ephem", reason="solar schedules need ephem (pip install ephem)")
+    clock = [at(2026, 1, 1)]
+    sun = solar(event, latitude, longitude, nowfun=lambda: clock[0], app=bare_app)
+
+    def due_after(last_run: datetime) -> datetime:
+        clock[0] = last_run
+        return last_run + sun.remaining_estimate(last_run)
+
+    running = at(2026, 1, 1)
+    for _ in range(365):
+        running = due_after(running)
+        started = due_after(running - timedelta(hours=12))
+        named = {slot_of(sun, when).start for when in (running, started)}
+        assert len(named) == 1, (running, started, named)  # before: a second apart (New York)
+        assert abs(min(named) - running) < timedelta(seconds=1), (running, named)  # before: a day (Paris)
 
 
 class OneOff(BaseSchedule):
