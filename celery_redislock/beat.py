@@ -112,9 +112,10 @@ _RESOLUTION = timedelta(seconds=30)
 #: and a beat sends an event at the time it reckons from its last run, which the slot's may trail.
 _SOLAR_NOISE = timedelta(seconds=1)
 
-#: (task name, header, published) of the message a guarded beat is sending in this thread;
-#: ``published`` gets an item once the message went out (``after_task_publish``).
-_sending: contextvars.ContextVar[tuple[str, dict[str, Any], list[bool]] | None] = contextvars.ContextVar(
+#: (task name, header, stages) of the message a guarded beat is sending in this thread; ``stages``
+#: gets "publishing" as its publish begins (``before_task_publish``) and "published" once the
+#: message went out (``after_task_publish``).
+_sending: contextvars.ContextVar[tuple[str, dict[str, Any], list[str]] | None] = contextvars.ContextVar(
     "celery_redislock_beat_sending", default=None
 )
 
@@ -446,15 +447,17 @@ class BeatGuard:
         claim whose claim or send raised before anything went out (an interrupt as the claim's
         reply is read: beat's ``SystemExit`` on SIGTERM; the publish failed, or never began) is
         freed, owner-checked: another beat may send the slot. One that did go out (an error after
-        it: the schedule's sync, a ``SystemExit``) keeps its claim."""
-        published: list[bool] = []
-        sending = _sending.set((entry.task, header, published))
+        it: the schedule's sync, a ``SystemExit``), or may have (an interrupt during the publish,
+        most likely as its reply is read, the broker having taken the message), keeps its claim."""
+        stages: list[str] = []
+        sending = _sending.set((entry.task, header, stages))
         try:
             if header["claimed"] and not self._claim(header):
                 return self._not_sent(entry, advance)
             return self._apply_async(entry, producer, advance, **kwargs)
-        except BaseException:
-            if header["claimed"] and not published:
+        except BaseException as exc:
+            maybe_sent = "published" in stages or (bool(stages) and not isinstance(exc, Exception))
+            if header["claimed"] and not maybe_sent:
                 self._unclaim(header)
             raise
         finally:
@@ -567,20 +570,21 @@ def _guard_service(sender: Any = None, **_: Any) -> None:
 
 
 def _stamp(sender: Any = None, headers: Any = None, properties: Any = None, **_: Any) -> None:
-    """``before_task_publish``: a guarded beat's message carries its slot; an entry's
-    ``lock_beat`` option is not a message property."""
+    """``before_task_publish``: a guarded beat's message carries its slot (and its publish
+    begins); an entry's ``lock_beat`` option is not a message property."""
     if isinstance(properties, dict):
         properties.pop(OPTION, None)
     sending = _sending.get()
     if sending is not None and sending[0] == sender and isinstance(headers, dict):
         headers[BEAT_HEADER] = sending[1]
+        sending[2].append("publishing")
 
 
 def _published(sender: Any = None, **_: Any) -> None:
     """``after_task_publish``: a guarded beat's message went out (its slot is no longer to free)."""
     sending = _sending.get()
     if sending is not None and sending[0] == sender:
-        sending[2].append(True)
+        sending[2].append("published")
 
 
 def connect() -> None:

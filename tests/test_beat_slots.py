@@ -629,6 +629,52 @@ def test_a_beat_interrupted_as_it_claims_a_slot_leaves_it_to_the_other_beats(
     assert slots == ["2026-01-01T10:00:10Z", "2026-01-01T10:00:20Z"], slots
 
 
+def publishing() -> bool:
+    """Whether this thread is in a publish (kombu's ``Producer.publish``)."""
+    frame = sys._getframe()
+    while frame is not None and not (
+        frame.f_code.co_name == "publish" and frame.f_globals["__name__"] == "kombu.messaging"
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame is not None
+
+
+def test_a_beat_interrupted_as_it_reads_its_publish_reply_keeps_the_slot_it_sent(
+    app: Celery, interrupt_read: Arm
+) -> None:
+    """Beat's SIGTERM and SIGINT handler raises ``SystemExit`` wherever the main thread is, here
+    as the first beat reads the reply to the publish of the 10:00:20 slot (its message went out:
+    the broker ran the push). An entry of a plain task opted in: the beat's claim is the slot's
+    only guard. The other beat, which tries the slot next, finds it taken; it is sent once."""
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 500000))
+    entries = {
+        "plain": {
+            "task": "taskapp.beat_off",
+            "schedule": every(10),
+            "args": ["p"],
+            "options": {"lock_beat": True},
+        }
+    }
+    first, second = SimulatedBeat(app, clock, 0.0, entries), SimulatedBeat(app, clock, -0.3, entries)
+    run([first, second], clock, at(2026, 1, 1, 10, 0, 15), 0.05)  # the 10:00:10 slot: connected
+    stepping_first = [False]
+    fired = interrupt_read(lambda: stepping_first[0] and publishing(), SystemExit)
+    beats = [first, second]
+    while clock.now < at(2026, 1, 1, 10, 0, 25):
+        for beat in list(beats):
+            stepping_first[0] = beat is first
+            try:
+                beat.step()
+            except SystemExit:
+                beats.remove(beat)  # that beat exits
+            finally:
+                stepping_first[0] = False
+        clock.now += timedelta(seconds=0.05)
+    assert fired == [1] and beats == [second]
+    slots = [slot for _, slot, _ in sent(app)]
+    assert slots == ["2026-01-01T10:00:10Z", "2026-01-01T10:00:20Z"], slots
+
+
 def test_the_send_task_fallback_is_deduplicated_by_the_worker(
     app: Celery, redis_server: RedisServer, prefix: str
 ) -> None:
