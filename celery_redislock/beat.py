@@ -23,7 +23,8 @@ A beat sends an entry at most once per slot of its own clock, so every beat
 sends the same slot ids whenever it started; a beat whose clock is D seconds
 ahead sends each slot D seconds earlier. The slot's marker
 ``{prefix}:slot:{entry name}:{slot id}`` lives for the slot's length plus
-``CLOCK_TOLERANCE`` (60 s), so beats whose clocks differ by up to 30 s agree.
+``CLOCK_TOLERANCE`` (60 s), so beats whose clocks differ by up to 30 s agree; a
+one-off's (``clocked``) lives ``ONE_OFF_TTL`` (a day).
 A beat coming back after every beat was down sends the current slot, which no
 other beat can run again; slots missed meanwhile are not run (as Celery does).
 
@@ -91,12 +92,26 @@ from .protocol import BEAT_HEADER, text
 from .state import app_state
 from .telemetry import log_fields
 
-__all__ = ["CLOCK_TOLERANCE", "OPTION", "BeatGuard", "Leadership", "Slot", "connect", "guard", "slot_of"]
+__all__ = [
+    "CLOCK_TOLERANCE",
+    "ONE_OFF_TTL",
+    "OPTION",
+    "BeatGuard",
+    "Leadership",
+    "Slot",
+    "connect",
+    "guard",
+    "slot_of",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds a slot's marker outlives the slot: beat clocks may differ by half of it.
 CLOCK_TOLERANCE = 60.0
+#: Seconds a one-off's marker lives (django-celery-beat's ``clocked``, a slot that never ends): it
+#: stays due until a beat that sent it saves that it ran (every 3 minutes), and a beat killed
+#: before that, started again, or another one coming up meanwhile, sends it again.
+ONE_OFF_TTL = 86400.0
 #: The schedule entry option (or header) that opts an entry in or out.
 OPTION = "lock_beat"
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -133,8 +148,11 @@ class Slot:
         return self.start.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
 
     def marker_ttl(self) -> float:
-        """Seconds the slot's marker lives: the slot's length plus ``CLOCK_TOLERANCE``."""
-        return max((self.end - self.start).total_seconds(), 0.0) + CLOCK_TOLERANCE
+        """Seconds the slot's marker lives: the slot's length plus ``CLOCK_TOLERANCE``; a one-off's
+        (``end`` is ``start``), ``ONE_OFF_TTL``."""
+        if self.end <= self.start:
+            return ONE_OFF_TTL
+        return (self.end - self.start).total_seconds() + CLOCK_TOLERANCE
 
 
 def slot_of(entry_schedule: Any, now: datetime) -> Slot:

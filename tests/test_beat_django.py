@@ -5,9 +5,10 @@ opted in through the header field its entries keep."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -19,6 +20,7 @@ from celery_redislock.beat import guard, slot_of
 from celery_redislock.protocol import BEAT_HEADER
 from celery_redislock.testing import RedisServer
 from tests.taskapp import make_app
+from tests.workers import wait_for
 
 django = pytest.importorskip("django", reason="django-celery-beat is not installed")
 pytest.importorskip("django_celery_beat", reason="django-celery-beat is not installed")
@@ -99,3 +101,66 @@ def test_two_database_schedulers_send_each_slot_once(app: Celery) -> None:
         assert all(headers[BEAT_HEADER]["claimed"] for headers in messages if headers["argsrepr"] == args)
     plain = [headers for headers in messages if headers["argsrepr"] == "['p']"]
     assert len(plain) >= 6 and not any(BEAT_HEADER in headers for headers in plain)  # both beats sent it
+
+
+def test_a_one_off_is_not_run_again_by_a_beat_that_lost_the_state_of_its_send(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A clocked one-off is due from its time on until a beat that sent it disables it, once it
+    reads back the run count it saves with its schedule state (every 3 minutes). A beat killed
+    before saving it (SIGKILL, an OOM kill) and started again, or another beat coming up
+    meanwhile, finds the one-off never run and sends it again, minutes later: its slot's
+    marker is still there, and the send is dropped."""
+    from django.utils import timezone as django_timezone
+    from django_celery_beat.models import ClockedSchedule, PeriodicTask
+    from django_celery_beat.schedulers import DatabaseScheduler
+
+    when = ClockedSchedule.objects.create(clocked_time=django_timezone.now() - timedelta(seconds=1))
+    PeriodicTask.objects.create(  # a task without lock_beat, opted in by its entry's headers
+        name="once",
+        task="taskapp.beat_off",
+        clocked=when,
+        one_off=True,
+        args='["o"]',
+        headers='{"lock_beat": true}',
+    )
+    try:
+        recorder: Any = app.recorder  # type: ignore[attr-defined]
+
+        def sent() -> list[dict[str, Any]]:  # the one-off's slots, from the queue (other tests' entries too)
+            queued = [
+                json.loads(raw)["headers"]
+                for raw in recorder.client.lrange(app.conf.task_default_queue, 0, -1)
+            ]
+            return [headers[BEAT_HEADER] for headers in queued if headers.get("periodic_task_name") == "once"]
+
+        def dropped() -> bool:  # the one-off's send, dropped by a beat
+            return any(
+                "entry 'once' slot" in r.getMessage() and "not sent" in r.getMessage() for r in caplog.records
+            )
+
+        first = DatabaseScheduler(app=app)
+        guard(first)
+        try:
+            wait_for(lambda: first.tick() is not None and sent(), timeout=30, what="the one-off sent")
+        finally:
+            first.close()
+        (slot,) = sent()
+        PeriodicTask.objects.filter(name="once").update(total_run_count=0)  # its beat died before saving it
+        marker = recorder.client.pttl(slot["key"])
+        recorder.client.pexpire(slot["key"], marker - 120_000)  # two minutes on: gone if it lived less
+        restarted = DatabaseScheduler(app=app)
+        guard(restarted)
+        try:
+            with caplog.at_level(logging.INFO, logger="celery_redislock.beat"):
+                wait_for(
+                    lambda: restarted.tick() is not None and (len(sent()) > 1 or dropped()),
+                    timeout=30,
+                    what="the restarted beat sending the one-off",
+                )
+        finally:
+            restarted.close()
+        assert len(sent()) == 1, f"sent again: the marker lived {marker} ms"
+    finally:  # the database is the module's
+        PeriodicTask.objects.filter(name="once").delete()
+        when.delete()
