@@ -642,10 +642,11 @@ def publishing() -> bool:
 def test_a_beat_interrupted_as_it_reads_its_publish_reply_keeps_the_slot_it_sent(
     app: Celery, interrupt_read: Arm
 ) -> None:
-    """Beat's SIGTERM and SIGINT handler raises ``SystemExit`` wherever the main thread is, here
-    as the first beat reads the reply to the publish of the 10:00:20 slot (its message went out:
-    the broker ran the push). An entry of a plain task opted in: the beat's claim is the slot's
-    only guard. The other beat, which tries the slot next, finds it taken; it is sent once."""
+    """Beat's SIGTERM and SIGINT handler closes the scheduler and raises ``SystemExit`` wherever
+    the main thread is, here as the first beat reads the reply to the publish of the 10:00:20
+    slot (its message went out: the broker ran the push). An entry of a plain task opted in: the
+    beat's claim is the slot's only guard. The other beat, which tries the slot next, finds it
+    taken; it is sent once."""
     clock = Clock(at(2026, 1, 1, 10, 0, 0, 500000))
     entries = {
         "plain": {
@@ -658,7 +659,7 @@ def test_a_beat_interrupted_as_it_reads_its_publish_reply_keeps_the_slot_it_sent
     first, second = SimulatedBeat(app, clock, 0.0, entries), SimulatedBeat(app, clock, -0.3, entries)
     run([first, second], clock, at(2026, 1, 1, 10, 0, 15), 0.05)  # the 10:00:10 slot: connected
     stepping_first = [False]
-    fired = interrupt_read(lambda: stepping_first[0] and publishing(), SystemExit)
+    fired = interrupt_read(lambda: stepping_first[0] and publishing(), SystemExit, first.scheduler.close)
     beats = [first, second]
     while clock.now < at(2026, 1, 1, 10, 0, 25):
         for beat in list(beats):
