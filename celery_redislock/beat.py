@@ -232,7 +232,7 @@ def _fired_slot(fired: BaseSchedule, now: datetime) -> Slot:
         """Whether the first fire after grid point ``point`` is seen by ``now``."""
         return next_fire(_EPOCH + point * _RESOLUTION) <= seen
 
-    # Widen the window back from now until it holds a fire, then halve it around that fire.
+    # In grid points from the first at or after ``seen``: widen back to a fire, then halve around it.
     step, high = 1, -((_EPOCH - seen) // _RESOLUTION)
     while not fired_after(high - step):
         if step * _RESOLUTION >= _LOOKBACK:
