@@ -18,7 +18,8 @@ next retry count and ``default_retry_delay`` as countdown), where no run of it i
   hold, and a ``delay()`` meanwhile was sent beside the retry. A hold that is not the dead
   run's any more (it never adopted its message's, or lost it) is left alone: the retry
   carries the message's enqueue lock, if any, as before. A send that fails lets the parked
-  hold go (``give_up_ticket``).
+  hold go (``give_up_ticket``), and so does an interrupt of the main process (a hard
+  shutdown's ``WorkerTerminate``) from ``PARK``'s send to the retry's.
 """
 
 from __future__ import annotations
@@ -78,13 +79,15 @@ class LostRun:
             return send(self.task_id)
         token = secrets.token_hex(16)  # carried whatever PARK's outcome: a lost reply may hide a park
         headers[HEADER] = {"key": key, "token": token}
-        parked = self._park(task, client, key, (value.token, token), lock_options, options)
+        parked: bool | None = None  # unknown until PARK's reply is read
         try:
+            parked = self._park(task, client, key, (value.token, token), lock_options, options)
             return send(self.task_id)
-        except BaseException:  # not sent: nothing will adopt the hold
+        except BaseException:  # not sent (a failed send, an interrupt: a hard shutdown's
+            # WorkerTerminate): nothing will adopt the hold parked, or maybe parked, for ``token``
             why = f"task {task.name}[{self.task_id}]: its retry after a lost pool child was not sent"
-            with suppress(redis.RedisError):  # the send's exception stands (the hold runs out)
-                if parked:
+            with suppress(redis.RedisError):  # the exception stands (the hold runs out)
+                if parked is not False:
                     give_up_ticket(client, (key, token), True, lock_options, why)
             raise
 

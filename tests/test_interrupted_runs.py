@@ -893,6 +893,52 @@ def test_with_retry_on_worker_lost_a_dead_runs_hold_is_kept_for_its_retry(
             worker.stop()
 
 
+def test_a_worker_interrupted_after_parking_a_lost_runs_hold_for_its_unsent_retry_frees_it(
+    app: Celery, redis_server: RedisServer, prefix: str
+) -> None:
+    """``task_retry_on_worker_lost``, until_executed: the pool child running the body is killed,
+    and the worker's main process parks the dead run's hold for the retry it is about to send,
+    when a hard shutdown's ``WorkerTerminate`` lands (``tests/lost_retry_app.py``: right after
+    ``PARK``'s reply was read), so that the retry is never sent. The hold, parked for a token no
+    message carries, is given back as the exception goes by: not left to refuse every
+    ``delay()`` of its arguments for ``lock_queue_ttl``."""
+    conf = {
+        "task_retry_on_worker_lost": True,
+        "task_annotations": {"taskapp.until_executed": {"default_retry_delay": 2}},
+    }
+    worker = WorkerProcess(
+        redis_server.url,
+        prefix,
+        f"q-{prefix}",
+        "prefork",
+        2,
+        "prefork",
+        json.dumps(conf),
+        app="tests.lost_retry_app",
+    )
+    worker.start()
+    task: Any = app.tasks["taskapp.until_executed"]
+    x = uuid.uuid4().hex[:10]
+    key = task_lock_key(task, (x,), {"gate": True})
+    with recorder_of(app) as recorder:
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            result = task.delay(x, gate=True)
+            [start] = wait_for(lambda: events(app, "start", x), what="the body to start")
+            os.kill(int(start[4]), signal.SIGKILL)  # the pid of the child the body runs in
+            wait_for(lambda: not worker.alive(), what=lambda: f"the worker to exit:\n{worker.output()}")
+            assert recorder.lrange(f"{prefix}:parked", 0, -1) == [b"1"], worker.output()  # PARK parked it
+            assert hold_of(recorder, key) == {}, (
+                f"the hold parked for the unsent retry was left, PTTL {recorder.pttl(key)} ms; "
+                f"the worker:\n{worker.output()}"
+            )
+            assert task.delay(x, gate=True).id != result.id, "refused as a duplicate of the unsent retry"
+        finally:
+            recorder_for(app).open_gate(x)
+            worker.stop()
+            recorder.delete(f"q-{prefix}", key)
+
+
 def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
     app: Celery, redis_server: RedisServer, prefix: str
 ) -> None:

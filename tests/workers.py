@@ -152,14 +152,22 @@ def _taskapp_env(url: str, prefix: str, queue: str, conf: str) -> dict[str, str]
 
 
 class WorkerProcess(Subprocess):
-    """``celery -A tests.taskapp worker``."""
+    """``celery -A tests.taskapp worker`` (``app``: a module that imports ``tests.taskapp``'s)."""
 
     def __init__(
-        self, url: str, prefix: str, queue: str, pool: str, concurrency: int, name: str, conf: str = "{}"
+        self,
+        url: str,
+        prefix: str,
+        queue: str,
+        pool: str,
+        concurrency: int,
+        name: str,
+        conf: str = "{}",
+        app: str = "tests.taskapp",
     ) -> None:
         args = ["worker", "-P", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{name}@%h"]
         args += ["--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"]
-        super().__init__("worker", name, _taskapp_env(url, prefix, queue, conf), args)
+        super().__init__("worker", name, _taskapp_env(url, prefix, queue, conf), args, app=app)
 
 
 class BeatProcess(Subprocess):
