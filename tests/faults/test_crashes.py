@@ -86,6 +86,29 @@ def test_sigkill_of_a_pool_child_frees_an_adopted_enqueue_lock(stage: Stage) -> 
         first.get(timeout=RESULT_TIMEOUT)
 
 
+def test_a_runs_signals_come_from_its_pool_child_and_a_crash_release_sends_none(stage: Stage) -> None:
+    """The package's signals are sent in the process that takes the step (docs/operations.md,
+    "Signals"): a run's ``lock_busy`` and ``lock_released`` in the prefork pool child running
+    it (``tests/taskapp.py`` records them with that process's pid); the release by the worker's
+    main process of a killed child's lock sends no ``lock_released`` (its WARNING and
+    ``redislock.lock.crash_releases`` report it)."""
+    worker = stage.worker("prefork", "prefork", 2, redislock_ttl=LONG_TTL)
+    x, task = fresh(), stage.task("hold_wait")
+    first = task.delay(x, gate=True)
+    [start] = stage.wait_events("start", x)
+    second = task.delay(x, gate=True)
+    [busy] = stage.wait_events("busy", x)  # the duplicate waits in the other child
+    assert busy[3] == second.id and busy[4] not in (start[4], str(worker.pid))
+    os.kill(int(start[4]), signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        first.get(timeout=RESULT_TIMEOUT)
+    worker.wait_for_line("released its lock", what="the main process's release logged")
+    stage.recorder.open_gate(x)
+    assert second.get(timeout=RESULT_TIMEOUT) == x
+    [released] = stage.wait_events("released", x)
+    assert (released[3], released[4]) == (second.id, busy[4])  # none for the killed child's lock
+
+
 @pytest.mark.parametrize("pool", ["solo", "prefork"])
 def test_sigkill_of_the_whole_worker_frees_the_lock_within_lock_ttl(stage: Stage, pool: str) -> None:
     """Nobody frees a dead worker's lock and nothing renews it: its lease (``lock_ttl``) runs out,
