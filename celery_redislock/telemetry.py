@@ -54,7 +54,8 @@ exception that failed the step, which is not recorded here: Celery's instrumenta
 it on the task's span where it fails the task), fence, and ``waited`` (acquire: from the first
 attempt) or ``held`` (release: from the acquisition) seconds. The spans of the same names
 (task, mode, outcome, fence) run from the step's start to its end; one failed records its
-exception and is marked so.
+exception and is marked so. An SDK that raises as a step is traced or recorded (a span
+processor's ``on_start``, say) is logged; the step's outcome stands and the run goes on.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from __future__ import annotations
 import abc
 import collections
 import functools
+import logging
 import os
 import threading
 import time
@@ -90,6 +92,8 @@ __all__ = [
     "lost",
     "renewals",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: What a run, an enqueue or a beat slot's message came to (``redislock.lock.acquisitions``):
 #: ``acquired`` (the lock was free), ``busy-wait`` (held: waited, then took it), ``busy-skip``
@@ -403,13 +407,21 @@ class _Step(abc.ABC):
         if outcome is None and failed is None:  # nothing came of it (a release of a lock not held)
             return
         seconds, parent = self._seconds(), self.parent
-        if parent is not None:  # traced: "auto", or "always" with a TracerProvider set when it began
-            if self.spans == "always":
-                self._trace(parent, outcome, failed)
-            elif outcome not in self.PLAIN and parent.is_recording():  # "auto"
-                self._note(parent, outcome, seconds, failed)
-        if outcome is not None and metered:
-            self._record(outcome, seconds)
+        try:  # telemetry never changes the step's outcome, nor keeps the run from going on
+            if parent is not None:  # traced: "auto", or "always" with a TracerProvider set when it began
+                if self.spans == "always":
+                    self._trace(parent, outcome, failed)
+                elif outcome not in self.PLAIN and parent.is_recording():  # "auto"
+                    self._note(parent, outcome, seconds, failed)
+            if outcome is not None and metered:
+                self._record(outcome, seconds)
+        except Exception:  # an SDK that raises (a span processor's on_start or on_end, say)
+            logger.exception(
+                "celery-redislock: tracing or recording %s of task %s failed; carrying on",
+                self.NAME,
+                self.task,
+                extra=log_fields(outcome="error"),
+            )
 
     def _fence(self) -> int | None:
         """The hold's fence: the lock's, or the one it had when the step began (a release clears it)."""

@@ -34,7 +34,7 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from prometheus_client import REGISTRY, generate_latest
 
 import celery_redislock.lock
@@ -313,6 +313,63 @@ def test_no_lock_spans_without_a_task_span_or_when_turned_off(
     assert (f"run/{task.name}" in names) == instrumented
     assert not {"redislock.acquire", "redislock.release"} & set(names), names
     assert not [event for span in otel.spans.get_finished_spans() for event in lock_events(span)]
+    app.close()
+
+
+class Broken(SpanProcessor):
+    """A span processor that raises as the lock's spans start or end (one that breaks the SDK's
+    contract: ``on_start`` and ``on_end`` must not raise), or a histogram whose ``record`` raises."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.where == "span-start":
+            raise RuntimeError("the span processor broke")
+
+    def on_end(self, span: Any) -> None:
+        if self.where == "span-end":
+            raise RuntimeError("the span processor broke")
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the histogram broke")
+
+
+@pytest.mark.parametrize("where", ["span-start", "span-end", "histogram"])
+def test_telemetry_that_raises_changes_no_runs_outcome_and_leaves_no_lock(
+    otel: Otel,
+    fresh_server: RedisServer,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+) -> None:
+    """``redislock_spans="always"``, an OpenTelemetry SDK that raises as a lock's span starts or
+    ends (a span processor's ``on_start`` or ``on_end``), or as a histogram's values are handed to
+    it: the run's body runs and its result stands, the lock is released, the next run takes it;
+    the failure is logged. (Celery's own instrumentation runs in signal receivers, whose
+    exceptions Celery logs: a tracing fault fails no task there either.)"""
+    broken = Broken(where)
+    if where == "histogram":
+        monkeypatch.setattr(telemetry, "BATCH", 1)  # each value goes to the SDK as it is recorded
+        monkeypatch.setattr(telemetry._on.wait, "_histogram", broken)
+    else:
+        provider = TracerProvider()
+        provider.add_span_processor(broken)
+        monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer("broken"))
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
+    task = app.tasks["taskapp.until_executed"]
+    key = task_lock_key(task, ("t",))
+    client = fresh_server.client()
+    with caplog.at_level(logging.ERROR, logger="celery_redislock"), threads_worker(app):
+        result = task.delay("t")
+        assert result.get(timeout=30, propagate=False) == "t", result.traceback
+        wait_for(lambda: not client.exists(key), what="the lock's release")
+        assert task.delay("t").get(timeout=30) == "t"
+    client.close()
+    runs = [event[0] for event in recorder(app).events() if event[0] in ("start", "end")]
+    assert runs == ["start", "end", "start", "end"]  # both bodies ran
+    assert any("broke" in str(record.exc_info) for record in caplog.records), caplog.text
     app.close()
 
 
