@@ -47,14 +47,16 @@ __all__ = ["LostRun", "lost_run", "retrying"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class LostRun:
     """A run whose pool child was lost: its task id, attempt (retries so far), and the holder
-    its execution lock names (``None``: it held none)."""
+    its execution lock names (``None``: it held none); ``sent`` once its retry was sent (what
+    Celery does next, the task's ``on_retry`` say, may still raise)."""
 
     task_id: str
     retries: int
     holder: str | None
+    sent: bool = False
 
     def send(
         self,
@@ -68,21 +70,21 @@ class LostRun:
         parked for it first, where the mode keeps the lock across retries."""
         lock_options: LockOptions = task.lock_options
         if not lock_options.rules.parks_for_retry or self.holder is None:
-            return send(self.task_id)
+            return self._sent(send)
         try:
             client, _ = client_for(task.app)
             value = hold_of(client, key, self.holder)
         except redis.RedisError as exc:  # its hold is released (or runs out), as without a retry
             self._not_kept(task, key, exc)
-            return send(self.task_id)
+            return self._sent(send)
         if value is None:  # not the dead run's: the retry carries its message's ticket, if any
-            return send(self.task_id)
+            return self._sent(send)
         token = secrets.token_hex(16)  # carried whatever PARK's outcome: a lost reply may hide a park
         headers[HEADER] = {"key": key, "token": token}
         parked: bool | None = None  # unknown until PARK's reply is read
         try:
             parked = self._park(task, client, key, (value.token, token), lock_options, options)
-            return send(self.task_id)
+            return self._sent(send)
         except BaseException:  # not sent (a failed send, an interrupt: a hard shutdown's
             # WorkerTerminate): nothing will adopt the hold parked, or maybe parked, for ``token``
             why = f"task {task.name}[{self.task_id}]: its retry after a lost pool child was not sent"
@@ -90,6 +92,12 @@ class LostRun:
                 if parked is not False:
                     give_up_ticket(client, (key, token), True, lock_options, why)
             raise
+
+    def _sent(self, send: Callable[[str | None], Any]) -> Any:
+        """Send the retry (``send``); noted once it returned."""
+        result = send(self.task_id)
+        self.sent = True
+        return result
 
     def _park(
         self,

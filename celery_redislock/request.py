@@ -100,11 +100,17 @@ class LockedRequest(Request):
 
     def _retry_worker_lost(self, exc: Any, exc_info: Any) -> Any:
         """Celery's retry of a task whose pool child was lost (not past ``max_retries``, not a
-        ``Terminated`` or a time limit); noted, since the retry carries the message's enqueue lock."""
+        ``Terminated`` or a time limit); noted, since the retry carries the message's enqueue lock,
+        also when what Celery does once it sent it (the task's ``on_retry``, storing ``RETRY``) raises."""
         pid = self._locking_pid()
         holder = None if pid is None else self._holder(pid)
-        with retrying(LostRun(self.id, self._attempt()[0], holder)):  # its hold parked for it (lost_retry)
-            retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
+        run = LostRun(self.id, self._attempt()[0], holder)
+        with retrying(run):  # its hold parked for it (lost_retry)
+            try:
+                retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
+            except BaseException:
+                self._retried_instead = run.sent
+                raise
         self._retried_instead = bool(retried)
         return retried
 

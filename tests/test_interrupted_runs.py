@@ -893,19 +893,12 @@ def test_with_retry_on_worker_lost_a_dead_runs_hold_is_kept_for_its_retry(
             worker.stop()
 
 
-def test_a_worker_interrupted_after_parking_a_lost_runs_hold_for_its_unsent_retry_frees_it(
-    app: Celery, redis_server: RedisServer, prefix: str
-) -> None:
-    """``task_retry_on_worker_lost``, until_executed: the pool child running the body is killed,
-    and the worker's main process parks the dead run's hold for the retry it is about to send,
-    when a hard shutdown's ``WorkerTerminate`` lands (``tests/lost_retry_app.py``: right after
-    ``PARK``'s reply was read), so that the retry is never sent. The hold, parked for a token no
-    message carries, is given back as the exception goes by: not left to refuse every
-    ``delay()`` of its arguments for ``lock_queue_ttl``."""
-    conf = {
-        "task_retry_on_worker_lost": True,
-        "task_annotations": {"taskapp.until_executed": {"default_retry_delay": 2}},
-    }
+def faulty_lost_retry_worker(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, fault: str, conf: dict[str, Any]
+) -> WorkerProcess:
+    """A started prefork worker (settings ``conf``) whose main process fails as ``fault`` says
+    (``tests/lost_retry_app.py``) as it handles Celery's retry of a lost pool child's task."""
+    monkeypatch.setenv("LOST_RETRY_FAULT", fault)
     worker = WorkerProcess(
         redis_server.url,
         prefix,
@@ -917,6 +910,23 @@ def test_a_worker_interrupted_after_parking_a_lost_runs_hold_for_its_unsent_retr
         app="tests.lost_retry_app",
     )
     worker.start()
+    return worker
+
+
+def test_a_worker_interrupted_after_parking_a_lost_runs_hold_for_its_unsent_retry_frees_it(
+    app: Celery, redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``task_retry_on_worker_lost``, until_executed: the pool child running the body is killed,
+    and the worker's main process parks the dead run's hold for the retry it is about to send,
+    when a hard shutdown's ``WorkerTerminate`` lands (``tests/lost_retry_app.py``: right after
+    ``PARK``'s reply was read), so that the retry is never sent. The hold, parked for a token no
+    message carries, is given back as the exception goes by: not left to refuse every
+    ``delay()`` of its arguments for ``lock_queue_ttl``."""
+    conf = {
+        "task_retry_on_worker_lost": True,
+        "task_annotations": {"taskapp.until_executed": {"default_retry_delay": 2}},
+    }
+    worker = faulty_lost_retry_worker(redis_server, prefix, monkeypatch, "interrupted-after-park", conf)
     task: Any = app.tasks["taskapp.until_executed"]
     x = uuid.uuid4().hex[:10]
     key = task_lock_key(task, (x,), {"gate": True})
@@ -937,6 +947,42 @@ def test_a_worker_interrupted_after_parking_a_lost_runs_hold_for_its_unsent_retr
             recorder_for(app).open_gate(x)
             worker.stop()
             recorder.delete(f"q-{prefix}", key)
+
+
+def test_a_retry_sent_after_a_lost_pool_child_keeps_its_enqueue_lock_when_on_retry_raises(
+    app: Celery, redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``task_retry_on_worker_lost``, until_executing: the pool child is killed while the run is
+    held up before its body (``before_start``), its message's enqueue lock not freed yet. Celery's
+    main process sends the retry, which carries that enqueue lock, then calls the task's
+    ``on_retry``, which raises (``tests/lost_retry_app.py``). The retry was sent all the same:
+    its enqueue lock is not freed as a dead message's, and a ``delay()`` meanwhile is its
+    duplicate, not a second message queued beside it."""
+    conf = {
+        "task_retry_on_worker_lost": True,
+        "task_annotations": {"taskapp.slow_start": {"default_retry_delay": 0}},
+    }
+    worker = faulty_lost_retry_worker(redis_server, prefix, monkeypatch, "on-retry-raises", conf)
+    task: Any = app.tasks["taskapp.slow_start"]
+    x = uuid.uuid4().hex[:10]
+    queued = task_lock_key(task, (x,))
+    with recorder_of(app) as recorder:
+        try:
+            wait_for(lambda: recorder.llen(f"{prefix}:ready"), what=lambda: f"the worker:\n{worker.output()}")
+            result = task.delay(x)
+            [before] = wait_for(lambda: events(app, "before", x), what="the run to be held up")
+            os.kill(int(before[4]), signal.SIGKILL)  # the pid of the child it is held up in
+            wait_for(  # the retry held up in turn (retries 1), its on_retry raised before
+                lambda: [event for event in events(app, "before", x) if event[6] == "1"],
+                what=lambda: f"the retry to run:\n{worker.output()}",
+            )
+            assert "on_retry failed" in worker.output()
+            assert recorder.exists(queued), f"the retry's enqueue lock was freed:\n{worker.output()}"
+            assert task.delay(x).id == result.id, "a duplicate was sent beside the retry"
+        finally:
+            recorder_for(app).open_gate(x, times=2)
+            worker.stop()
+            recorder.delete(f"q-{prefix}", queued)
 
 
 def test_a_retry_whose_pool_child_dies_while_it_waits_leaves_no_hold_behind(
