@@ -1,7 +1,9 @@
 """A Django project (``tests/django_project``: SQLite, Celery's Django fixup) keeps
 ``delay_on_commit`` and ``apply_async_on_commit`` with ``@shared_task(base=LockedTask)``: the
-message is sent, and its enqueue lock taken, when the transaction commits; a rollback sends
-nothing and leaves nothing in Redis; a real worker runs what was sent."""
+message is sent, and its enqueue lock taken, when the transaction commits; a rollback (also of
+a savepoint) sends nothing and leaves nothing in Redis; outside a transaction it is sent at once;
+a duplicate refused at the commit raises out of the block, its commit kept; a real worker runs
+what was sent."""
 
 from __future__ import annotations
 
@@ -58,16 +60,22 @@ def test_on_commit_sends_and_locks_after_the_commit_and_a_worker_runs_it(
     assert duplicate["queued"] == 1 and duplicate["locks"].keys() == committed["locks"].keys()
     assert seen["rolled back"]["queued"] == 1
     assert seen["rolled back"]["locks"].keys() == committed["locks"].keys()  # the rollback took nothing
+    savepoint = seen["savepoint rolled back"]  # the outer block's call only
+    assert savepoint["queued"] == 2 and len(savepoint["locks"]) == 2
+    assert seen["autocommit"]["queued"] == 3 and len(seen["autocommit"]["locks"]) == 3
+    raised = seen["raised at commit"]  # DuplicateTask out of the block, its commit kept
+    assert raised is not None and raised["committed"], seen
+    assert raised["queued"] == 4 and len(raised["locks"]) == 4  # ship_once's first; mug's not sent
     queue = f"q-{prefix}"
     worker = DjangoWorker(env, queue)
     worker.start()
     try:
-        wait_for(lambda: client.llen(f"{prefix}:shipped") == 1, what=lambda: f"a run\n{worker.output()}")
-        wait_for(lambda: not client.exists(*committed["locks"]), what="the enqueue lock released")
+        wait_for(lambda: client.llen(f"{prefix}:shipped") == 3, what=lambda: f"the runs\n{worker.output()}")
+        wait_for(lambda: not client.exists(*raised["locks"]), what="the enqueue locks released")
     finally:
         worker.stop()
         client.delete(queue)
-    assert client.lrange(f"{prefix}:shipped", 0, -1) == [b"book"]
+    assert sorted(client.lrange(f"{prefix}:shipped", 0, -1)) == [b"book", b"cup", b"pen"]
 
 
 def test_without_django_they_raise_naming_the_task(monkeypatch: pytest.MonkeyPatch) -> None:

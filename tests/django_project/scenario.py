@@ -29,8 +29,9 @@ def main() -> dict[str, Any]:
     call_command("migrate", run_syncdb=True, verbosity=0)
     from celery.contrib.django.task import DjangoTask
 
+    from celery_redislock import DuplicateTask
     from tests.django_project.orders.models import Order
-    from tests.django_project.orders.tasks import plain, ship
+    from tests.django_project.orders.tasks import plain, ship, ship_once
 
     client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
     seen: dict[str, Any] = {
@@ -53,6 +54,28 @@ def main() -> dict[str, Any]:
     except Rollback:
         pass
     seen["rolled back"] = observe(client)
+    with transaction.atomic():  # a savepoint rolled back: only the outer block's call is sent
+        pen = Order.objects.create(item="pen")
+        try:
+            with transaction.atomic():
+                ship.delay_on_commit(Order.objects.create(item="ink").pk)
+                raise Rollback
+        except Rollback:
+            pass
+        ship.delay_on_commit(pen.pk)
+    seen["savepoint rolled back"] = observe(client)
+    ship.delay_on_commit(Order.objects.create(item="cup").pk)  # autocommit: sent at once
+    seen["autocommit"] = observe(client)
+    with transaction.atomic():
+        ship_once.delay_on_commit(book.pk)
+    try:  # its duplicate raises at the commit, which stands; the callbacks after it do not run
+        with transaction.atomic():
+            mug = Order.objects.create(item="mug")
+            ship_once.delay_on_commit(book.pk)
+            ship.delay_on_commit(mug.pk)
+        seen["raised at commit"] = None
+    except DuplicateTask:
+        seen["raised at commit"] = {"committed": Order.objects.filter(pk=mug.pk).exists(), **observe(client)}
     client.close()
     return seen
 

@@ -22,6 +22,11 @@ def ship(self: Any, order_id: int) -> str:
     return item
 
 
+@shared_task(base=LockedTask, lock_mode="until_executed", lock_duplicate="raise")
+def ship_once(order_id: int) -> None:
+    """Never run: its duplicate raises ``DuplicateTask`` at the commit that sends it."""
+
+
 @shared_task
 def plain() -> None:
     """A task of the fixup's class (``DjangoTask``), for comparison."""
