@@ -476,7 +476,7 @@ class Watchdog(LeaseSet):
                 lock, lease, reason = self._reports.popleft()
             try:
                 announce_loss(lock, lease, reason)
-            except Exception:  # the thread must survive anything
+            except BaseException:  # the thread must survive anything: a receiver's sys.exit() too
                 logger.exception(
                     "celery-redislock watchdog: reporting a lost lock failed; carrying on",
                     extra=telemetry.log_fields(outcome="error"),

@@ -333,6 +333,36 @@ def client_pttl(app: Any, key: str) -> int:
     return int(app.recorder.client.pttl(key))
 
 
+def test_a_loss_receiver_that_exits_does_not_stop_later_reports(
+    redis_server: RedisServer, prefix: str, lost_reports: list[dict[str, Any]]
+) -> None:
+    """A ``lock_lost`` receiver calls ``sys.exit()`` (to stop a process that lost a lock, say):
+    in the reporting thread ``SystemExit`` would end that thread, not the process. The report is
+    logged as failed and the thread carries on: a later loss is still reported."""
+
+    def exits(sender: RedisLock, **kwargs: Any) -> None:
+        if kwargs["key"] == f"{prefix}:first":
+            sys.exit(1)
+
+    lock_lost.connect(exits, weak=False)
+    client = redis_server.client()
+    first, later = (RedisLock(client, f"{prefix}:{name}", ttl=0.6) for name in ("first", "later"))
+    try:
+        assert first.acquire()
+        client.delete(f"{prefix}:first")
+        wait_for(lambda: [r for r in lost_reports if r["key"] == f"{prefix}:first"], what="the first loss")
+        assert later.acquire()
+        client.delete(f"{prefix}:later")
+        wait_for(
+            lambda: [r for r in lost_reports if r["key"] == f"{prefix}:later"],
+            timeout=30,
+            what="the report of the later loss",
+        )
+    finally:
+        lock_lost.disconnect(exits)
+        client.close()
+
+
 def test_a_slow_loss_report_does_not_hold_up_the_renewal_of_other_locks(
     redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
