@@ -974,6 +974,50 @@ def test_values_are_dropped_a_batch_at_a_time_until_a_provider_is_set() -> None:
     assert done.stdout.split() == ["5", "False", "6", "5.5"], done.stderr
 
 
+def test_without_the_otel_extra_or_django_a_locked_task_runs_and_traces_nothing(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """In a process where neither ``opentelemetry`` nor Django can be imported (an install without
+    the ``otel`` extra, a project without Django): the package imports, its telemetry hooks do
+    nothing (also under ``redislock_spans="always"``), and a ``LockedTask`` runs under its lock,
+    which it releases; a ``RedisLock`` of its own likewise."""
+    script = textwrap.dedent(
+        """
+        import sys
+
+        for name in ("opentelemetry", "django", "django.db"):
+            sys.modules[name] = None  # as if not installed: importing them raises ImportError
+        from celery import Celery
+
+        from celery_redislock import LockedTask, RedisLock, task_lock_key, telemetry
+
+        url, prefix = sys.argv[1:]
+        app = Celery("no-extras", broker=url, backend=url, set_as_current=False)
+        app.conf.update(
+            redislock_url=url, redislock_prefix=prefix, redislock_spans="always", task_always_eager=True
+        )
+
+        @app.task(base=LockedTask, bind=True, shared=False, name="no_extras.t", lock_mode="until_executed")
+        def t(self, x):
+            return x, self.request.lock_fence is not None
+
+        lock = RedisLock(app.backend.client, f"{prefix}:own", ttl=5)
+        with lock:
+            print(t.delay(1).get(), t(2), lock.owned(), telemetry.trace, telemetry.metrics)
+        print(app.backend.client.exists(task_lock_key(t, (1,)), task_lock_key(t, (2,)), f"{prefix}:own"))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, redis_server.url, prefix],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["(1, True) (2, True) True None None", "0"], done.stderr
+
+
 def test_nothing_is_recorded_or_made_until_the_app_sets_providers() -> None:
     """In a fresh process with the API installed and no global provider set (the API's proxies
     would drop it all): a run's steps record no metric, and under ``"always"`` make no span (nor
