@@ -476,7 +476,9 @@ class Watchdog(LeaseSet):
                 lock, lease, reason = self._reports.popleft()
             try:
                 announce_loss(lock, lease, reason)
-            except BaseException:  # the thread must survive anything: a receiver's sys.exit() too
+            # the thread must survive what a receiver raises, its sys.exit() too; not an exit
+            # thrown into it (gevent's GreenletExit, killing the greenlet it is under gevent)
+            except (Exception, SystemExit):
                 logger.exception(
                     "celery-redislock watchdog: reporting a lost lock failed; carrying on",
                     extra=telemetry.log_fields(outcome="error"),
