@@ -43,6 +43,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
 
@@ -232,18 +233,27 @@ def checked_delay(task: Any, options: Mapping[str, Any]) -> float:
     for name, allowed in _TIMING.items():
         value = options.get(name)
         try:
-            valid = value is None or math.isfinite(
-                float(value) if name == "countdown" else seconds_until(value)
-            )
+            valid = value is None or math.isfinite(_seconds_from_now(name, value))
         except (TypeError, ValueError, OverflowError, AttributeError):  # AttributeError: a date
-            valid = False
-        if name == "eta" and isinstance(value, (int, float)):  # seconds: ``expires``' form, not ``eta``'s
             valid = False
         if not valid:
             raise LockConfigurationError(
                 f"task {task.name!r}: {name}={value!r} is not valid; allowed: {allowed}"
             )
     return message_delay(options)
+
+
+def _seconds_from_now(name: str, value: object) -> float:
+    """The ``countdown``, ``eta`` or ``expires`` ``value`` as seconds from now, or ``TypeError``,
+    ``ValueError`` or ``OverflowError`` where Celery's send would fail on it: seconds (a
+    ``countdown``'s, an ``expires``') that are no number, or put the time past Celery's
+    datetimes (year 1 to 9999); an ``eta`` in seconds (``expires``' form, not ``eta``'s)."""
+    if name == "countdown" or isinstance(value, (int, float)):
+        if name == "eta" or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} in seconds must be an int or float")
+        datetime.now(timezone.utc) + timedelta(seconds=value)  # as Celery adds it: OverflowError past 9999
+        return float(value)
+    return seconds_until(value)
 
 
 def _undo_for(lock_options: LockOptions, client: Any, key: str, token: str) -> Callable[[], object]:

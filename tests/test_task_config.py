@@ -207,11 +207,17 @@ def test_unkeyable_arguments_fail_at_apply_async_before_sending(
     [
         ("countdown", float("nan")),
         ("countdown", "soon"),
+        ("countdown", "5"),
+        ("countdown", 10**30),
+        ("countdown", 1e12),
+        ("countdown", -1e300),
         ("eta", "tomorrow"),
         ("eta", 123),
         ("eta", [1]),
         ("expires", "never"),
         ("expires", [1]),
+        ("expires", 1e12),
+        ("expires", -(10**30)),
     ],
 )
 def test_a_bad_countdown_eta_or_expires_is_named_before_the_enqueue_lock(
@@ -220,7 +226,10 @@ def test_a_bad_countdown_eta_or_expires_is_named_before_the_enqueue_lock(
     """An enqueue lock's TTL is read from them: a NaN countdown raised ``ttl must be finite``,
     an option the call never named, and the others a bare ``ValueError`` naming none; an ``eta``
     in seconds (which ``expires`` takes, not ``eta``) was taken as one, and the send then failed
-    with Celery's ``AttributeError: 'int' object has no attribute 'isoformat'``, naming none."""
+    with Celery's ``AttributeError: 'int' object has no attribute 'isoformat'``, naming none.
+    A countdown that is a numeric string, or a countdown or ``expires`` in seconds past the
+    range of Celery's datetimes (year 1 to 9999), was read as a time, the lock taken, and the
+    send then failed with Celery's ``TypeError`` or ``OverflowError``, naming none."""
     task = define(app, lock_mode=mode, lock_period=60 if mode == "until_expired" else None)
     message = f"task 'cfg.add': {option}={value!r} is not valid"
     with pytest.raises(LockConfigurationError, match=re.escape(message)):
