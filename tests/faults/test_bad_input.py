@@ -220,6 +220,24 @@ CASES = [
         ["name must be UTF-8", "b'\\xffname'"],
         id="lock-name-not-utf8",
     ),
+    pytest.param(  # a str no Redis key can hold: it failed at acquire with UnicodeEncodeError
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k\udcff").acquire(),
+        LockConfigurationError,
+        ["name must be UTF-8", "'{prefix}:k\\udcff'"],
+        id="lock-name-a-lone-surrogate",
+    ),
+    pytest.param(  # each server refused it: acquire() returned False (blocking: tried forever)
+        lambda env: RedisLock([env.server.client()], f"{env.prefix}:k\udcff").acquire(blocking=False),
+        LockConfigurationError,
+        ["name must be UTF-8", "'{prefix}:k\\udcff'"],
+        id="redlock-name-a-lone-surrogate",
+    ),
+    pytest.param(
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k", holder="w\udcff").acquire(),
+        LockConfigurationError,
+        ["holder must be UTF-8", "'w\\udcff'"],
+        id="lock-holder-a-lone-surrogate",
+    ),
     pytest.param(
         lambda env: RedisLock(env.server.client(), f"{env.prefix}:a}}b"),
         LockConfigurationError,
