@@ -42,6 +42,7 @@ import time as mod_time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -74,6 +75,10 @@ def _clients(servers: object, timeout: float) -> list[redis.Redis]:
     clients: list[redis.Redis] = []
     for server in servers:
         if isinstance(server, str):
+            database = urlsplit(server).path.strip("/")
+            if not server.startswith("unix:") and database and not database.isdigit():  # redis-py: db 0
+                problem = f"the database {database!r} is not a number"
+                raise LockConfigurationError(f"client: bad Redis URL {masked(server)!r}: {problem}")
             try:
                 server = redis.Redis.from_url(server, socket_timeout=timeout, socket_connect_timeout=timeout)
             except ValueError as exc:
@@ -83,14 +88,20 @@ def _clients(servers: object, timeout: float) -> list[redis.Redis]:
                 f"client: each server must be a redis.Redis or a redis:// URL, got {type(server).__name__}"
             )
         clients.append(server)
-    addresses = {
-        tuple(client.connection_pool.connection_kwargs.get(k) for k in ("host", "port", "path", "db"))
-        for client in clients
-    }
-    if len(addresses) < len(clients):
+    if len({_address(client) for client in clients}) < len(clients):
         listed = ", ".join(masked(server) if isinstance(server, str) else repr(server) for server in servers)
         raise LockConfigurationError(f"client: the servers must be distinct, got {listed}")
     return clients
+
+
+def _address(client: redis.Redis) -> tuple[str, int | str, int]:
+    """Where ``client`` points, one tuple however it was spelled: a URL without its port or db,
+    or a client made without them, gets redis-py's defaults; a host name's case is not its own."""
+    given = client.connection_pool.connection_kwargs
+    db = int(given.get("db") or 0)
+    if given.get("path"):
+        return "unix", given["path"], db
+    return str(given.get("host") or "localhost").lower(), int(given.get("port") or 6379), db
 
 
 class Redlock(LeaseLock):

@@ -188,6 +188,26 @@ def test_bad_input_names_the_argument(redis_server: RedisServer, prefix: str) ->
     lock.release()
 
 
+def test_one_server_given_twice_in_other_spellings_is_refused(redis_server: RedisServer, prefix: str) -> None:
+    """A server listed twice was refused only when both spellings read the same: a URL without
+    its db (``/0``, or ``:6379``) and a client made with ``Redis(host=..., port=...)`` passed for
+    distinct servers, so that one server counted as two (holding the quorum alone), and the lock
+    over it could not be taken: ``acquire()`` answered ``False``, or tried forever without a
+    timeout. A URL whose db is no number (redis-py quietly uses db 0) is refused too."""
+    url, port = redis_server.url, redis_server.port
+    aliases: list[list[Any]] = [
+        [url, url.removesuffix("/0")],
+        [f"redis://127.0.0.1:{port}", redis.Redis(host="127.0.0.1", port=port, db=0)],
+        [f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/0?db=0"],
+        ["redis://LOCALHOST/0", "redis://localhost:6379", redis.Redis()],
+    ]
+    for servers in aliases:
+        with pytest.raises(LockConfigurationError, match="the servers must be distinct"):
+            RedisLock(servers, f"{prefix}:k")
+    with pytest.raises(LockConfigurationError, match="the database 'locks' is not a number"):
+        RedisLock([f"redis://127.0.0.1:{port}/locks", url], f"{prefix}:k")
+
+
 def test_bad_servers_are_shown_without_their_passwords(redis_server: RedisServer, prefix: str) -> None:
     """The errors showed the URLs as given, passwords in them."""
     url = f"redis://user:s3cret@127.0.0.1:{redis_server.port}/0"
