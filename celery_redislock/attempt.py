@@ -44,6 +44,7 @@ __all__ = [
     "check_holder",
     "companion_key",
     "hostname",
+    "is_utf8",
     "lease_seconds",
     "lock_name",
     "owns",
@@ -104,7 +105,7 @@ def lease_seconds(ttl: object, watchdog: bool) -> float:
 def lock_name(name: object) -> str:
     """``name`` as a non-empty str that is UTF-8 text, or ``LockConfigurationError`` saying what
     is allowed (a str with lone surrogates can be no Redis key: it failed at the first call)."""
-    if type(name) is str and name and (name.isascii() or _utf8(name)):
+    if type(name) is str and name and (name.isascii() or is_utf8(name)):
         return name
     if isinstance(name, bytes):
         try:
@@ -113,7 +114,7 @@ def lock_name(name: object) -> str:
             raise LockConfigurationError(f"name must be UTF-8, got {name!r}") from None
     if not isinstance(name, str) or not name:
         raise LockConfigurationError(f"name must be a non-empty str or bytes, got {name!r}")
-    if not _utf8(name):
+    if not is_utf8(name):
         raise LockConfigurationError(f"name must be UTF-8, got {name!r}")
     return name
 
@@ -122,11 +123,11 @@ def check_holder(holder: object) -> None:
     """``LockConfigurationError`` unless ``holder`` is None or a str that is UTF-8 text."""
     if holder is not None and not isinstance(holder, str):
         raise LockConfigurationError(f"holder must be a str, got {holder!r}")
-    if holder is not None and not _utf8(holder):
+    if holder is not None and not is_utf8(holder):
         raise LockConfigurationError(f"holder must be UTF-8, got {holder!r}")
 
 
-def _utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
     """Whether ``text`` can be sent as UTF-8 (no lone surrogates)."""
     try:
         text.encode()

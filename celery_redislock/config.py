@@ -28,7 +28,7 @@ from redis.connection import parse_url
 from ._durations import seconds, to_ms
 from ._permit_scripts import MAX_LIMIT
 from ._urls import masked
-from .attempt import MAX_TTL, MIN_WATCHDOG_TTL
+from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, companion_key, is_utf8
 from .exceptions import LockConfigurationError
 from .keys import LockOn, call_digest, lock_key
 from .modes import MODE_RULES, UNLOCKED, ModeRules
@@ -290,6 +290,8 @@ def _check_url(problem: _Problem, url: object) -> None:
     scheme = url.partition("://")[0] if isinstance(url, str) else None
     if not isinstance(url, str) or scheme not in URL_SCHEMES:
         raise problem("redislock_url", url, allowed)
+    if not is_utf8(url):
+        raise problem("redislock_url", masked(url), f"{allowed}, of UTF-8 text")
     shown = masked(url)
     if scheme == "sentinel":
         for part in url.split(";"):
@@ -398,8 +400,8 @@ def app_settings(app: Any) -> AppSettings:
     if url is not None:
         _check_url(problem, url)
     prefix = setting("prefix")
-    if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
-        raise problem("redislock_prefix", prefix, "allowed: a non-empty str without '{' or '}'")
+    if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix or not is_utf8(prefix):
+        raise problem("redislock_prefix", prefix, "allowed: a non-empty str of UTF-8 text without '{' or '}'")
     transport_options = app.conf.get("redislock_transport_options")
     if transport_options is not None and not isinstance(transport_options, Mapping):
         allowed = "allowed: a dict, e.g. {'master_name': ...}"
@@ -442,6 +444,17 @@ def _check_outcomes(
         raise problem(*busy, f"lock_mode {mode!r} takes no lock a run can find busy")
 
 
+def _check_name(problem: _Problem, name: str, prefix: str) -> None:
+    """The task's ``name`` as its lock keys hold it (``{prefix}:{name}:{digest}``): UTF-8 text,
+    where a ``}`` closes a hash tag (else the keys can have no companions in their slot)."""
+    if not is_utf8(name):
+        raise problem("name", name, "a lock key holds it: it must be UTF-8 text")
+    try:
+        companion_key(lock_key(prefix, name, "0"), "wake:")
+    except LockConfigurationError:
+        raise problem("name", name, "a lock key holds it: a '}' must close a {hash tag}") from None
+
+
 def _lease(problem: _Problem, option: str, value: object, settings: AppSettings) -> float:
     """``lock_ttl`` in seconds: a lease the watchdog can renew, longer than the wait for the
     replicas' acknowledgement where the app waits for one (``redislock_replicas``)."""
@@ -471,6 +484,7 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
             return f"redislock_{name}", value
         return f"lock_{name}", TASK_OPTIONS[name]
 
+    _check_name(problem, task.name, settings.prefix)
     mode = _choice(problem, *raw("mode"), MODES)
     ttl = _lease(problem, *raw("ttl"), settings)
     busy_option, busy = raw("busy")

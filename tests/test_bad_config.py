@@ -116,6 +116,9 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
         ),
         ("redislock_prefix", "a{b}", ["redislock_prefix='a{b}' is not valid"]),
         ("redislock_prefix", 5, ["redislock_prefix=5"]),
+        # text no Redis key can hold: each failed at the first apply_async with a UnicodeError
+        ("redislock_prefix", "locks\udcff", ["redislock_prefix='locks\\udcff' is not valid", "UTF-8"]),
+        ("redislock_url", "redis://h\udcff:1/0", ["redislock_url='redis://h\\udcff:1/0' is not", "UTF-8"]),
         (
             "redislock_on_error",
             "ignore",
@@ -137,6 +140,25 @@ def test_bad_app_settings_fail_at_bind(
     for culprit in culprits:
         assert culprit in message, f"{culprit!r} not in {message!r}"
     assert SECRET not in message
+
+
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [("cfg.\udcff", "it must be UTF-8 text"), ("cfg.a}b", "a '}' must close a {hash tag}")],
+)
+def test_a_task_name_no_lock_key_can_hold_is_refused_at_bind(
+    app: Celery, client: redis.Redis, prefix: str, name: str, allowed: str
+) -> None:
+    """A task's lock keys hold its name: one with lone surrogates failed at the first
+    ``apply_async`` with a ``UnicodeEncodeError`` (after a WARNING that the enqueue lock could
+    not be given back), one with a ``}`` outside a hash tag at the run with an error naming the
+    lock key, not the task's name."""
+    with pytest.raises(LockConfigurationError) as raised:
+        define(app, name=name, lock_mode="until_executed")
+    message = str(raised.value)
+    assert message.startswith(f"task {name!r}: name={name!r} is not valid; ")
+    assert allowed in message
+    assert nothing_under(client, prefix)
 
 
 @pytest.mark.parametrize(
