@@ -171,10 +171,23 @@ def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str,
     # socket options), but not retried unless they say so: redis-py's default policy tries a
     # failing sentinel again for seconds before the next one listed, which is the lock's retry.
     given = transport_options.get("sentinel_kwargs")
+    if given is not None and not isinstance(given, Mapping):  # its type only: it may hold a password
+        raise LockConfigurationError(
+            f"{masked(url)!r}: the transport option sentinel_kwargs is not valid; allowed: a dict, "
+            f"got {type(given).__name__}"
+        )
+    minimum = transport_options.get("min_other_sentinels", 0)
+    try:
+        minimum = int(minimum)  # a number, or its digits (as kombu passes it on)
+    except (TypeError, ValueError):
+        raise LockConfigurationError(
+            f"{masked(url)!r}: the transport option min_other_sentinels={minimum!r} is not valid; "
+            "allowed: an int"
+        ) from None
     own = {k: v for k, v in options.items() if k.startswith("socket_")} if given is None else given
     sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
         sentinels,
-        min_other_sentinels=int(transport_options.get("min_other_sentinels", 0)),
+        min_other_sentinels=minimum,
         sentinel_kwargs={"retry": None, **own},
         **options,
     )

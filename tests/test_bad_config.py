@@ -242,3 +242,30 @@ def test_a_sentinel_list_with_a_url_not_a_sentinels_is_refused_with_its_password
         assert SECRET not in message
     finally:
         app.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        ({"sentinel_kwargs": 5}, "option sentinel_kwargs is not valid; allowed: a dict, got int"),
+        ({"sentinel_kwargs": [SECRET]}, "option sentinel_kwargs is not valid; allowed: a dict, got list"),
+        ({"min_other_sentinels": "x"}, "option min_other_sentinels='x' is not valid; allowed: an int"),
+    ],
+)
+def test_a_sentinel_transport_option_of_the_wrong_type_is_named(
+    redis_server: RedisServer, prefix: str, options: dict[str, Any], problem: str
+) -> None:
+    """Read when the lock client is made: ``sentinel_kwargs`` that is no dict raised a bare
+    ``TypeError: 'int' object is not a mapping``, and a ``min_other_sentinels`` that is no int was
+    blamed on the URL (``redislock_url=... is not a URL redis-py reads``)."""
+    url = f"sentinel://:{SECRET}@127.0.0.1:26379"
+    transport = {"master_name": "m", **options}
+    app = new_app(redis_server.url, prefix, redislock_url=url, redislock_transport_options=transport)
+    try:
+        with pytest.raises(LockConfigurationError) as raised:
+            client_for(app)
+        message = str(raised.value)
+        assert problem in message and "'sentinel://:**@127.0.0.1:26379'" in message
+        assert SECRET not in message and "is not a URL" not in message
+    finally:
+        app.close()
