@@ -489,7 +489,7 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
     ttl = _lease(problem, *raw("ttl"), settings)
     busy_option, busy = raw("busy")
     rules = MODE_RULES[mode]
-    busy = _choice(problem, busy_option, busy or rules.default_busy, BUSY)
+    busy = _choice(problem, busy_option, rules.default_busy if busy is None else busy, BUSY)
     option, period_value = raw("period")
     period = None if period_value is None else _duration(problem, option, period_value, 0.001)
     if rules.settles and period is None:

@@ -35,6 +35,8 @@ def app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
 BAD_OPTIONS = [
     ("lock_mode", "sometimes", "allowed: 'while_executing', 'until_executing'"),
     ("lock_busy", "later", "allowed: 'skip', 'retry', 'wait', 'raise'"),
+    ("lock_busy", "", "allowed: 'skip', 'retry', 'wait', 'raise'"),  # was the mode's default, silently
+    ("lock_busy", 0, "allowed: 'skip', 'retry', 'wait', 'raise'"),
     ("lock_duplicate", "ignore", "allowed: 'return', 'raise'"),
     ("lock_on_lost", "panic", "allowed: 'log', 'raise', 'terminate'"),
     ("lock_ttl", 0, ">= 0.3"),
