@@ -32,7 +32,7 @@ from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, companion_key, is_utf8
 from .exceptions import LockConfigurationError
 from .keys import LockOn, call_digest, lock_key
 from .modes import MODE_RULES, UNLOCKED, ModeRules
-from .protocol import received_arguments
+from .protocol import REPUBLISH, received_arguments
 from .semaphore import permit_limit
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "AppSettings",
     "LockOptions",
     "app_settings",
+    "check_call_options",
     "check_client",
     "run_key",
     "task_options",
@@ -162,6 +163,22 @@ class AppSettings:
     def replication(self) -> dict[str, Any]:
         """The ``RedisLock`` arguments that ask for replica acknowledgements."""
         return {"replicas": self.replicas, "replica_timeout": self.replica_timeout} if self.replicas else {}
+
+
+#: The ``lock_*`` options a call (``apply_async``) takes: ``lock_in_canvas``, and those the package
+#: sends itself, a beat entry's ``lock_beat`` (``beat.OPTION``) and a busy retry's ``REPUBLISH``.
+CALL_OPTIONS = frozenset({"lock_in_canvas", "lock_beat", REPUBLISH})
+
+
+def check_call_options(task: Any, options: Mapping[str, Any]) -> None:
+    """``LockConfigurationError`` naming a ``lock_*`` option of a call that no call takes (a task
+    option, or a misspelt one), which Celery would send among the message's properties, unread."""
+    for option, value in options.items():
+        if option.startswith("lock_") and option not in CALL_OPTIONS:
+            raise LockConfigurationError(
+                f"task {task.name!r}: {option}={value!r} is not an option of apply_async; of the lock "
+                "options, a call takes lock_in_canvas (the others are the task's, @app.task(lock_...=...))"
+            )
 
 
 def run_key(

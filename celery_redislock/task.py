@@ -22,7 +22,15 @@ from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils.uuid import uuid
 
 from .busy import skipped
-from .config import AppSettings, LockOptions, app_settings, bound_options, run_key, task_options
+from .config import (
+    AppSettings,
+    LockOptions,
+    app_settings,
+    bound_options,
+    check_call_options,
+    run_key,
+    task_options,
+)
 from .django import OnCommit
 from .enqueue import enqueue
 from .exceptions import LockConfigurationError, LockKeyError, LockLost
@@ -156,6 +164,7 @@ class LockedTask(OnCommit):
         their enqueue lock, or goes without it when held (``execution.send_continuation``). So
         does Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise."""
         lock_options, settings = _bound_options(self)
+        check_call_options(self, options)
         key = run_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)

@@ -238,6 +238,23 @@ def test_a_bad_countdown_eta_or_expires_is_named_before_the_enqueue_lock(
     assert nothing_under(client, prefix)
 
 
+@pytest.mark.parametrize("mode", ["while_executing", "until_executed"])
+@pytest.mark.parametrize(("option", "value"), [("lock_ttl", 5), ("lock_mode", "x"), ("lock_in_canvs", True)])
+def test_a_lock_option_apply_async_does_not_take_is_refused_naming_it(
+    app: Celery, client: redis.Redis, prefix: str, mode: str, option: str, value: object
+) -> None:
+    """Lock options are the task's; a call takes ``lock_in_canvas`` only. Any other, or a
+    misspelt one, was ignored: the message was sent (with the option among its properties),
+    locked as the task's options say, as if the call had not asked."""
+    task = define(app, lock_mode=mode)
+    message = f"task 'cfg.add': {option}={value!r} is not an option of apply_async"
+    with pytest.raises(LockConfigurationError, match=re.escape(message)) as raised:
+        task.apply_async((1,), **{option: value})
+    assert "lock_in_canvas" in str(raised.value)
+    assert client.llen(f"q-{prefix}") == 0
+    assert nothing_under(client, prefix)
+
+
 def test_the_worker_locks_the_key_apply_async_computed(app: Celery, client: redis.Redis) -> None:
     """The enqueue lock's key and the key the worker locks are one, for every type Celery's
     JSON carries: a tuple arrives as a list and a dict's int keys as strings; today
