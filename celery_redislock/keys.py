@@ -178,8 +178,13 @@ def call_digest(
 ) -> str:
     """Hex digest of a call's canonical arguments: SHA-256, or HMAC-SHA-256 under ``secret``.
 
-    ``LockKeyError`` names what cannot be keyed.
+    ``LockKeyError`` names what cannot be keyed, also ``args`` that are no list or tuple (a str
+    would be keyed as its characters) and ``kwargs`` that are no mapping, which Celery refuses.
     """
+    if not isinstance(args, (list, tuple)):
+        raise LockKeyError(task_name, "*", f"list: args must be a list or tuple, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise LockKeyError(task_name, "*", f"list: kwargs must be a mapping, got {type(kwargs).__name__}")
     value = _keyed_value(task_name, run, args, kwargs or {}, lock_on)
     parts: Mapping[str, Any] = {"lock_on": value} if callable(lock_on) else value  # name -> its value
     delivered = _delivered(value)

@@ -144,6 +144,24 @@ CASES = [
         ["argument '*'", "missing a required argument: 'a'"],
         id="missing-argument",
     ),
+    pytest.param(  # keyed as the arguments "a" and "b", the lock taken; Celery's send then refused it
+        lambda env: env.task().apply_async("ab"),
+        LockKeyError,
+        ["task 'bad.add'", "argument '*'", "args must be a list or tuple, got str"],
+        id="args-a-string",
+    ),
+    pytest.param(  # was TypeError: object of type 'int' has no len()
+        lambda env: env.task().apply_async(1),
+        LockKeyError,
+        ["task 'bad.add'", "argument '*'", "args must be a list or tuple, got int"],
+        id="args-an-int",
+    ),
+    pytest.param(
+        lambda env: env.task().apply_async((1,), [("b", 3)]),
+        LockKeyError,
+        ["task 'bad.add'", "argument '*'", "kwargs must be a mapping, got list"],
+        id="kwargs-a-list",
+    ),
     pytest.param(
         lambda env: env.task().delay(1, bb=3),
         LockKeyError,
