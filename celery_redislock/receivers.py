@@ -28,6 +28,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from celery import Celery
 from celery import signals as celery_signals
 
 from ._process import current_pid
@@ -35,6 +36,7 @@ from .beat import connect as connect_beat
 from .config import LockOptions, app_settings, bound_options
 from .connection import client_for
 from .enqueue import give_up_ticket
+from .exceptions import LockConfigurationError
 from .protocol import message_continues_hold, message_ticket, request_continues_hold, request_ticket
 from .state import app_state, app_states, running
 from .telemetry import log_fields
@@ -57,6 +59,8 @@ def install(app: Any) -> None:
     receiver) and logs a WARNING, once per app per process: locks that are off
     must not go unnoticed in production.
     """
+    if not isinstance(app, Celery):
+        raise LockConfigurationError(f"install(app): app must be a Celery app, got {type(app).__name__}")
     state = app_state(app)
     if state.installed or state.switched_off:
         return

@@ -107,6 +107,15 @@ def test_install_is_idempotent_and_automatic(app: Celery) -> None:
     assert len(task_postrun.receivers) == receivers
 
 
+@pytest.mark.parametrize("app", [None, "proj", 5])
+def test_install_names_what_is_no_celery_app(app: object) -> None:
+    """``install(app)`` with no Celery app (a beat process's setup passing the wrong object)
+    raised ``TypeError: cannot create weak reference to 'int' object``, or an ``AttributeError``,
+    naming neither ``install`` nor ``app``."""
+    with pytest.raises(LockConfigurationError, match=r"install\(app\): app must be a Celery app, got "):
+        install(app)
+
+
 def test_install_connects_its_receivers_once_per_process_not_once_per_app(
     app: Celery, redis_server: RedisServer, prefix: str
 ) -> None:
