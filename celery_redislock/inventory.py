@@ -39,6 +39,7 @@ from .telemetry import log_fields
 __all__ = [
     "HeldLock",
     "force_release",
+    "glob_escape",
     "held_locks",
     "hold_of",
     "is_queued",
@@ -309,7 +310,8 @@ def read_lock(client: Client, key: str, prefix: str) -> HeldLock | None:
     return found[0] if found else None
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """``text`` as a SCAN pattern matching it alone (``*``, ``?``, ``[``, ``]``, ``\\`` escaped)."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
@@ -338,7 +340,7 @@ def scan_keys(client: Client, prefix: str, task: str | None = None) -> Iterator[
     which are left out here (SCAN's cost is the keyspace's, whatever the pattern)."""
     under = f"{prefix}:{task}:" if task is not None else f"{prefix}:"
     seen: set[str] = set()
-    for found in client.scan_iter(match="*" + _glob_escape(under) + "*", count=1000):
+    for found in client.scan_iter(match="*" + glob_escape(under) + "*", count=1000):
         try:
             key = text(found)
         except UnicodeDecodeError:  # not UTF-8: no key of the package (another app's, binary)

@@ -51,7 +51,7 @@ from ._process import current_pid
 from .config import app_settings
 from .connection import Client, client_for
 from .exceptions import LockConfigurationError
-from .inventory import HeldLock, held_locks
+from .inventory import HeldLock, glob_escape, held_locks
 from .keys import slot_markers
 from .lock import RedisLock
 from .protocol import holder_for, text
@@ -466,7 +466,8 @@ def locks_left(app: Any) -> list[str]:
         for lock in found
         if not lock.key.startswith(slot_markers(prefix))
     ]
-    patterns = [f"{prefix}:*", f"{{{prefix}:*"]  # locks and markers; the waiters' companion keys
+    under = glob_escape(prefix)  # the prefix as it is, not as a pattern
+    patterns = [f"{under}:*", f"{{{under}:*"]  # locks and markers; the waiters' companion keys
     for key in (text(key) for pattern in patterns for key in client.scan_iter(match=pattern)):
         if client.pttl(key) == -1 and not any(line.startswith(f"{key} ") for line in lines):
             lines.append(f"{key} has no TTL")

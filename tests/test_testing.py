@@ -253,6 +253,24 @@ def test_assert_no_locks_names_what_is_left(app: Celery, redis_server: RedisServ
         assert_no_locks(app)
 
 
+def test_assert_no_locks_reads_a_prefix_with_glob_characters_as_it_is(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The scan for keys without a TTL took the prefix as a SCAN pattern: under ``[x]`` it looked
+    for ``x:*`` (another app's keys, reported as this app's) and missed the app's own."""
+    glob = f"{prefix}[x]"  # a valid prefix: only braces are refused
+    app = Celery("proj", broker="memory://", set_as_current=False)
+    app.conf.update(redislock_prefix=glob)
+    with use_redis(app, redis_server.url) as client:
+        client.set(f"{prefix}x:other-app", "1")  # what the pattern {prefix}[x]:* matches
+        client.set(f"{glob}:forgotten", "1")
+        try:
+            assert locks_left(app) == [f"{glob}:forgotten has no TTL"]
+        finally:
+            client.delete(f"{prefix}x:other-app", f"{glob}:forgotten")
+    app.close()
+
+
 def test_the_plugin_is_registered(pytestconfig: Any) -> None:
     assert pytestconfig.pluginmanager.has_plugin("celery_redislock")
 
