@@ -170,9 +170,12 @@ class AppSettings:
 CALL_OPTIONS = frozenset({"lock_in_canvas", "lock_beat", REPUBLISH})
 
 
-def check_call_options(task: Any, options: Mapping[str, Any]) -> None:
-    """``LockConfigurationError`` naming a ``lock_*`` option of a call that no call takes (a task
-    option, or a misspelt one), which Celery would send among the message's properties, unread."""
+def check_call_options(task: Any, task_id: object, options: Mapping[str, Any]) -> None:
+    """``LockConfigurationError`` naming a ``task_id`` that is no str (a holder names it), or a
+    ``lock_*`` option of a call that no call takes (a task option, or a misspelt one), which
+    Celery would send among the message's properties, unread."""
+    if task_id is not None and not isinstance(task_id, str):
+        raise LockConfigurationError(f"task {task.name!r}: task_id={task_id!r} is not valid; allowed: a str")
     for option, value in options.items():
         if option.startswith("lock_") and option not in CALL_OPTIONS:
             raise LockConfigurationError(

@@ -164,7 +164,7 @@ class LockedTask(OnCommit):
         their enqueue lock, or goes without it when held (``execution.send_continuation``). So
         does Celery's retry of a run whose pool child was lost (``lost_retry``), parked for likewise."""
         lock_options, settings = _bound_options(self)
-        check_call_options(self, options)
+        check_call_options(self, task_id, options)
         key = run_key(self, lock_options, settings, args or (), kwargs or {}, options)  # unkeyable: unsent
         rules = lock_options.rules
         in_canvas_opt_in = options.pop("lock_in_canvas", False)

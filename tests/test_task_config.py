@@ -264,6 +264,22 @@ def test_a_lock_option_apply_async_does_not_take_is_refused_naming_it(
     assert nothing_under(client, prefix)
 
 
+@pytest.mark.parametrize("mode", ["while_executing", "until_executed"])
+@pytest.mark.parametrize("task_id", [5, uuid.UUID(int=5), b"id"])
+def test_a_task_id_that_is_no_str_is_named(
+    app: Celery, client: redis.Redis, prefix: str, mode: str, task_id: object
+) -> None:
+    """A task id is a str: an int, a ``uuid.UUID`` or bytes ended in ``TypeError:
+    quote_from_bytes() expected bytes`` (the enqueue lock's holder), or in Celery's own
+    ``TypeError`` from the result backend, naming no argument."""
+    task = define(app, lock_mode=mode)
+    message = f"task 'cfg.add': task_id={task_id!r} is not valid; allowed: a str"
+    with pytest.raises(LockConfigurationError, match=re.escape(message)):
+        task.apply_async((1,), task_id=task_id)
+    assert client.llen(f"q-{prefix}") == 0
+    assert nothing_under(client, prefix)
+
+
 def test_the_worker_locks_the_key_apply_async_computed(app: Celery, client: redis.Redis) -> None:
     """The enqueue lock's key and the key the worker locks are one, for every type Celery's
     JSON carries: a tuple arrives as a list and a dict's int keys as strings; today
