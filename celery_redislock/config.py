@@ -42,6 +42,7 @@ __all__ = [
     "AppSettings",
     "LockOptions",
     "app_settings",
+    "call_headers",
     "check_call_options",
     "check_client",
     "run_key",
@@ -182,6 +183,17 @@ def check_call_options(task: Any, task_id: object, options: Mapping[str, Any]) -
                 f"task {task.name!r}: {option}={value!r} is not an option of apply_async; of the lock "
                 "options, a call takes lock_in_canvas (the others are the task's, @app.task(lock_...=...))"
             )
+
+
+def call_headers(task: Any, headers: Any) -> dict[str, Any]:
+    """A call's ``headers`` as a dict of its own (the enqueue lock's ticket joins it), or
+    ``LockConfigurationError`` naming what ``dict()`` does not take."""
+    try:
+        return dict(headers or {})
+    except (TypeError, ValueError) as exc:
+        raise LockConfigurationError(
+            f"task {task.name!r}: headers={headers!r} is not valid; allowed: a dict ({exc})"
+        ) from None
 
 
 def run_key(

@@ -27,6 +27,7 @@ from .config import (
     LockOptions,
     app_settings,
     bound_options,
+    call_headers,
     check_call_options,
     run_key,
     task_options,
@@ -170,7 +171,7 @@ class LockedTask(OnCommit):
         in_canvas_opt_in = options.pop("lock_in_canvas", False)
         republish = options.pop(REPUBLISH, False)
         in_canvas = canvas_member(options) and not in_canvas_opt_in
-        headers = dict(options.pop("headers", None) or {})
+        headers = call_headers(self, options.pop("headers", None))
 
         def send(task_id: str | None) -> Any:
             return super(LockedTask, self).apply_async(

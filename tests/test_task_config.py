@@ -280,6 +280,21 @@ def test_a_task_id_that_is_no_str_is_named(
     assert nothing_under(client, prefix)
 
 
+@pytest.mark.parametrize("headers", [5, "k=v", [("k",)]])
+def test_headers_that_are_no_mapping_are_named(
+    app: Celery, client: redis.Redis, prefix: str, headers: object
+) -> None:
+    """``apply_async(headers=...)`` is what ``dict()`` takes (the enqueue lock's ticket joins it):
+    an int ended in ``TypeError: 'int' object is not iterable``, a str in ``ValueError:
+    dictionary update sequence element #0 has length 1; 2 is required``, naming no argument."""
+    task = define(app, lock_mode="until_executed")
+    message = f"task 'cfg.add': headers={headers!r} is not valid; allowed: a dict ("
+    with pytest.raises(LockConfigurationError, match=re.escape(message)):
+        task.apply_async((1,), headers=headers)
+    assert client.llen(f"q-{prefix}") == 0
+    assert nothing_under(client, prefix)
+
+
 def test_the_worker_locks_the_key_apply_async_computed(app: Celery, client: redis.Redis) -> None:
     """The enqueue lock's key and the key the worker locks are one, for every type Celery's
     JSON carries: a tuple arrives as a list and a dict's int keys as strings; today
