@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 RETRY_DELAY = 0.05
 #: Clock drift allowed for, as a fraction of the ttl (plus 2 ms), as in the Redlock spec.
 DRIFT_FACTOR = 0.01
+#: What a failed exchange with one server raises (``Quorum._on_all`` counts it as that server's).
+_FAILURES = (redis.exceptions.RedisError, OSError)
 
 
 def _clients(servers: object, timeout: float) -> list[redis.Redis]:
@@ -251,9 +253,11 @@ class Quorum:
 
     def _on_all(self, script: Script, args: Sequence[str | int]) -> list[Any]:
         """Run ``script`` on the lock's key on every server at once; each server's reply,
-        or the exception it ended with (unreachable, no reply within the deadline, an error).
-        The deadline counts from the last send: a server whose connect hangs (up to its connect
-        timeout) does not leave the others' replies less time to come."""
+        or the Redis failure it ended with (unreachable, no reply within the deadline, an error:
+        a ``RedisError`` or ``OSError``). The deadline counts from the last send: a server whose
+        connect hangs (up to its connect timeout) does not leave the others' replies less time to
+        come. Anything else (an interrupt: a soft time limit is an ``Exception`` too) is no one
+        server's failure: it propagates, every connection that has a reply on its way dropped."""
         sent: list[tuple[Any, Any, bytes | BaseException]] = []
         results: list[Any] = []
         try:
@@ -261,7 +265,7 @@ class Quorum:
                 pool: Any = client.connection_pool
                 try:
                     connection = pool.get_connection()
-                except Exception as exc:
+                except _FAILURES as exc:
                     sent.append((pool, None, exc))
                     continue
                 sent.append((pool, connection, b""))  # released by the finally, whatever happens next
@@ -270,7 +274,7 @@ class Quorum:
                     packed = script.pack(bulks(encoder, [self.name]), bulks(encoder, args))
                     connection.send_packed_command([packed])
                     sent[-1] = (pool, connection, packed)
-                except Exception as exc:
+                except _FAILURES as exc:
                     sent[-1] = (pool, connection, exc)
             deadline = mod_time.monotonic() + self._node_timeout
             for _, connection, command in sent:
@@ -283,7 +287,7 @@ class Quorum:
                     results.append(script.read_reply(connection, command))
                 except redis.exceptions.ResponseError as exc:
                     results.append(exc)  # a complete error reply: the connection is clean
-                except Exception as exc:
+                except _FAILURES as exc:
                     connection.disconnect()
                     results.append(exc)
         finally:

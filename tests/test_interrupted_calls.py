@@ -24,6 +24,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.connection
 import redis.connection
+from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_redislock import AsyncRedisLock, AsyncRedisSemaphore, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock._permit_scripts import ACQUIRE_PERMIT, RELEASE_PERMIT
@@ -133,17 +134,20 @@ def test_an_interrupted_replica_wait_leaves_the_client_giving_right_answers(
     theirs.release()
 
 
+@pytest.mark.parametrize("error", [Interrupt, SoftTimeLimitExceeded])
 @pytest.mark.parametrize("where", ["after a send", "before a read"])
 def test_an_interrupted_redlock_call_leaves_its_servers_giving_right_answers(
     redlock_servers: list[RedisServer],
     prefix: str,
     where: str,
+    error: type[BaseException],
     interrupt_read: Arm,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A Redlock release is interrupted right after its first send, or before its first read:
-    no connection is left taken, and every server still answers the next acquire of a lock held
-    by someone else rightly."""
+    """A Redlock release is interrupted right after its first send, or before its first read
+    (also by a soft time limit, an ``Exception``, never taken for that server's failure): the
+    interrupt propagates, no connection is left taken, and every server still answers the next
+    acquire of a lock held by someone else rightly."""
     clients = [server.client() for server in redlock_servers]
     others = [server.client() for server in redlock_servers]
     theirs = RedisLock(others, f"{prefix}:b", ttl=5)
@@ -151,7 +155,7 @@ def test_an_interrupted_redlock_call_leaves_its_servers_giving_right_answers(
     mine = RedisLock(clients, f"{prefix}:a", ttl=5)
     assert mine.acquire(blocking=False)
     if where == "before a read":
-        fired = interrupt_read(on_this_thread())
+        fired = interrupt_read(on_this_thread(), error)
     else:
         fired = []
         original = redis.connection.AbstractConnection.send_packed_command
@@ -160,10 +164,10 @@ def test_an_interrupted_redlock_call_leaves_its_servers_giving_right_answers(
             original(self, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             if not fired:
                 fired.append(1)
-                raise Interrupt
+                raise error
 
         monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send_packed_command)
-    with pytest.raises(Interrupt):
+    with pytest.raises(error):
         mine.release()
     assert fired
     monkeypatch.undo()
