@@ -154,9 +154,13 @@ class OneServer:
         return None if reply is None else reply[1]
 
     def abandon(self, token: str, member: str) -> None:
+        """Leave the waiter queue as ``member``, releasing ``token``'s hold if it was granted
+        meanwhile; a Redis failure is logged (the waiter is dropped after its deadline, a hold
+        runs out unrenewed). Anything else (an interrupt: a soft time limit is an ``Exception``
+        too) propagates: the run must not go on past it."""
         try:
             RELEASE(self.client, self._keys, [token, member])
-        except Exception as exc:
+        except (redis.exceptions.RedisError, OSError) as exc:
             logger.warning(
                 "lock %r: could not leave the waiter queue: %s",
                 self.name,

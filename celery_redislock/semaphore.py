@@ -141,9 +141,11 @@ class Permits(OneServer):
         return self.book.granted(attempt.token, super().sleep(attempt))
 
     def abandon(self, token: str, member: str) -> None:
+        """``OneServer.abandon`` for a permit: a Redis failure is logged (a permit granted
+        meanwhile runs out unrenewed within its lease); an interrupt propagates."""
         try:
             self.free(token, member)
-        except Exception as exc:  # a permit granted meanwhile, unrenewed, runs out within its lease
+        except (redis.exceptions.RedisError, OSError) as exc:
             fields = log_fields(self.name, outcome="error")
             logger.warning("semaphore %r: could not leave the waiter queue: %s", self.name, exc, extra=fields)
 

@@ -13,6 +13,7 @@ the same client, or the same watchdog, goes on with the right answers.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -30,6 +31,7 @@ from celery_redislock import AsyncRedisLock, AsyncRedisSemaphore, LockNotOwned, 
 from celery_redislock._permit_scripts import ACQUIRE_PERMIT, RELEASE_PERMIT
 from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock.lock import companion_key
+from celery_redislock.run_lock import watch
 from celery_redislock.testing import RedisServer
 from celery_redislock.watchdog import get_watchdog
 from tests.interrupts import Arm, Interrupt, on_this_thread
@@ -377,3 +379,43 @@ def test_an_interrupted_connection_handshake_leaves_the_client_reading_its_own_r
         client.delete(*held_keys(name))
     assert not client.exists(*held_keys(name))
     theirs.release()
+
+
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_a_soft_time_limit_as_a_watcher_leaves_the_queue_propagates(
+    redis_server: RedisServer,
+    prefix: str,
+    kind: str,
+    interrupt_read: Arm,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A token queued as a hold's watcher leaves the queue (``servers.abandon``, as a run's wait
+    woken by the holder's keep or park does, ``busy``, ``redelivery``), and a soft time limit (an
+    ``Exception``) lands as the reply is read: it propagates, not logged as a failure to leave
+    the queue while the run goes on past its limit; the queue is left (the command was sent),
+    and the client reads its own replies."""
+    client, other = redis_server.client(), redis_server.client()
+    name = f"{prefix}:a"
+    theirs: RedisLock | RedisSemaphore = (
+        RedisLock(other, name, ttl=5, holder="theirs")
+        if kind == "lock"
+        else RedisSemaphore(other, name, 1, ttl=5, holder="theirs")
+    )
+    assert theirs.acquire(blocking=False)
+    others = RedisLock(other, f"{prefix}:b", ttl=5)
+    assert others.acquire(blocking=False)
+    mine = RedisLock(client, name, ttl=5) if kind == "lock" else RedisSemaphore(client, name, 1, ttl=5)
+    token = "f" * 32
+    assert watch(mine, "theirs", token)  # queued as the hold's watcher
+    assert client.zcard(companion_key(name, "queue")) == 1
+    client.script_load(RELEASE.source)  # the interrupted read is the release's own reply
+    client.script_load(RELEASE_PERMIT.source)
+    fired = interrupt_read(on_this_thread(), SoftTimeLimitExceeded)
+    with caplog.at_level(logging.WARNING), pytest.raises(SoftTimeLimitExceeded):
+        mine.servers.abandon(token, mine.member(token))
+    assert fired
+    assert "could not leave the waiter queue" not in caplog.text
+    assert client.zcard(companion_key(name, "queue")) == 0
+    assert_right_answers(client, prefix)
+    theirs.release()
+    others.release()
