@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 import redis
 import redis.cluster
 import redis.sentinel
+from celery.exceptions import SoftTimeLimitExceeded
 
 from ._process import current_pid
 from ._urls import masked
@@ -267,10 +268,14 @@ def _made(app: Any) -> LockClient:
 
 
 def _called(app: Any, make: Any) -> Client:
-    """The client that the ``redislock_client`` callable ``make`` returns for ``app``, checked."""
+    """The client that the ``redislock_client`` callable ``make`` returns for ``app``, checked. Its
+    exception counts as Redis unreachable (``ClientUnavailable``), but for a soft time limit
+    landing in it (an ``Exception`` too), which propagates: the run must not go on, unlocked."""
     where = f"app {app.main or app!r}"
     try:
         client = make(app)
+    except SoftTimeLimitExceeded:
+        raise
     except Exception as exc:
         raise ClientUnavailable(
             f"{where}: the redislock_client callable failed: {type(exc).__name__}"

@@ -19,6 +19,7 @@ import redis
 import redis.asyncio
 from celery import Celery
 from celery.beat import Scheduler
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.schedules import schedule
 
 from celery_redislock import LockConfigurationError, LockedTask, RedisLockError
@@ -123,6 +124,23 @@ def test_a_failing_callable_runs_the_task_unlocked_with_on_error_run(
     ]
     assert unlocked and all("the redislock_client callable failed: OSError" in line for line in unlocked)
     assert not any("secret" in line for line in unlocked)
+    app.close()
+
+
+def interrupted_callable(app: Celery) -> redis.Redis:
+    raise SoftTimeLimitExceeded()  # the task's soft time limit, landing as the client is made
+
+
+@pytest.mark.parametrize("on_error", ["fail", "run"])
+@pytest.mark.parametrize("name", ["client.fence", "client.queued"])
+def test_a_soft_time_limit_in_the_callable_stops_the_task(prefix: str, name: str, on_error: str) -> None:
+    """A soft time limit (an ``Exception``) landing in the ``redislock_client`` callable is not
+    the callable failing, taken for Redis unreachable: it propagates, with either
+    ``redislock_on_error`` (``"run"`` would run the body unlocked, past the limit)."""
+    app = locked_app(prefix, interrupted_callable)
+    app.conf.redislock_on_error = on_error
+    with pytest.raises(SoftTimeLimitExceeded):
+        app.tasks[name].delay(1).get()
     app.close()
 
 
