@@ -24,6 +24,7 @@ import json.encoder
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from celery.exceptions import SoftTimeLimitExceeded
 from kombu.utils.json import JSONEncoder
 
 from .exceptions import LockKeyError
@@ -144,10 +145,14 @@ def _envelope_lookalike(value: Any) -> bool:
 def _keyed_value(
     task_name: str, run: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], lock_on: LockOn
 ) -> Any:
-    """What the key stands for: the bound arguments, the named ones, or the callable's value."""
+    """What the key stands for: the bound arguments, the named ones, or the callable's value. The
+    callable's exception is ``LockKeyError``'s cause, but for a soft time limit landing in it (an
+    ``Exception`` too), which propagates as itself."""
     if callable(lock_on):
         try:
             return lock_on(*args, **kwargs)
+        except SoftTimeLimitExceeded:
+            raise
         except Exception as exc:
             raise LockKeyError(task_name, "lock_on", f"(the callable) raised {exc!r}") from exc
     signature, names = _signature(run)

@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
 
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import serialization
 
@@ -276,11 +277,16 @@ def received_arguments(
     the message's serializer (Celery's JSON delivers a tuple as a list, an int dict key as a
     string), so that a ``lock_on`` callable, called with them at ``apply_async`` and with what
     it received in the worker, keys alike. As they are where the serializer cannot take them:
-    the send fails the same way, with Celery's error."""
+    the send fails the same way, with Celery's error. A soft time limit landing meanwhile (an
+    ``Exception`` too, which kombu wraps in its ``EncodeError``) propagates as itself."""
     serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
     try:
         content_type, encoding, data = serialization.dumps((list(args), dict(kwargs)), serializer)
         received = serialization.loads(data, content_type, encoding, accept=[content_type])
-    except Exception:  # EncodeError, an unknown serializer, arguments of the wrong shape: Celery's to report
+    except SoftTimeLimitExceeded:
+        raise
+    except Exception as exc:  # EncodeError, an unknown serializer, wrong shapes: Celery's to report
+        if isinstance(exc.__context__, SoftTimeLimitExceeded):  # landed in the serializer, which wrapped it
+            raise exc.__context__ from None
         return args, kwargs
     return received[0], received[1]

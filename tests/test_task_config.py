@@ -18,9 +18,12 @@ from collections.abc import Callable, Iterator
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
+import kombu.serialization
+import kombu.utils.json
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_redislock import (
     LockConfigurationError,
@@ -331,6 +334,44 @@ def test_a_lock_on_callable_that_raises_is_named(app: Celery) -> None:
     task = define(app, lock_on=broken)
     with pytest.raises(LockKeyError, match="lock_on"):
         task.delay(1)
+
+
+def test_a_soft_time_limit_in_a_lock_on_callable_propagates(app: Celery) -> None:
+    """A soft time limit (an ``Exception``) landing in the ``lock_on`` callable, as a run's body
+    sends a call, is not the callable failing: it propagates as itself (the body's own handler
+    of it runs), not as ``LockKeyError``; nothing is sent."""
+
+    def interrupted(a: int, b: int = 2) -> None:
+        raise SoftTimeLimitExceeded()
+
+    task = define(app, lock_on=interrupted)
+    with pytest.raises(SoftTimeLimitExceeded):
+        task.delay(1)
+
+
+def test_a_soft_time_limit_as_the_arguments_go_through_the_serializer_propagates(
+    app: Celery, client: redis.Redis
+) -> None:
+    """The arguments a ``lock_on`` callable is called with at ``apply_async`` go through the
+    message's serializer first; a soft time limit landing there (kombu wraps it in an
+    ``EncodeError``) propagates, never taken for arguments the serializer cannot take (left to
+    Celery's send to report): nothing is sent."""
+    interrupts = [SoftTimeLimitExceeded()]
+
+    def encode(value: Any) -> str:
+        if interrupts:
+            raise interrupts.pop()
+        return kombu.utils.json.dumps(value)
+
+    kombu.serialization.register("interrupting", encode, kombu.utils.json.loads, "application/x-interrupting")
+    try:
+        task = define(app, lock_on=lambda a, b=2: a)
+        with pytest.raises(SoftTimeLimitExceeded):
+            task.apply_async((1,), serializer="interrupting")
+    finally:
+        kombu.serialization.unregister("interrupting")
+    assert not interrupts
+    assert client.llen(app.conf.task_default_queue) == 0
 
 
 # -- direct calls, apply(), eager --------------------------------------------------------------------
