@@ -192,11 +192,12 @@ def _dispatched(options: Mapping[str, Any]) -> bool:
 
 
 def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None:
-    """Give back the lock ``key`` taken for the unsent message ``task_id``; an error doing so is
-    logged (the lock expires within its ttl), so that the caller raises its own."""
+    """Give back the lock ``key`` taken for the unsent message ``task_id``; a Redis error doing so
+    is logged (the lock expires within its ttl), so that the caller raises its own. An interrupt
+    (a soft time limit is an ``Exception`` too) propagates, the lock left likewise."""
     try:
         undo()
-    except Exception as exc:
+    except (redis.RedisError, OSError) as exc:
         logger.warning(
             "task %s[%s]: could not give back enqueue lock %s (%s); it expires within its ttl",
             task.name,

@@ -16,7 +16,7 @@ import pytest
 import redis
 from celery import Celery, Task
 from celery.app.task import Context
-from celery.exceptions import Reject
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 from celery.result import AsyncResult
 from kombu.exceptions import EncodeError, OperationalError
 
@@ -679,6 +679,37 @@ def test_an_error_giving_the_lock_back_is_logged_and_the_send_error_raised(
         "(injected: the undo failed); it expires within its ttl"
     ]
     recorder(app).client.delete(key)
+
+
+def test_a_soft_time_limit_as_a_cut_off_replace_is_undone_propagates(
+    redis_server: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``redislock_on_error="run"``: a replacing call's REPLACE runs and its reply is lost (a Redis
+    error), and a soft time limit (an ``Exception``) lands as its undo is sent. The limit
+    propagates, nothing sent; it was logged as the undo's failure, and the Redis error's
+    ``"run"`` sent the message unlocked as the caller's body went on past its limit. (The lock
+    the take left is left to its ``lock_queue_ttl``, as after any interrupted undo.)"""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_on_error="run")
+    task = define(app, "undo_interrupted", lock_mode="until_executing", lock_duplicate="replace")
+    client, key = recorder(app).client, task_lock_key(task, ("x",))
+
+    def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        REPLACE(*args, **kwargs)
+        raise redis.ConnectionError("injected: the reply was lost")
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise SoftTimeLimitExceeded()
+
+    try:
+        task.apply_async(("x", 1))  # queued: the call below takes its lock over
+        monkeypatch.setattr(enqueue, "REPLACE", reply_lost)
+        monkeypatch.setattr(enqueue, "UNREPLACE", interrupted)
+        with pytest.raises(SoftTimeLimitExceeded):
+            task.apply_async(("x", 2))
+        assert client.llen(app.conf.task_default_queue) == 1  # the first call's message alone
+    finally:
+        client.delete(key, app.conf.task_default_queue)
+        app.close()
 
 
 def test_a_message_superseded_after_its_check_counts_one_outcome(
