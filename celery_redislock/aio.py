@@ -65,10 +65,11 @@ async def _to_the_end(awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` to its end even if the caller is cancelled meanwhile.
 
     A cancellation that arrives meanwhile is raised (``CancelledError``) once
-    ``awaitable`` has ended, whatever its outcome.
+    ``awaitable`` has ended, whatever its outcome; so is an exception that lands here,
+    not ``awaitable``'s own (a soft time limit, raised in whatever runs on the main thread).
     """
     task = asyncio.ensure_future(awaitable)
-    cancelled = False
+    cancelled, landed = False, None
     while not task.done():
         try:
             await asyncio.shield(task)
@@ -76,8 +77,11 @@ async def _to_the_end(awaitable: Awaitable[T]) -> T:
             if task.cancelled():  # the inner work itself was cancelled (event loop shutting down)
                 raise
             cancelled = True
-        except Exception:
-            break  # the outcome is the task's, read below
+        except Exception as exc:  # the task's outcome (read below), or one that landed here
+            if not task.done() or task.cancelled() or task.exception() is not exc:
+                landed = exc
+    if landed is not None:
+        raise landed
     if cancelled:
         if not task.cancelled() and task.exception() is not None:
             logger.warning(

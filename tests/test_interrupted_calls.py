@@ -419,3 +419,44 @@ def test_a_soft_time_limit_as_a_watcher_leaves_the_queue_propagates(
     assert_right_answers(client, prefix)
     theirs.release()
     others.release()
+
+
+@pytest.mark.parametrize("when", ["as its call ends", "while its call runs"])
+def test_a_soft_time_limit_landing_in_an_async_acquire_propagates_and_leaves_no_hold(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """A soft time limit (an ``Exception``, raised in whatever runs on the main thread) lands in
+    an ``AsyncRedisLock.acquire()`` as it awaits its shielded Redis call (``aio._to_the_end``),
+    once the call ended (the lock granted) or while it runs: it is not the call's outcome.
+    It propagates, once the call ended, and the hold is given back."""
+    real_shield = asyncio.shield
+    fired: list[int] = []
+
+    def shield(inner: Any) -> Any:
+        async def landing() -> Any:
+            if when == "while its call runs" and not fired:
+                fired.append(1)
+                raise SoftTimeLimitExceeded()
+            result = await real_shield(inner)
+            if not fired:
+                fired.append(1)
+                raise SoftTimeLimitExceeded()
+            return result
+
+        return landing()
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port)
+        lock = AsyncRedisLock(client, f"{prefix}:a", ttl=30)
+        monkeypatch.setattr(asyncio, "shield", shield)
+        try:
+            with pytest.raises(SoftTimeLimitExceeded):
+                await lock.acquire(blocking=False)
+        finally:
+            monkeypatch.undo()
+        assert fired
+        assert not lock.held()
+        assert not await client.exists(f"{prefix}:a")
+        await client.aclose()
+
+    asyncio.run(main())
