@@ -195,7 +195,7 @@ def _loan(pool: Any) -> _Loan | None:
         if loan is None:
             return None
         try:
-            loan.connection = _checkout(pool)
+            loan.connection = checkout(pool)
         except BaseException:
             _LENDING.give_up(pool, loan)
             raise
@@ -241,7 +241,7 @@ class PooledConnection:
     def __enter__(self) -> Any:
         self.loan = loan = _loan(self.pool)
         if loan is None:
-            self.connection = _checkout(self.pool)
+            self.connection = checkout(self.pool)
             return self.connection
         self.connection = connection = loan.connection
         try:
@@ -329,7 +329,7 @@ def _connect_clean(connection: Any, fresh: bool = False) -> bool:
     return stale is not None
 
 
-def _checkout(pool: Any) -> Any:
+def checkout(pool: Any) -> Any:
     """``pool.get_connection()``: a connection of ``pool``, connected. Cut short in its handshake
     by anything but a Redis error (an interrupt, a soft time limit: redis-py cleans up after a
     Redis error only), the pool's idle connections are dropped, connected afresh on their next
@@ -347,7 +347,7 @@ def _checkout(pool: Any) -> Any:
 
 def _connect(connection: Any) -> None:
     """``connection.connect()``; cut short in its handshake by anything but a Redis error (see
-    ``_checkout``), it is dropped, not left counting as connected."""
+    ``checkout``), it is dropped, not left counting as connected."""
     try:
         connection.connect()
     except BaseException:

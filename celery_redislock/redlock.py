@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 import redis
 
 from ._durations import Duration, to_ms
+from ._redis import checkout
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks
 from ._urls import masked
 from .attempt import Attempt, lease_seconds, owns
@@ -264,7 +265,7 @@ class Quorum:
             for client in self.clients:
                 pool: Any = client.connection_pool
                 try:
-                    connection = pool.get_connection()
+                    connection = checkout(pool)  # cut short in its handshake: not left half-connected
                 except _FAILURES as exc:
                     sent.append((pool, None, exc))
                     continue

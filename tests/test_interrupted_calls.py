@@ -461,3 +461,52 @@ def test_a_soft_time_limit_landing_in_an_async_acquire_propagates_and_leaves_no_
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_an_interrupted_redlock_handshake_leaves_its_server_reading_its_own_replies(
+    redlock_servers: list[RedisServer], prefix: str, interrupt_read: Arm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Redlock's first acquire is interrupted in its first server's connection handshake, the
+    handshake sent and its reply not read (the server held up, SIGSTOP, until the next command is
+    sent): redis-py puts the half-connected connection back in its pool, where it counts as
+    connected. The Redlock's later exchanges with that server read their own replies, not the
+    handshake's (as ``_redis.PooledConnection``'s do)."""
+    clients = [server.client() for server in redlock_servers]  # fresh pools: the acquire connects
+    stopped, thread, handshaking = redlock_servers[0], threading.current_thread(), threading.local()
+    on_connect = redis.connection.AbstractConnection.on_connect_check_health
+    send = redis.connection.AbstractConnection.send_packed_command
+    resumed: list[int] = []
+
+    def on_connect_check_health(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handshaking.now = True
+        try:
+            return on_connect(self, *args, **kwargs)
+        finally:
+            handshaking.now = False
+
+    def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
+        send(self, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        if fired and not resumed and threading.current_thread() is thread:
+            resumed.append(1)  # the first command after the interrupted handshake is on its way
+            os.kill(stopped.pid, signal.SIGCONT)
+
+    patch = redis.connection.AbstractConnection
+    monkeypatch.setattr(patch, "on_connect_check_health", on_connect_check_health)
+    fired = interrupt_read(
+        lambda: threading.current_thread() is thread and getattr(handshaking, "now", False)
+    )
+    monkeypatch.setattr(patch, "send_packed_command", send_packed_command)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(Interrupt):
+            RedisLock(clients, f"{prefix}:a", ttl=5).acquire(blocking=False)
+        assert fired
+        probe = RedisLock(clients, f"{prefix}:c", ttl=5)
+        assert probe.acquire(blocking=False)
+        servers: Any = probe.servers  # a Quorum: each server's reply, in order
+        assert servers._on_all(RELEASE, [probe.token or ""]) == [1, 1, 1]  # each its own reply
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    monkeypatch.undo()
+    for client in clients:
+        client.delete(f"{prefix}:a", f"{prefix}:c")
