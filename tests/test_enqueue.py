@@ -18,15 +18,16 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chain, chord, group
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.result import GroupResult
-from celery.signals import after_task_publish, task_prerun
+from celery.signals import after_task_publish, task_failure, task_prerun
 from kombu.exceptions import EncodeError
 
 from celery_redislock import DuplicateTask, LockedTask, RedisLockError, signals, task_lock_key
 from celery_redislock._scripts import ACQUIRE, RELEASE, RENEW
 from celery_redislock._task_scripts import ADOPT, SETTLE, WATCH
 from celery_redislock.attempt import Attempt
-from celery_redislock.lock import companion_key
+from celery_redislock.lock import OneServer, companion_key
 from celery_redislock.protocol import HEADER, holder_for, parse_holder, parse_value
 from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
@@ -941,3 +942,63 @@ def test_a_copy_watching_its_running_first_delivery_learns_at_once_that_it_retri
         client.delete(key)
     else:
         wait_for(lambda: not client.exists(key), what="the retry to release")
+
+
+def test_a_soft_time_limit_as_a_watching_copy_leaves_the_queue_ends_the_copy(
+    app: Celery, caplog: pytest.LogCaptureFixture, interrupt_read: Arm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above (``until_executed``): the copy, woken by its first delivery's park, leaves the
+    waiter queue (``OneServer.abandon``), and a soft time limit lands as that reply is read. The
+    copy's run ends with the limit (``task_failure``), not logged as a failure to leave the queue
+    while the copy went on to its decision; the retry adopts the hold and runs, once, and the
+    lock goes."""
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="enqueue.retries_interrupted_copy",
+              lock_mode="until_executed", lock_ttl=300)  # fmt: skip
+    def retries(self: Any, x: str) -> str:
+        recorder(app).record(f"attempt@{self.request.retries}", self, x)
+        if self.request.retries == 0:
+            recorder(app).wait_gate(x)
+            raise self.retry(countdown=0)
+        return x
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(retries, (x,))
+    client.script_load(RELEASE.source)  # the interrupted read is the release's own reply
+    leaving, abandon = threading.local(), OneServer.abandon
+
+    def leave(self: OneServer, token: str, member: str) -> None:
+        leaving.now = True
+        try:
+            abandon(self, token, member)
+        finally:
+            leaving.now = False
+
+    monkeypatch.setattr(OneServer, "abandon", leave)
+    fired = interrupt_read(lambda: getattr(leaving, "now", False), SoftTimeLimitExceeded)
+    failed: list[type[BaseException]] = []
+
+    def failure(sender: Any = None, exception: BaseException | None = None, **_: Any) -> None:
+        if sender is not None and sender.name == retries.name and exception is not None:
+            failed.append(type(exception))
+
+    task_failure.connect(failure, weak=False)
+    try:
+        first = retries.delay(x)
+        header = {HEADER: {"key": key, "token": stored(client, key)[:32].decode()}}
+        with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock"):
+            wait_for(lambda: attempts_started(app, 0))
+            retries.apply_async((x,), task_id=first.id, headers=header)  # the message again
+            wait_for(lambda: stored(client, key)[32:33] != b":", what="the copy to watch the hold")
+            recorder(app).open_gate(x)
+            decided = "its first delivery"  # what the copy logs as it is ignored
+            wait_for(lambda: failed or decided in caplog.text, what="the copy's run to end")
+            assert failed == [SoftTimeLimitExceeded], caplog.text
+            wait_for(lambda: attempts_started(app, 1), what="the retry to run")
+            wait_for(lambda: not client.exists(key), what="the retry to release")
+    finally:
+        task_failure.disconnect(failure)
+    assert fired
+    assert "could not leave the waiter queue" not in caplog.text
+    assert decided not in caplog.text
+    assert [len(attempts_started(app, attempt)) for attempt in (0, 1)] == [1, 1]
