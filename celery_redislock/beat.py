@@ -50,10 +50,10 @@ the scheduler loop, so a long tick cannot lose it. Before each send the leader
 checks the lock: lost (found taken or expired by the watchdog, or renewals
 late and Redis no longer naming it) means it steps down at once, logs a
 WARNING, sends nothing more and stands by; it never crashes beat. A leader
-SIGKILLed is replaced within one lease; one stopped cleanly releases the lock
-and is replaced at once. Use it with once-per-slot: a new leader's schedule
-state is stale, and the slot markers keep its catch-up sends from re-running
-the slot the old leader ran.
+SIGKILLed is replaced within one lease; one stopped cleanly (SIGTERM and SIGINT
+included: ``Leadership.resign``) releases the lock and is replaced at once.
+Use it with once-per-slot: a new leader's schedule state is stale, and the slot
+markers keep its catch-up sends from re-running the slot the old leader ran.
 
 Both work with any scheduler class (the default, django-celery-beat's,
 RedBeat's): ``install(app)`` connects a ``beat_init`` receiver that wraps the
@@ -359,12 +359,29 @@ class Leadership:
         )
 
     def resign(self) -> None:
-        """Release the lock (beat is closing), so that a standby takes over at once."""
+        """Release the lock (beat is closing), so that a standby takes over at once.
+
+        Beat's SIGTERM and SIGINT handler calls it (it closes the scheduler) on the main thread,
+        inside whatever that was doing: maybe a call of this lock (``still_leads`` checking it)
+        holding the lock's state, which the handler would wait for forever. The lock is then kept for the
+        next close: ``Service.start`` closes the scheduler again once the handler's
+        ``SystemExit`` unwound that call; without one, it expires within its lease. Nothing here
+        makes the lock's ``lost`` event (``found_lost``): the handler may have interrupted that.
+        """
         lock, self.lock = self.lock, None
-        if lock is None or lock.lost.is_set():
+        if lock is None or lock.found_lost():
             return
         try:
-            lock.release()
+            if not lock.release_unless_busy():
+                self.lock = lock
+                logger.info(
+                    "%s: leader lock %s is in use by the call a signal interrupted; released as beat "
+                    "closes, else it expires within its lease",
+                    self.holder,
+                    self.key,
+                    extra=log_fields(self.key, holder=self.holder, outcome="resign-later"),
+                )
+                return
         except (LockNotOwned, redis.RedisError) as exc:
             logger.info(
                 "%s: leader lock %s not released (%s); it expires within its lease",

@@ -4,9 +4,10 @@
 ``attempt.Attempt``), re-entry, release, extend, the watchdog's leases and
 the doors the task layer uses (``busy``, ``held()``, ``try_as()``, ``wait_as()``,
 ``take_hold()``, ``give_back()``, ``stop_renewing()``, ``forget()``, ``renewals_on_time()``,
-``lease_lost()``). Where the key lives is its ``servers`` (a ``Servers``):
-the one server (``lock.OneServer``) or a quorum of several
-(``redlock.Quorum``), which run the scripts and read their replies.
+``lease_lost()``), and ``release_unless_busy()`` for a release from a signal
+handler. Where the key lives is its ``servers`` (a ``Servers``): the one server
+(``lock.OneServer``) or a quorum of several (``redlock.Quorum``), which run the
+scripts and read their replies.
 """
 
 from __future__ import annotations
@@ -288,6 +289,20 @@ class LeaseLock(LockCore):
                 self._leases, self._released_maybe = [], None
         if not released:
             raise LockNotOwned(self.name)
+
+    def release_unless_busy(self) -> bool:
+        """``release()``, unless this object's state is held at this moment: then nothing, and
+        ``False``. For a release from a signal handler: it runs on the thread it interrupted,
+        maybe inside a call of this object holding its state (a ``threading.Lock``, not
+        re-entrant), which a ``release()`` would wait for forever. Found free, no call on this
+        thread holds it, and ``release()`` waits only for other threads, which hold it briefly;
+        one holding it at that moment (the watchdog finding the hold lost) also means ``False``.
+        """
+        if not self._state.acquire(blocking=False):
+            return False
+        self._state.release()
+        self.release()
+        return True
 
     def _free(self, token: str) -> bool:
         """Release ``token``'s hold on the servers; whether ``token`` held the lock."""

@@ -1,6 +1,7 @@
 """An exception landing between a command's send and its reply's read (``interrupt_read``, the
 fixture in ``tests/conftest.py``): what ``tests/test_interrupted_calls.py`` and
-``tests/test_replace.py`` interrupt exchanges with; and ``define``, the task the interrupt and
+``tests/test_replace.py`` interrupt exchanges with; a signal handler landing while a
+``threading.Lock`` is held (``HandlerWhileHeld``); and ``define``, the task the interrupt and
 deferred-release tests run."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import redis.connection
 
 from celery_redislock import LockedTask
 
-__all__ = ["Arm", "Interrupt", "arm_read_interrupts", "on_this_thread"]
+__all__ = ["Arm", "HandlerWhileHeld", "Interrupt", "arm_read_interrupts", "on_this_thread"]
 
 
 class Interrupt(BaseException):
@@ -49,6 +50,40 @@ def arm_read_interrupts(monkeypatch: pytest.MonkeyPatch) -> Arm:
         return fired
 
     return arm
+
+
+class HandlerWhileHeld:
+    """Stands for a ``threading.Lock`` (``real``): the first time it is taken with a ``with``
+    while ``when()`` is true, ``handler()`` runs on the taking thread with the lock held, as a
+    signal handler does that lands at the block's first statement; what the handler raises ends
+    the block (the lock is released). ``fired`` gets a 1 when it did."""
+
+    def __init__(self, real: Any, when: Callable[[], bool], handler: Callable[[], None]) -> None:
+        self.real, self.when, self.handler = real, when, handler
+        self.fired: list[int] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return bool(self.real.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.real.release()
+
+    def locked(self) -> bool:
+        return bool(self.real.locked())
+
+    def __enter__(self) -> bool:
+        self.real.acquire()
+        if not self.fired and self.when():
+            self.fired.append(1)
+            try:
+                self.handler()
+            except BaseException:
+                self.real.release()
+                raise
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.real.release()
 
 
 def on_this_thread() -> Callable[[], bool]:
