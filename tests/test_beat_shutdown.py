@@ -13,7 +13,9 @@ the test waits, with a deadline, for the thread to end.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -29,6 +31,7 @@ from celery.beat import Scheduler, Service
 from celery_redislock import RedisLock, primitive
 from celery_redislock.keys import leader_key
 from celery_redislock.testing import RedisServer
+from examples._support import ROOT
 from tests.interrupts import HandlerWhileHeld
 from tests.taskapp import make_app
 from tests.workers import wait_for
@@ -125,3 +128,28 @@ def test_a_leader_stopped_by_sigterm_inside_its_lock_call_exits_and_releases_the
     # in its state: the handler's close leaves the release to the close that follows
     assert len(resigned) == (2 if held == "its state" else 1), resigned
     assert "resigned as beat leader" in resigned[-1], resigned
+
+
+def test_a_celery_beat_leader_signalled_inside_its_lock_call_exits_and_releases_the_lock(
+    redis_server: RedisServer, client: redis.Redis, prefix: str
+) -> None:
+    """The same with a real ``celery beat`` process (``tests.beat_sigterm``) and a real SIGTERM,
+    sent to itself from inside the ``with`` block of its leader lock's ``renewals_on_time``."""
+    beat = subprocess.Popen(
+        [sys.executable, "-m", "tests.beat_sigterm", redis_server.url, prefix],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = beat.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.kill(beat.pid, signal.SIGKILL)
+        output, _ = beat.communicate()
+        pytest.fail(f"beat hung after its SIGTERM; its output ends with:\n{output[-3000:]}")
+    finally:
+        client.delete(f"q-{prefix}")
+    assert "SIGTERM sent" in output and "beat exited" in output and beat.returncode == 0, output[-3000:]
+    assert "resigned as beat leader" in output, output[-3000:]
+    assert not client.exists(leader_key(prefix)), "the leader lock was not released"
