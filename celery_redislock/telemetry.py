@@ -72,7 +72,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from .exceptions import LockNotAcquired
 
@@ -415,6 +415,8 @@ class _Step(abc.ABC):
                     self._note(parent, outcome, seconds, failed)
             if outcome is not None and metered:
                 self._record(outcome, seconds)
+        except SoftTimeLimitExceeded:  # an interrupt landing here, no SDK fault: the run's to end
+            raise
         except Exception:  # an SDK that raises (a span processor's on_start or on_end, say)
             logger.exception(
                 "celery-redislock: tracing or recording %s of task %s failed; carrying on",

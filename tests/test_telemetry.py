@@ -320,19 +320,19 @@ class Broken(SpanProcessor):
     """A span processor that raises as the lock's spans start or end (one that breaks the SDK's
     contract: ``on_start`` and ``on_end`` must not raise), or a histogram whose ``record`` raises."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    def __init__(self, where: str, error: type[Exception] = RuntimeError) -> None:
+        self.where, self.error = where, error
 
     def on_start(self, span: Any, parent_context: Any = None) -> None:
         if self.where == "span-start":
-            raise RuntimeError("the span processor broke")
+            raise self.error("the span processor broke")
 
     def on_end(self, span: Any) -> None:
         if self.where == "span-end":
-            raise RuntimeError("the span processor broke")
+            raise self.error("the span processor broke")
 
     def record(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("the histogram broke")
+        raise self.error("the histogram broke")
 
 
 @pytest.mark.parametrize("where", ["span-start", "span-end", "histogram"])
@@ -370,6 +370,30 @@ def test_telemetry_that_raises_changes_no_runs_outcome_and_leaves_no_lock(
     runs = [event[0] for event in recorder(app).events() if event[0] in ("start", "end")]
     assert runs == ["start", "end", "start", "end"]  # both bodies ran
     assert any("broke" in str(record.exc_info) for record in caplog.records), caplog.text
+    app.close()
+
+
+@pytest.mark.parametrize("where", ["span-start", "span-end"])
+def test_a_soft_time_limit_landing_in_telemetry_stops_the_run(
+    otel: Otel, fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A soft time limit (an ``Exception``) landing as a lock's span starts or ends is no SDK
+    fault to log and carry on from: it propagates, the run fails with it (its body not run when
+    it lands as the acquisition is traced), and the lock is released."""
+    provider = TracerProvider()
+    provider.add_span_processor(Broken(where, SoftTimeLimitExceeded))
+    monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer("interrupted"))
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}", redislock_spans="always")
+    task = app.tasks["taskapp.hold_skip"]
+    key = task_lock_key(task, ("t",))
+    client = fresh_server.client()
+    with threads_worker(app):
+        result = task.delay("t")
+        with pytest.raises(SoftTimeLimitExceeded):
+            result.get(timeout=30)
+        wait_for(lambda: not client.exists(key), what="the lock's release")
+    client.close()
+    assert not [event for event in recorder(app).events() if event[0] == "end"]  # no body ran to its end
     app.close()
 
 
