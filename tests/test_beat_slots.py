@@ -594,41 +594,6 @@ def claiming() -> bool:
     return frame is not None
 
 
-def test_a_beat_interrupted_as_it_claims_a_slot_leaves_it_to_the_other_beats(
-    app: Celery, interrupt_read: Arm
-) -> None:
-    """Beat's SIGTERM and SIGINT handler raises ``SystemExit`` wherever the main thread is, here
-    as the first beat reads the reply to its claim of the 10:00:20 slot (Redis ran it): that beat
-    exits without sending. The other beat, which tries the slot next, sends it."""
-    clock = Clock(at(2026, 1, 1, 10, 0, 0, 500000))
-    entries = {
-        "plain": {
-            "task": "taskapp.beat_off",
-            "schedule": every(10),
-            "args": ["p"],
-            "options": {"lock_beat": True},
-        }
-    }
-    first, second = SimulatedBeat(app, clock, 0.0, entries), SimulatedBeat(app, clock, -0.3, entries)
-    run([first, second], clock, at(2026, 1, 1, 10, 0, 15), 0.05)  # the 10:00:10 slot: connected
-    stepping_first = [False]
-    fired = interrupt_read(lambda: stepping_first[0] and claiming(), SystemExit)
-    beats = [first, second]
-    while clock.now < at(2026, 1, 1, 10, 0, 25):
-        for beat in list(beats):
-            stepping_first[0] = beat is first
-            try:
-                beat.step()
-            except SystemExit:
-                beats.remove(beat)  # that beat exits
-            finally:
-                stepping_first[0] = False
-        clock.now += timedelta(seconds=0.05)
-    assert fired == [1] and beats == [second]
-    slots = [slot for _, slot, _ in sent(app)]
-    assert slots == ["2026-01-01T10:00:10Z", "2026-01-01T10:00:20Z"], slots
-
-
 def publishing() -> bool:
     """Whether this thread is in a publish (kombu's ``Producer.publish``)."""
     frame = sys._getframe()
@@ -639,14 +604,14 @@ def publishing() -> bool:
     return frame is not None
 
 
-def test_a_beat_interrupted_as_it_reads_its_publish_reply_keeps_the_slot_it_sent(
-    app: Celery, interrupt_read: Arm
-) -> None:
-    """Beat's SIGTERM and SIGINT handler closes the scheduler and raises ``SystemExit`` wherever
-    the main thread is, here as the first beat reads the reply to the publish of the 10:00:20
-    slot (its message went out: the broker ran the push). An entry of a plain task opted in: the
-    beat's claim is the slot's only guard. The other beat, which tries the slot next, finds it
-    taken; it is sent once."""
+def slots_sent_when_the_first_beat_exits(
+    app: Celery, interrupt_read: Arm, inside: Callable[[], bool], closing: bool = False
+) -> list[str | None]:
+    """Two beats (the second 0.3 s behind) send an entry of a plain task opted in (the beat's
+    claim is the slot's only guard) every 10 s; as the first steps through the 10:00:20 slot and
+    ``inside()`` holds, one of its reads gets beat's SIGTERM/SIGINT handler (which closes the
+    scheduler, if ``closing``, then raises ``SystemExit``), and that beat exits. The slots sent,
+    in order."""
     clock = Clock(at(2026, 1, 1, 10, 0, 0, 500000))
     entries = {
         "plain": {
@@ -659,7 +624,9 @@ def test_a_beat_interrupted_as_it_reads_its_publish_reply_keeps_the_slot_it_sent
     first, second = SimulatedBeat(app, clock, 0.0, entries), SimulatedBeat(app, clock, -0.3, entries)
     run([first, second], clock, at(2026, 1, 1, 10, 0, 15), 0.05)  # the 10:00:10 slot: connected
     stepping_first = [False]
-    fired = interrupt_read(lambda: stepping_first[0] and publishing(), SystemExit, first.scheduler.close)
+    fired = interrupt_read(
+        lambda: stepping_first[0] and inside(), SystemExit, first.scheduler.close if closing else None
+    )
     beats = [first, second]
     while clock.now < at(2026, 1, 1, 10, 0, 25):
         for beat in list(beats):
@@ -672,7 +639,26 @@ def test_a_beat_interrupted_as_it_reads_its_publish_reply_keeps_the_slot_it_sent
                 stepping_first[0] = False
         clock.now += timedelta(seconds=0.05)
     assert fired == [1] and beats == [second]
-    slots = [slot for _, slot, _ in sent(app)]
+    return [slot for _, slot, _ in sent(app)]
+
+
+def test_a_beat_interrupted_as_it_claims_a_slot_leaves_it_to_the_other_beats(
+    app: Celery, interrupt_read: Arm
+) -> None:
+    """The interrupt lands as the first beat reads the reply to its claim of the 10:00:20 slot
+    (Redis ran it): that beat exits without sending. The other beat, which tries the slot next,
+    sends it."""
+    slots = slots_sent_when_the_first_beat_exits(app, interrupt_read, claiming)
+    assert slots == ["2026-01-01T10:00:10Z", "2026-01-01T10:00:20Z"], slots
+
+
+def test_a_beat_interrupted_as_it_reads_its_publish_reply_keeps_the_slot_it_sent(
+    app: Celery, interrupt_read: Arm
+) -> None:
+    """The interrupt (the scheduler closed first, as beat's handler does) lands as the first beat
+    reads the reply to the publish of the 10:00:20 slot (its message went out: the broker ran the
+    push). The other beat, which tries the slot next, finds it taken; it is sent once."""
+    slots = slots_sent_when_the_first_beat_exits(app, interrupt_read, publishing, closing=True)
     assert slots == ["2026-01-01T10:00:10Z", "2026-01-01T10:00:20Z"], slots
 
 
