@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -307,6 +308,41 @@ def test_an_interrupted_shortening_extend_does_not_let_the_hold_expire_under_its
     lock.release()
 
 
+def interrupt_the_next_handshake(
+    server: RedisServer, interrupt_read: Arm, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[int], list[int], Callable[[], bool]]:
+    """From now on, the first connection handshake on this thread is interrupted (``Interrupt``)
+    as its reply is read, and ``server``, once held up by the caller (SIGSTOP) so that the reply
+    waits unread, is resumed (SIGCONT) as the next command on this thread is sent.
+    (fired, resumed: each gets a 1 when it happened; whether this thread is in a handshake)."""
+    thread, handshaking = threading.current_thread(), threading.local()
+    on_connect = redis.connection.AbstractConnection.on_connect_check_health
+    send = redis.connection.AbstractConnection.send_packed_command
+    resumed: list[int] = []
+
+    def on_connect_check_health(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handshaking.now = True
+        try:
+            return on_connect(self, *args, **kwargs)
+        finally:
+            handshaking.now = False
+
+    def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
+        send(self, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        if fired and not resumed and threading.current_thread() is thread:
+            resumed.append(1)  # the first command after the interrupted handshake is on its way
+            os.kill(server.pid, signal.SIGCONT)
+
+    def in_a_handshake() -> bool:
+        return threading.current_thread() is thread and getattr(handshaking, "now", False)
+
+    patch = redis.connection.AbstractConnection
+    monkeypatch.setattr(patch, "on_connect_check_health", on_connect_check_health)
+    fired = interrupt_read(in_a_handshake)
+    monkeypatch.setattr(patch, "send_packed_command", send_packed_command)
+    return fired, resumed, in_a_handshake
+
+
 @pytest.mark.parametrize("when", ["first call", "reconnecting"])
 def test_an_interrupted_connection_handshake_leaves_the_client_reading_its_own_replies(
     fresh_server: RedisServer,
@@ -328,42 +364,17 @@ def test_an_interrupted_connection_handshake_leaves_the_client_reading_its_own_r
     assert theirs.acquire(blocking=False)
     client, name = fresh_server.client(), f"{prefix}:a"
     mine = RedisSemaphore(client, name, 2, ttl=30)
-    thread, handshaking = threading.current_thread(), threading.local()
-    on_connect = redis.connection.AbstractConnection.on_connect_check_health
-    send = redis.connection.AbstractConnection.send_packed_command
-    resumed: list[int] = []
-
-    def on_connect_check_health(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handshaking.now = True
-        try:
-            return on_connect(self, *args, **kwargs)
-        finally:
-            handshaking.now = False
-
-    def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
-        send(self, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-        if fired and not resumed and threading.current_thread() is thread:
-            resumed.append(1)  # the first command after the interrupted handshake is on its way
-            os.kill(fresh_server.pid, signal.SIGCONT)
-
-    def stop_the_server() -> None:  # the handshake's reply comes only once resumed
-        os.kill(fresh_server.pid, signal.SIGSTOP)
-
-    def in_a_handshake() -> bool:
-        return threading.current_thread() is thread and getattr(handshaking, "now", False)
-
-    patch = redis.connection.AbstractConnection
-    monkeypatch.setattr(patch, "on_connect_check_health", on_connect_check_health)
-    if when == "first call":
-        stop_the_server()
-    else:
+    if when == "reconnecting":
         client.script_load(ACQUIRE_PERMIT.source)  # the acquire's read is its own reply's
         assert RedisLock(client, f"{prefix}:c", ttl=30).acquire(blocking=False)  # connected
         client.delete(f"{prefix}:c")
+    fired, resumed, in_a_handshake = interrupt_the_next_handshake(fresh_server, interrupt_read, monkeypatch)
+    stop_the_server = partial(os.kill, fresh_server.pid, signal.SIGSTOP)  # its handshake's reply held up
+    if when == "first call":
+        stop_the_server()
+    else:
         at_its_read = on_this_thread()
         interrupt_read(lambda: at_its_read() and not in_a_handshake(), then=stop_the_server)
-    fired = interrupt_read(in_a_handshake)
-    monkeypatch.setattr(patch, "send_packed_command", send_packed_command)
     try:
         with pytest.raises(Interrupt):
             mine.acquire(blocking=False)
@@ -472,30 +483,8 @@ def test_an_interrupted_redlock_handshake_leaves_its_server_reading_its_own_repl
     connected. The Redlock's later exchanges with that server read their own replies, not the
     handshake's (as ``_redis.PooledConnection``'s do)."""
     clients = [server.client() for server in redlock_servers]  # fresh pools: the acquire connects
-    stopped, thread, handshaking = redlock_servers[0], threading.current_thread(), threading.local()
-    on_connect = redis.connection.AbstractConnection.on_connect_check_health
-    send = redis.connection.AbstractConnection.send_packed_command
-    resumed: list[int] = []
-
-    def on_connect_check_health(self: Any, *args: Any, **kwargs: Any) -> Any:
-        handshaking.now = True
-        try:
-            return on_connect(self, *args, **kwargs)
-        finally:
-            handshaking.now = False
-
-    def send_packed_command(self: Any, *args: Any, **kwargs: Any) -> None:
-        send(self, *args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-        if fired and not resumed and threading.current_thread() is thread:
-            resumed.append(1)  # the first command after the interrupted handshake is on its way
-            os.kill(stopped.pid, signal.SIGCONT)
-
-    patch = redis.connection.AbstractConnection
-    monkeypatch.setattr(patch, "on_connect_check_health", on_connect_check_health)
-    fired = interrupt_read(
-        lambda: threading.current_thread() is thread and getattr(handshaking, "now", False)
-    )
-    monkeypatch.setattr(patch, "send_packed_command", send_packed_command)
+    stopped = redlock_servers[0]
+    fired, _, _ = interrupt_the_next_handshake(stopped, interrupt_read, monkeypatch)
     os.kill(stopped.pid, signal.SIGSTOP)
     try:
         with pytest.raises(Interrupt):
