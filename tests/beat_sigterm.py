@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any, cast
 
+from celery import Celery
 from celery.apps.beat import Beat
 
 import celery_redislock.beat
@@ -41,9 +42,9 @@ def leader_lock(*args: Any, **kwargs: Any) -> RedisLock:
     return lock
 
 
-def main() -> None:
-    url, prefix = sys.argv[1], sys.argv[2]
-    app = make_app(
+def leader_app(url: str, prefix: str) -> Celery:
+    """An app whose beat leads (a lease longer than a test) and sends an entry every 0.2 s."""
+    return make_app(
         url,
         prefix,
         f"q-{prefix}",
@@ -52,6 +53,10 @@ def main() -> None:
         redislock_beat_leader_ttl=30,
         beat_enable_remote_control=False,
     )
+
+
+def main() -> None:
+    app = leader_app(sys.argv[1], sys.argv[2])
     cast(Any, celery_redislock.beat).RedisLock = leader_lock  # the lock Leadership makes
     Beat(app=app, scheduler="celery.beat:Scheduler", loglevel="INFO", quiet=True).run()
     print("beat exited", flush=True)

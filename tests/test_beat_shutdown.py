@@ -32,23 +32,15 @@ from celery_redislock import RedisLock, primitive
 from celery_redislock.keys import leader_key
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
+from tests import beat_sigterm
 from tests.interrupts import HandlerWhileHeld
-from tests.taskapp import make_app
 from tests.workers import wait_for
 
 
 @pytest.fixture
 def leader_app(redis_server: RedisServer, prefix: str) -> Iterator[Celery]:
-    """An app whose beat leads (a lease longer than the test) and sends an entry every 0.2 s."""
-    app = make_app(
-        redis_server.url,
-        prefix,
-        f"q-{prefix}",
-        beat_schedule={"e": {"task": "taskapp.beat_off", "schedule": 0.2, "args": ["e"]}},
-        redislock_beat_leader=True,
-        redislock_beat_leader_ttl=30,
-        beat_enable_remote_control=False,
-    )
+    """``beat_sigterm.leader_app``: its beat leads (a lease longer than the test)."""
+    app = beat_sigterm.leader_app(redis_server.url, prefix)
     app.finalize()  # as ``celery beat`` does before it starts: binding its LockedTasks installs the guard
     yield app
     app.recorder.client.delete(app.conf.task_default_queue)  # type: ignore[attr-defined]
