@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MAX_TTL",
     "MIN_WATCHDOG_TTL",
+    "SHORTEST_PAUSE",
     "Attempt",
     "Busy",
     "LockCore",
@@ -168,6 +169,12 @@ def seconds_left(pttl_ms: int | None) -> float | None:
     return None if pttl_ms is None else max(pttl_ms, 0) / 1000
 
 
+#: A waiter's shortest sleep (seconds): its BLPOP's timeout. Redis 6.2 reads a timeout as whole
+#: milliseconds rounded down from its floating-point value, where "0.001" is 0 (block until
+#: woken); the servers time blocked clients out about every 100 ms anyway (their ``hz``).
+SHORTEST_PAUSE = 0.01
+
+
 class Attempt:
     """One acquire's attempts by ``member`` (for ``token``), until granted or past ``deadline``.
 
@@ -231,13 +238,14 @@ class Attempt:
 
     def pause(self) -> float:
         """How long a waiter sleeps: until the holder's TTL (at most our own ``ttl``) runs out,
-        or until the deadline. A holder in its last millisecond (PTTL 0) or gone (-2): no sleep
-        (1 ms); one whose TTL is unknown, or a key without expiry (-1): our own ``ttl``."""
+        or until the deadline. A holder in its last millisecond (PTTL 0) or gone (-2): the
+        shortest sleep, ``SHORTEST_PAUSE``; one whose TTL is unknown, or a key without expiry
+        (-1): our own ``ttl``."""
         pttl_ms = self.pttl_ms
         waits = [self.ttl, self.ttl if pttl_ms is None or pttl_ms == -1 else max(pttl_ms, 0) / 1000]
         if self.deadline is not None:
             waits.append(self.deadline - mod_time.monotonic())
-        return max(min(waits), 0.001)
+        return max(min(waits), SHORTEST_PAUSE)
 
     def handed(self, message: Any) -> int | None:
         """The fence a wake ``message`` (None: none came) hands over, sent after the last

@@ -147,6 +147,24 @@ def test_a_waiter_answered_late_by_a_busy_server_goes_on_waiting(
     waiter.release()
 
 
+@pytest.mark.parametrize("pttl_ms", [0, -2])
+def test_a_waiter_whose_wait_is_at_its_floor_is_answered(
+    client: redis.Redis, prefix: str, pttl_ms: int
+) -> None:
+    """A waiter that found the holder in its last millisecond (PTTL 0), or gone (-2: expired
+    between the attempt's checks), as a copy watching a dead worker's lease does when it runs
+    out, sleeps the shortest BLPOP the lock sends before it tries again. Redis 6.2 reads a
+    timeout as whole milliseconds, rounded down from its floating-point value: "0.001" was 0
+    there, a BLPOP that blocks until woken, and the waiter failed with its reply timed out ("no
+    reply to BLPOP within 5.001s"). Nothing wakes it here: it is answered all the same. (Redis
+    7.0 reads "0.001" as 1 ms: the test fails on 6.2 only, which CI runs the suite on too.)"""
+    waiter = RedisLock(client, f"{prefix}:k", ttl=30)
+    attempt = waiter.new_attempt(secrets.token_hex(16), True, None, waiter.servers.queues)
+    attempt.mode()
+    assert attempt.granted([pttl_ms, b"holder"]) is None
+    assert waiter.servers.sleep(attempt) is None
+
+
 def test_a_key_of_another_type_loses_only_its_own_lease(client: redis.Redis, prefix: str) -> None:
     locks = [RedisLock(client, f"{prefix}:{i}", ttl=LEASE) for i in range(3)]
     for lock in locks:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_redislock.attempt import Attempt
+from celery_redislock.attempt import SHORTEST_PAUSE, Attempt
 
 
 def paused_after(pttl_ms: int | None, deadline: float | None = None) -> float:
@@ -21,8 +21,8 @@ def paused_after(pttl_ms: int | None, deadline: float | None = None) -> float:
     ("pttl_ms", "sleeps"),
     [
         (1500, 1.5),  # until the holder's lease runs out
-        (0, 0.001),  # the holder's last millisecond: the key goes at once (not the waiter's own ttl)
-        (-2, 0.001),  # gone between the attempt's GET and PTTL: free now
+        (0, SHORTEST_PAUSE),  # the holder's last millisecond: the key goes at once (not the waiter's own ttl)
+        (-2, SHORTEST_PAUSE),  # gone between the attempt's GET and PTTL: free now
         (-1, 30.0),  # a key without expiry (not a lock's): looked at again after the waiter's ttl
         (None, 30.0),  # no server said (a Redlock's all failed)
     ],
