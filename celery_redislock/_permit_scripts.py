@@ -14,8 +14,8 @@ pieces' queue, deadlines and wake lists): a release wakes the first waiter; a fa
 one is granted the freed permit and woken with ``"<fence>:<i>"``.
 
 A permit's fence is the server clock in microseconds, raised above every
-live permit's fence (and, when handed on, the releaser's): greater than
-every earlier permit's, as a lock's fence is.
+live permit's fence and a lock's hold of the name (and, when handed on, the
+releaser's): greater than every earlier permit's, as a lock's fence is.
 
 All users of one name agree on ``limit`` (and ``fair``): the scripts look at
 permits ``1..limit`` of the caller's ``limit`` only (a limit lowered from N to
@@ -42,10 +42,11 @@ local function permits(limit)
   return redis.call('MGET', unpack(keys))
 end
 
--- Grants permit `i` to `token` with a fence above every live permit's and above `floor`;
--- returns the grant as "<fence>:<i>".
+-- Grants permit `i` to `token` with a fence above every live permit's, a lock's hold of the
+-- name's (see first_free) and `floor`: also when the server clock went back since they were
+-- granted. Returns the grant as "<fence>:<i>".
 local function grant(i, values, floor, token, holder, ttl_ms, now_us)
-  local top = floor
+  local top = math.max(floor, fence_of(redis.call('GET', lock) or '') or 0)
   for _, value in ipairs(values) do
     if value then top = math.max(top, fence_of(value)) end
   end

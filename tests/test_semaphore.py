@@ -156,6 +156,27 @@ def test_a_locks_hold_of_the_name_takes_one_of_the_places(client: redis.Redis, p
     second.release()
 
 
+@pytest.mark.parametrize("fair", [False, True])
+def test_a_permits_fence_is_above_a_live_lock_hold_of_the_name_after_the_clock_went_back(
+    client: redis.Redis, prefix: str, fair: bool
+) -> None:
+    """A lock's hold of the name (a run from before ``lock_limit`` was raised from 1) is a live
+    holder of the name: a permit granted beside it gets a greater fence, as it does beside a
+    live permit, also when the server clock has gone back since that hold was granted (its fence
+    ahead of TIME, written here as such a clock leaves it). Before, only the permits' fences were
+    looked at: the permit got TIME, below the live lock's fence."""
+    name = f"{prefix}:s"
+    lock = RedisLock(client, name, ttl=10, holder="the lock's run", watchdog=False)
+    assert lock.acquire() and lock.fence is not None
+    ahead = lock.fence + 3_600_000_000  # granted an hour "later" than TIME now reads
+    client.set(name, f"{lock.token}:{ahead}:the lock's run", keepttl=True)
+    semaphore = RedisSemaphore(client, name, 2, ttl=10, fair=fair)
+    assert semaphore.acquire(blocking=False)
+    assert semaphore.fence is not None and semaphore.fence > ahead
+    semaphore.release()
+    client.delete(name)
+
+
 def test_permits_refuse_a_replica_confirmation(client: redis.Redis, prefix: str) -> None:
     """``Permits`` is a lock's server by inheritance; the lock's confirmation, which acts on the
     never-written name, is not one of its members."""
