@@ -361,14 +361,17 @@ def force_release(client: Client, lock: HeldLock, why: str, limit: int | None = 
     to its semaphore (``RELEASE_PERMIT``: its first waiter is woken, as by its holder),
     whose ``limit`` its users agree on, where known (else: at least the permit's number);
     a permit above that limit (lowered since it was taken) is only deleted: none of its
-    users can be handed it.
+    users can be handed it. Sent again by the client's retry policy after a lost reply, its
+    second run finds the hold gone that its first freed: freed, as a holder's release sent again
+    is (``RedisLock.release``).
     """
-    permit = permit_of(lock.key)
+    permit, resent = permit_of(lock.key), list[bool]()
+    args: list[str | int]
     if permit is None or (limit is not None and permit[1] > limit):
-        released = bool(int(FORCE_RELEASE(client, [lock.key], [lock.token, "", lock.fence])))
+        script, key, args = FORCE_RELEASE, lock.key, [lock.token, "", lock.fence]
     else:  # the script reads permits 1..limit, where the token is found and a waiter handed one
-        limit = permit[1] if limit is None else limit
-        released = bool(int(RELEASE_PERMIT(client, [permit[0]], [lock.token, "", limit])))
+        script, key, args = RELEASE_PERMIT, permit[0], [lock.token, "", permit[1] if limit is None else limit]
+    released = bool(int(script(client, [key], args, lambda: resent.append(True))) or resent)
     if released:
         logger.warning(
             "lock %s force-released (%s); it was held by %s, fence %d",

@@ -22,12 +22,15 @@ from typing import Any
 
 import click
 import pytest
+import redis
 from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
 from kombu.utils import json as kombu_json
 
 from celery_redislock import LockNotOwned, RedisLock, RedisSemaphore, task_lock_key
+from celery_redislock._permit_scripts import RELEASE_PERMIT
+from celery_redislock._scripts import FORCE_RELEASE
 from celery_redislock.cli import force_release, read_lock, redislock
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import LockValue, parse_value
@@ -36,6 +39,7 @@ from examples._support import QUEUE, ROOT, Worker
 from tests.conftest import calls_since, command_calls
 from tests.invariants import keys_without_ttl, stored
 from tests.taskapp import Recorder, make_app
+from tests.test_attempts import first_reply_lost
 from tests.workers import WorkerProcess, wait_for
 
 RESULT_TIMEOUT = 30
@@ -202,6 +206,37 @@ def test_a_forced_release_frees_only_the_kept_hold_it_read(setup: Setup) -> None
         assert parse_value(client.get(key)) == later
     finally:
         client.delete(key)
+
+
+@pytest.mark.parametrize("kind", ["lock", "permit"])
+def test_a_forced_release_sent_again_after_a_lost_reply_reports_it_released(
+    redis_server: RedisServer, prefix: str, kind: str
+) -> None:
+    """The forced release runs, its reply is lost with its connection, and the client's retry
+    policy (a ``redis.Redis(...)``'s, as a ``redislock_client`` may be) sends it again: the second
+    run finds the hold gone, which its first run freed. Reported released, as a holder's own
+    release sent again is; before, "not released: it changed hands since it was read"."""
+    retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    assert (retry := retrying.get_retry()) is not None and retry.get_retries() > 0
+    name = f"{prefix}:forced-{kind}"
+    holder = (
+        RedisLock(retrying, name, ttl=30, watchdog=False)
+        if kind == "lock"
+        else RedisSemaphore(retrying, name, 2, ttl=30, watchdog=False)
+    )
+    assert holder.acquire(blocking=False)
+    key = name if kind == "lock" else companion_key(name, "permit:1")
+    read = read_lock(retrying, key, prefix)
+    assert read is not None and read.fence == holder.fence
+    script = FORCE_RELEASE if kind == "lock" else RELEASE_PERMIT
+    retrying.script_load(script.source)  # its first send runs it (no NOSCRIPT reply to lose)
+    try:
+        with first_reply_lost(script) as lost:
+            assert force_release(retrying, read, "a test")
+        assert lost == [1] and not retrying.exists(key)
+    finally:
+        retrying.delete(key)
+        retrying.close()
 
 
 def test_enqueue_locks_are_listed_as_queued_and_released_by_task_and_arguments(setup: Setup) -> None:
