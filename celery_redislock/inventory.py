@@ -386,8 +386,11 @@ def force_release(client: Client, lock: HeldLock, why: str, limit: int | None = 
 
 def release_token(client: Client, key: str, token: str) -> bool:
     """Release the hold of ``key`` whose token is ``token`` (a message's enqueue lock, a beat
-    slot's marker, a forced release), owner-checked by the token; whether it was released."""
-    return bool(int(RELEASE(client, [key], [token])))
+    slot's marker, a forced release), owner-checked by the token; whether it was released (also
+    when the client's retry policy sent it again after a lost reply, the second run finding the
+    hold its first freed gone, as ``RedisLock.release`` counts it)."""
+    resent = list[bool]()
+    return bool(int(RELEASE(client, [key], [token], lambda: resent.append(True))) or resent)
 
 
 def release_held_by(client: Client, key: str, holder: str) -> bool:

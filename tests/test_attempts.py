@@ -27,6 +27,7 @@ from redis.connection import AbstractConnection
 from celery_redislock import LockedTask, RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
 from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE
+from celery_redislock.enqueue import give_up_ticket
 from celery_redislock.inventory import read_lock, release_token
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, FRESH, HEADER, holder_for, parse_holder, parse_value
@@ -1135,6 +1136,27 @@ def test_a_resent_release_does_not_raise_lock_not_owned(client: redis.Redis, pre
         lock.release()
     assert lost == [1]
     assert not client.exists(f"{prefix}:resent-release")
+
+
+def test_a_message_lock_release_sent_again_after_a_lost_reply_is_reported_released(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A message that will never run lets go of its enqueue lock (``give_up_ticket``: revoked,
+    failed before its run); the release's reply is lost and the client's retry policy (a
+    ``redis.Redis(...)``'s) sends it again, whose run finds the lock gone, as its first run
+    left it. Reported (logged) ``released``, as ``RedisLock.release`` counts a resend; before,
+    ``None``: "not the token's"."""
+    retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    assert (retry := retrying.get_retry()) is not None and retry.get_retries() > 0
+    key, token = f"{prefix}:resent-ticket", "c" * 32
+    retrying.set(key, f"{token}:1:{holder_for('t', 0, 'node', 1, 'queued')}", px=30_000)
+    retrying.script_load(RELEASE.source)  # its first send runs it (no NOSCRIPT reply to lose)
+    try:
+        with first_reply_lost(RELEASE) as lost:
+            assert give_up_ticket(retrying, (key, token), False, None, "a test") == "released"
+        assert lost == [1] and not retrying.exists(key)
+    finally:
+        retrying.close()
 
 
 ODD_ID = "a b state=queued try=9 node=x pid=1 %20"
