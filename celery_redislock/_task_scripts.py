@@ -281,9 +281,10 @@ _UNREPLACE = """
 -- (or tried to: owner-checked) and that was not sent.
 -- If ARGV[1] owns the lock: gives it back to the message it replaced (no longer
 -- superseded) if that message's mark is still 's:' (not dropped by a worker) and its
--- lock would still live; else frees it. If a later message took it over from ARGV[1]
--- meanwhile, that message's undo is pointed at what ARGV[1] replaced (or at nothing),
--- and that message's mark names it: an unsent message is never given the lock back.
+-- lock would still live; else frees it (that message, if its mark is 's:', no longer
+-- superseded all the same: never dropped for an unsent message). If a later message took it
+-- over from ARGV[1] meanwhile, that message's undo is pointed at what ARGV[1] replaced (or at
+-- nothing), and that message's mark names it: an unsent message is never given the lock back.
 -- Returns 1 if ARGV[1] owned the lock, else 0.
 local record, mark = prefix .. 'replaced:' .. ARGV[1], prefix .. 'superseded:' .. ARGV[1]
 local replaced = redis.call('GET', record)
@@ -313,10 +314,14 @@ if replaced then
   local expiry, old = string.match(replaced, '^(%d+):(.*)$')
   local old_mark = prefix .. 'superseded:' .. string.sub(old, 1, 32)
   local left = tonumber(expiry) - now_ms
-  if left > 0 and string.sub(redis.call('GET', old_mark) or '', 1, 2) == 's:' then
-    redis.call('SET', lock, old, 'PX', left)
+  if string.sub(redis.call('GET', old_mark) or '', 1, 2) == 's:' then
+    -- No longer superseded, whether its lock would still live (given back) or not (it runs
+    -- when delivered, as any message past its queue ttl): never dropped for an unsent message.
     redis.call('DEL', old_mark)
-    return 1
+    if left > 0 then
+      redis.call('SET', lock, old, 'PX', left)
+      return 1
+    end
   end
 end
 redis.call('DEL', lock)

@@ -31,7 +31,7 @@ from celery_redislock import (
     signals,
     task_lock_key,
 )
-from celery_redislock._task_scripts import REPLACE, UNREPLACE
+from celery_redislock._task_scripts import DROP, REPLACE, UNREPLACE
 from celery_redislock.attempt import companion_key
 from celery_redislock.busy import policy_for
 from celery_redislock.enqueue import superseded
@@ -284,6 +284,28 @@ def test_a_replace_sent_again_after_a_lost_reply_gets_the_same_answer(app: Celer
     assert stored(client, key) == first
     assert not client.exists(companion_key(key, f"superseded:{TOKENS[0]}"))
     client.delete(key)
+
+
+def test_an_unsent_message_that_replaced_one_whose_lock_ran_out_meanwhile_leaves_it_not_superseded(
+    app: Celery,
+) -> None:
+    """Message b replaces queued message a, whose enqueue lock is near its end (a waited almost
+    ``lock_queue_ttl`` in a backlog); b's send fails after a's lock would have run out, so b's undo
+    frees the lock rather than give it back. Message a was not superseded by any message sent: when
+    delivered, it runs (checked at execution as any message past its queue ttl), rather than be
+    dropped for b, which nobody will ever run. Before, its mark still named b: dropped."""
+    client, key = recorder(app).client, f"{recorder(app).prefix}:ran-out"
+    assert REPLACE(client, [key], [TOKENS[0], QUEUED, 200, "a"]) == [b"taken"]
+    assert replace(client, key, 1)[0] == b"replaced"
+    record = stored(client, companion_key(key, f"replaced:{TOKENS[1]}"))
+    expiry_ms = int(record.split(b":")[0])  # when a's lock would have run out (server ms)
+    wait_for(
+        lambda: (lambda t: t[0] * 1000 + t[1] // 1000)(client.time()) > expiry_ms, 10, "a's lock to run out"
+    )
+    assert UNREPLACE(client, [key], [TOKENS[1]]) == 1
+    assert not client.exists(key)
+    assert DROP(client, [key], [TOKENS[0], "0"]) == [b"kept"]  # not superseded: the worker runs a
+    assert not client.exists(companion_key(key, f"superseded:{TOKENS[0]}"))
 
 
 def test_a_failed_send_after_the_worker_dropped_the_replaced_message_frees_the_lock(
