@@ -368,9 +368,11 @@ class Execution:
         }
 
     def let_go(self) -> None:
-        """After the body: release, or keep the lock as the mode says (``keep``)."""
+        """After the body: release, or keep the lock as the mode says (``keep``). Nothing for a run
+        that holds nothing (skipped, failed before the body, unlocked)."""
         lock = self.lock
-        if lock is None:
+        if lock is None or not lock.held():
+            self._over()
             return
         if self._parked_for(lock) is None and not self._settles() and self._released_later(lock):
             return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply

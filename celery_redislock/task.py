@@ -235,15 +235,12 @@ class LockedTask(OnCommit):
         if key in held:  # called directly from a call holding the same key: run under that hold
             return super().__call__(*args, **kwargs)
         run = Execution(self, options, settings, key, request, args, kwargs)
+        # One try from ``begin`` on: an asynchronous exception (a soft time limit) landing between
+        # two steps still lets go of the run, and leaves the thread holding nothing of it.
         try:
-            began = run.begin()
-        except BaseException:
-            run.cut_short()
-            raise
-        if not began:
-            return skipped(self, request)
-        held_token = _held_locks.set({**held, key: run.lock})
-        try:
+            if not run.begin():
+                return skipped(self, request)
+            _held_locks.set({**held, key: run.lock})
             with run.body():
                 if request is not None:
                     request.update(run.fields())
@@ -260,11 +257,13 @@ class LockedTask(OnCommit):
             run.unreturned = exc
             raise
         finally:  # the body's own exception, if any, stands, lost lock or not (the loss is logged)
-            _held_locks.reset(held_token)
             try:
-                run.let_go()
-            except BaseException:
-                run.cut_short()
-                raise
+                _held_locks.set(held)
+            finally:
+                try:
+                    run.let_go()  # nothing to let go of after a skip or a failed begin
+                except BaseException:
+                    run.cut_short()
+                    raise
         raise_if_lost([run.lock])  # the body returned, but exclusion broke meanwhile: not a success
         return result

@@ -41,6 +41,7 @@ import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.primitive
 import celery_redislock.run_lock
+import celery_redislock.task
 from celery_redislock import task_lock_key
 from celery_redislock.exceptions import LockLost, LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
@@ -1157,6 +1158,74 @@ def test_a_direct_call_inside_a_run_interrupted_as_it_took_its_lock_leaves_no_lo
         run_interrupted(app, outer, x)
         assert fired == [1]
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, PTTL {recorder.pttl(key)} ms"
+
+
+def held_locks_interrupted(monkeypatch: pytest.MonkeyPatch, key: str) -> list[int]:
+    """Make the first ``set`` of ``task._held_locks`` (the keys held in a thread, a ``ContextVar``)
+    to a mapping naming ``key``, on a worker's thread, set it and then raise
+    ``SoftTimeLimitExceeded``, as a signal handler does that lands right after the call returns;
+    the returned list gets an item when it did."""
+    real = celery_redislock.task._held_locks
+    fired: list[int] = []
+
+    class Interrupted:
+        def get(self) -> Any:
+            return real.get()
+
+        def set(self, value: Any) -> Any:
+            token = real.set(value)
+            if not fired and key in value and threading.current_thread() is not threading.main_thread():
+                fired.append(1)
+                raise SoftTimeLimitExceeded()
+            return token
+
+        def reset(self, token: Any) -> None:
+            real.reset(token)
+
+    monkeypatch.setattr(celery_redislock.task, "_held_locks", Interrupted())
+    return fired
+
+
+def test_a_direct_call_inside_a_run_interrupted_as_it_records_its_hold_leaves_no_lock(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, the soft time limit landing right after the inner call, its lock taken, recorded
+    its hold as the thread's (``task._held_locks``), before its body: let go of by its
+    ``__call__`` all the same, not held on and renewed by the watchdog."""
+    inner = define(app, "direct_inner_recorded", lock_ttl=30)
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(inner, (x,))
+    outer = define(app, "direct_outer_recorded", lambda self, x: inner(x), lock_on=lambda x: "outer")
+    fired = held_locks_interrupted(monkeypatch, key)
+    with recorder_of(app) as recorder:
+        run_interrupted(app, outer, x)
+        assert fired == [1]
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, PTTL {recorder.pttl(key)} ms"
+
+
+def test_a_soft_time_limit_as_a_run_records_its_hold_leaves_the_next_run_in_the_thread_locked(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same landing point in a worker's run: the run fails, its lock let go of as the trace
+    ends, and the thread holds nothing of it after. The next run of the key on that thread (one
+    worker thread) takes the lock (a fence in its request), rather than run its body under the
+    hold of a run that is over, unlocked."""
+    fences: list[object] = []
+    task = define(
+        app, "held_recorded", lambda self, x: fences.append(getattr(self.request, "lock_fence", "none"))
+    )
+    x = uuid.uuid4().int % 10**9
+    key = task_lock_key(task, (x,))
+    fired = held_locks_interrupted(monkeypatch, key)
+    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app, concurrency=1):
+        first = task.delay(x)
+        with pytest.raises(SoftTimeLimitExceeded):
+            first.get(timeout=RESULT_TIMEOUT)
+        wait_for(lambda: first.id in done and runs_over(task.name, first.id), what="the first run's end")
+        assert fired == [1]
+        assert not recorder.exists(key), f"left: {recorder.get(key)!r}, PTTL {recorder.pttl(key)} ms"
+        assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
+    assert len(fences) == 1 and isinstance(fences[0], int), f"the next run's lock_fence: {fences}"
 
 
 @contextmanager
