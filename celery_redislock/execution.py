@@ -154,6 +154,7 @@ class Execution:
         "lock",
         "node",
         "options",
+        "outer",
         "request",
         "retries",
         "settings",
@@ -164,6 +165,9 @@ class Execution:
         "unreturned",
         "url",
     )
+
+    #: the run this one was started in (``state.run_started``), once in ``state.running``
+    outer: state.Run | None
 
     def __init__(
         self,
@@ -214,7 +218,7 @@ class Execution:
             # From here on, what an asynchronous exception leaves held is the trace's end's to let go
             # (``finish``).
             if self.task_id is not None:
-                state.running[threading.get_ident(), self.task_id] = self
+                state.run_started((threading.get_ident(), self.task_id), self)
 
     def begin(self) -> bool:
         """Everything before the body: whether it runs (``False``: skipped, or a duplicate).
@@ -384,7 +388,7 @@ class Execution:
         """Nothing of the run is left to finish: out of ``running``, where a run with a lock and a
         task id (a worker's, ``apply()``'s) was put as it was made."""
         if self.lock is not None and self.task_id is not None:
-            state.running.pop((threading.get_ident(), self.task_id), None)
+            state.run_over((threading.get_ident(), self.task_id), self)
 
     def finish(self) -> None:
         """After the run (``receivers.after_run``, or ``receivers.RunRequests`` as its trace ends, for

@@ -38,7 +38,7 @@ from .connection import client_for
 from .enqueue import give_up_ticket
 from .exceptions import LockConfigurationError
 from .protocol import message_continues_hold, message_ticket, request_continues_hold, request_ticket
-from .state import app_state, app_states, running
+from .state import app_state, app_states, run_over, running
 from .telemetry import log_fields
 
 __all__ = ["RunRequests", "after_run", "free_dropped_ticket", "free_unkeyed_ticket", "install"]
@@ -96,8 +96,10 @@ def after_run(task: Any, task_id: str) -> None:
     exception kept ``__call__`` from letting go (``Execution.finish``). Called by
     ``LockedTask.after_return``, before any ``task_postrun`` receiver (OpenTelemetry's ends the
     task's span there); ``RunRequests.pop`` then finds nothing left to do."""
-    run = running.pop((threading.get_ident(), task_id), None)
-    if run is not None:
+    where = threading.get_ident(), task_id
+    run = running.get(where)
+    if run is not None and run.request is task.request_stack.top:  # not the run an eager one was started in
+        run_over(where, run)
         run.finish()
 
 
@@ -147,7 +149,7 @@ class RunRequests:
                 extra=log_fields(run.key, run.task_id, outcome="error"),
             )
         finally:
-            running.pop(key, None)
+            run_over(key, run)
 
     @property
     def top(self) -> Any:

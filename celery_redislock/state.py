@@ -17,7 +17,16 @@ from typing import Any, NamedTuple, Protocol
 import redis
 import redis.cluster
 
-__all__ = ["AppState", "LockClient", "app_state", "app_states", "forget_client", "running"]
+__all__ = [
+    "AppState",
+    "LockClient",
+    "app_state",
+    "app_states",
+    "forget_client",
+    "run_over",
+    "run_started",
+    "running",
+]
 
 
 class LockClient(NamedTuple):
@@ -40,6 +49,9 @@ class Run(Protocol):
     request: Any
     task_id: str | None
     key: str
+    #: the run it was started in, under the same task id in the same thread (``apply()`` of a run
+    #: that replaces itself: Celery runs the replacement at once), back in ``running`` once it is over
+    outer: Run | None
 
     def finish(self) -> None:
         """Let go of what an asynchronous exception kept the run from letting go."""
@@ -65,9 +77,29 @@ class AppState:
 #: making to its finish (``after_return``, or the end of its trace: ``receivers.RunRequests``),
 #: which runs in the same thread (two attempts of one task, a retry starting while its previous
 #: attempt finishes, run in different threads); keyed by task id too, as a run may start another
-#: in its thread (an eager ``apply()``) before either ends. One for the process, not one per app:
-#: a task class bound to another app meanwhile (another app registers it) still finds its runs.
+#: in its thread (an eager ``apply()``) before either ends; one of the same task id (an eager
+#: replacement) stands in for the run it was started in until it is over (``run_over``). One for
+#: the process, not one per app: a task class bound to another app meanwhile (another app
+#: registers it) still finds its runs.
 running: dict[tuple[int, str], Run] = {}
+
+
+def run_started(where: tuple[int, str], run: Run) -> None:
+    """``run`` is under way at ``where``: in ``running``, standing in for the run there, if any,
+    that it was started in (``Run.outer``)."""
+    run.outer = running.get(where)
+    running[where] = run
+
+
+def run_over(where: tuple[int, str], run: Run) -> None:
+    """``run`` (``running[where]``) is over: out of ``running``, the run it was started in
+    (``Run.outer``) back in its place. Nothing if ``where`` holds another run."""
+    if running.get(where) is run:
+        if run.outer is None:
+            del running[where]
+        else:
+            running[where] = run.outer
+
 
 #: id(app) -> its state, dropped when the app is (its id is not reused before): a run looks its
 #: app's state up for its lock client, and a ``WeakKeyDictionary`` runs Python code and makes a

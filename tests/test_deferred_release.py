@@ -599,6 +599,44 @@ def test_a_run_started_inside_a_run_leaves_it_its_own_task_postrun(app: Celery, 
     assert watch.of("postrun") == [False]  # nothing left to read once it is over
 
 
+@pytest.mark.parametrize(
+    "on_lost", ["log", "raise"]
+)  # the replacement's release: read after its result, or before
+def test_an_eager_run_replaced_by_a_call_of_other_arguments_reports_both_releases(
+    app: Celery, on_lost: str
+) -> None:
+    """``apply()`` of a run that replaces itself (``task.replace()``) with a call of other
+    arguments: Celery runs the replacement at once, in the run's thread under the same task id,
+    before the run ends. The run still holds its lock once the replacement ended, and each
+    run's release is read and reported (``lock_released``) as its own trace ends, the
+    replacement's first, before ``apply()`` returns, nothing left to read."""
+    held_after: list[int] = []
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"defer.replaced_eagerly_{on_lost}",
+        lock_on_lost=on_lost,
+    )
+    def task(self: Any, x: int) -> Any:
+        if x != 1:
+            return x
+        replaced = self.replace(task.s(x + 1))
+        held_after.append(watch.client.exists(self.request.lock_key))
+        return replaced
+
+    with watching(app, task) as watch:
+        assert task.apply((1,)).get() == 2
+        assert held_after == [1]
+        assert [event["key"] for event in watch.of("released")] == [
+            task_lock_key(task, (2,)),
+            task_lock_key(task, (1,)),
+        ]
+        assert not pending_reply(watch.client)
+        assert runs_over(task.name)
+
+
 def test_an_interrupt_right_after_the_send_inside_send_later_is_reported_once_as_unknown(
     app: Celery, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
