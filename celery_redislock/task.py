@@ -248,11 +248,11 @@ class LockedTask(OnCommit):
                         run.lock.attach(request)  # a loss found before the body: not reset to False
                     result = self.run(*args, **kwargs)
                 else:
-                    pending = _pending_request.set((self, run.fields(), run.lock))
-                    try:
+                    try:  # consumed by the push of the call's own request; none left, whatever lands
+                        _pending_request.set((self, run.fields(), run.lock))
                         result = super().__call__(*args, **kwargs)
                     finally:
-                        _pending_request.reset(pending)
+                        _pending_request.set(None)
         except (Retry, Ignore, Reject) as exc:  # Celery calls no after_return then: the reply is read now
             run.unreturned = exc
             raise

@@ -42,7 +42,7 @@ import celery_redislock.lock
 import celery_redislock.primitive
 import celery_redislock.run_lock
 import celery_redislock.task
-from celery_redislock import task_lock_key
+from celery_redislock import LockedTask, task_lock_key
 from celery_redislock.exceptions import LockLost, LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
@@ -1226,6 +1226,54 @@ def test_a_soft_time_limit_as_a_run_records_its_hold_leaves_the_next_run_in_the_
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, PTTL {recorder.pttl(key)} ms"
         assert task.delay(x).get(timeout=RESULT_TIMEOUT) == x
     assert len(fences) == 1 and isinstance(fences[0], int), f"the next run's lock_fence: {fences}"
+
+
+def test_a_direct_call_interrupted_as_it_hands_its_request_its_fields_leaves_them_to_no_later_call(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's run calls a ``LockedTask`` directly (``inner(x, 0)``): a soft time limit lands
+    right after the inner call set the lock fields its own request is to get
+    (``task._pending_request``), before that request is pushed. Nothing of them is left in the
+    thread (one worker thread): a later run of ``inner`` calling itself with the same key, under
+    its own hold, hands that call its own fence, not the interrupted call's."""
+    fences: list[tuple[int, object]] = []
+
+    def body(self: Any, x: int, depth: int) -> None:
+        fences.append((depth, getattr(self.request, "lock_fence", None)))
+        if depth:
+            inner(x, depth - 1)
+
+    inner = app.task(
+        base=LockedTask, bind=True, shared=False, name="interrupted.pending_inner", lock_on=("x",)
+    )(body)
+    outer = define(app, "pending_outer", lambda self, x: inner(x, 0), lock_on=lambda x: "outer")
+    x, y = (uuid.uuid4().int % 10**9 for _ in range(2))
+    real = celery_redislock.task._pending_request
+    fired: list[int] = []
+
+    class Interrupted:
+        def get(self) -> Any:
+            return real.get()
+
+        def set(self, value: Any) -> Any:
+            token = real.set(value)
+            if not fired and value is not None and threading.current_thread() is not threading.main_thread():
+                fired.append(1)
+                raise SoftTimeLimitExceeded()
+            return token
+
+        def reset(self, token: Any) -> None:
+            real.reset(token)
+
+    monkeypatch.setattr(celery_redislock.task, "_pending_request", Interrupted())
+    with threads_worker(app, concurrency=1):
+        interrupted = outer.delay(x)
+        with pytest.raises(SoftTimeLimitExceeded):
+            interrupted.get(timeout=RESULT_TIMEOUT)
+        assert fired == [1]
+        inner.delay(y, 1).get(timeout=RESULT_TIMEOUT)
+    [(_, fence)] = [entry for entry in fences if entry[0] == 1]
+    assert isinstance(fence, int) and fences[-1] == (0, fence), f"the fences the calls saw: {fences}"
 
 
 @contextmanager
