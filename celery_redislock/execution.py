@@ -297,9 +297,10 @@ class Execution:
         ``lock_queue_ttl``.
 
         Kept: after a Redis error that ``redislock_on_error="run"`` turns into an unlocked run
-        (it keeps duplicates out while that runs), and after an exception that is not an
-        ``Exception`` (the worker exiting, a hard time limit in a gevent pool): with
-        ``acks_late`` such a message comes back, and its hold is still its own."""
+        (it keeps duplicates out while that runs; freed as it ends, ``_free_kept_ticket``), and
+        after an exception that is not an ``Exception`` (the worker exiting, a hard time limit
+        in a gevent pool): with ``acks_late`` such a message comes back, and its hold is still
+        its own."""
         if not isinstance(failure, Exception):
             return
         if isinstance(failure, (redis.RedisError, LockNotReplicated)) and self.settings.on_error == "run":
@@ -377,12 +378,31 @@ class Execution:
         lock = self.lock
         if lock is None or not lock.held():
             self._over()
+            if lock is None:
+                self._free_kept_ticket()
             return
         if self._parked_for(lock) is None and not self._settles() and self._released_later(lock):
             return  # the entry in ``running`` stays: ``receivers.after_run`` reads the release's reply
         with telemetry.Release(self.task.name, self.options.mode, lock, self.settings.spans) as ending:
             ending.outcome = self.keep() or release(self.task, lock, self.task_id)
         self._over()  # only once let go: an interrupted let-go is the trace's end's
+
+    def _free_kept_ticket(self) -> None:
+        """After a run that went on unlocked (a Redis error as it took its lock,
+        ``redislock_on_error="run"``) where the mode adopts the message's enqueue lock: the hold
+        still queued for the message, kept while the body ran to keep duplicates out
+        (``_free_unadopted_hold``), goes now, owner-checked (``give_up_ticket``), as the run's lock
+        would (a Redis error leaves it to expire); ``until_expired`` keeps it, to run out within
+        ``lock_queue_ttl``, no sooner than ``lock_period``, and so does a run that raised its
+        retry, whose message carries the ticket on (Celery copies its headers) and adopts it."""
+        ticket, rules = self.ticket, self.options.rules
+        if ticket is None or ticket[0] != self.key or not rules.adopts_ticket or rules.settles:
+            return
+        if isinstance(self.unreturned, Retry):
+            return
+        why = f"task {self.task.name}[{self.task_id}] ran unlocked"
+        with suppress(redis.RedisError):
+            give_up_ticket(self.client, ticket, request_continues_hold(self.request), self.options, why)
 
     def _over(self) -> None:
         """Nothing of the run is left to finish: out of ``running``, where a run with a lock and a

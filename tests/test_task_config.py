@@ -25,6 +25,7 @@ import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
+import celery_redislock.execution
 from celery_redislock import (
     LockConfigurationError,
     LockedTask,
@@ -472,6 +473,33 @@ def test_on_error_run_runs_unlocked_through_apply_and_in_a_worker(
     assert "running unlocked" in caplog.text
     assert "after_return handler raised" not in caplog.text
     assert not [run for run in running.values() if run.task.name == task.name]
+
+
+def test_an_until_executed_run_unlocked_by_a_redis_error_at_its_adopt_frees_its_enqueue_lock_as_it_ends(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``until_executed``, ``redislock_on_error="run"``: the run's ``ADOPT`` of its message's
+    enqueue lock fails with a Redis error (Redis gone for a moment), and the body runs unlocked,
+    the enqueue lock kept while it runs so that no duplicate is sent beside it. Once the run
+    ended, the lock goes, as the mode says: a ``delay()`` of the same arguments is sent, not
+    refused as a duplicate of a task that is over for ``lock_queue_ttl``."""
+    app = new_app(redis_server.url, prefix, redislock_on_error="run")
+    task = define(app, lock_mode="until_executed")
+
+    def adopt_failing(lock: Any, token: str) -> Any:
+        raise redis.exceptions.ConnectionError("Redis gone for a moment")
+
+    monkeypatch.setattr(celery_redislock.execution, "adopt", adopt_failing)
+    key = task_lock_key(task, (1,))
+    with threads_worker(app, concurrency=1):
+        first = task.delay(1)
+        assert first.get(timeout=30) == 3
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            assert not client.exists(key), f"left: {client.get(key)!r}, PTTL {client.pttl(key)} ms"
+        finally:
+            client.delete(key)
+            client.close()
 
 
 def test_acl_credentials_in_the_url_are_used(prefix: str) -> None:
