@@ -320,8 +320,8 @@ def _check_url(problem: _Problem, url: object) -> None:
         "allowed: a redis://, rediss://, unix://, redis-cluster://, rediss-cluster:// or sentinel:// URL"
     )
     scheme = url.partition("://")[0] if isinstance(url, str) else None
-    if not isinstance(url, str) or scheme not in URL_SCHEMES:
-        raise problem("redislock_url", url, allowed)
+    if not isinstance(url, str) or scheme not in URL_SCHEMES:  # a mistyped scheme may hold a password too
+        raise problem("redislock_url", masked(url) if isinstance(url, str) else url, allowed)
     if not is_utf8(url):
         raise problem("redislock_url", masked(url), f"{allowed}, of UTF-8 text")
     shown = masked(url)

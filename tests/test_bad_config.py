@@ -116,6 +116,12 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
             "redis://127.0.0.1:6379/locks",
             ["redislock_url='redis://127.0.0.1:6379/locks'", "the database 'locks' is not a number"],
         ),
+        # a scheme mistyped, or another transport's: the URL was shown as given, password and all
+        (
+            "redislock_url",
+            f"rediss+tls://user:{SECRET}@127.0.0.1:6379/0",
+            ["redislock_url='rediss+tls://user:**@127.0.0.1:6379/0' is not valid", "allowed: a redis://"],
+        ),
         ("redislock_prefix", "a{b}", ["redislock_prefix='a{b}' is not valid"]),
         ("redislock_prefix", 5, ["redislock_prefix=5"]),
         # text no Redis key can hold: each failed at the first apply_async with a UnicodeError
