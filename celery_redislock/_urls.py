@@ -6,9 +6,25 @@ import re
 
 __all__ = ["masked"]
 
+#: A ';' that starts the next URL of a list (sentinels'); one inside a password does not.
+_NEXT_URL = re.compile(r";(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
+
 
 def masked(url: str) -> str:
     """``url`` with every password shown as ``**``: before each host (one per listed URL), and
     in the query (``?password=``, which redis-py reads as well)."""
-    url = re.sub(r"(://[^:@/;,]*:)[^@/;]*@", r"\1**@", url)
-    return re.sub(r"([?&]password=)[^&;#]*", r"\1**", url)
+    return ";".join(_masked_one(part) for part in _NEXT_URL.split(url))
+
+
+def _masked_one(url: str) -> str:
+    """One URL, masked. Its password runs to the host's '@': the last one before the query when a
+    path comes before it (redis-py's reading: a password may hold '@', ';' or '/'), else the last
+    one of all (a password holding '?'). Where that '@' is in fact the query's, more than the
+    password is hidden, never less."""
+    scheme, sep, rest = url.partition("://")
+    head = rest.partition("?")[0]
+    end = head.rfind("@") if "/" in head else rest.rfind("@")
+    user, colon, _ = rest[: max(end, 0)].partition(":")
+    if colon:
+        url = f"{scheme}{sep}{user}:**{rest[end:]}"
+    return re.sub(r"([?&]password=)[^&#]*", r"\1**", url)

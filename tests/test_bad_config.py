@@ -122,6 +122,17 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
             f"rediss+tls://user:{SECRET}@127.0.0.1:6379/0",
             ["redislock_url='rediss+tls://user:**@127.0.0.1:6379/0' is not valid", "allowed: a redis://"],
         ),
+        # an '@' or a ';' in the password (redis-py reads both): only the part before it was masked
+        (
+            "redislock_url",
+            f"redis://:pre@{SECRET}@127.0.0.1:6379/locks",
+            ["redislock_url='redis://:**@127.0.0.1:6379/locks'", "'locks' is not a number"],
+        ),
+        (
+            "redislock_url",
+            f"redis://:pre;{SECRET}@127.0.0.1:6379/locks",
+            ["redislock_url='redis://:**@127.0.0.1:6379/locks'", "'locks' is not a number"],
+        ),
         ("redislock_prefix", "a{b}", ["redislock_prefix='a{b}' is not valid"]),
         ("redislock_prefix", 5, ["redislock_prefix=5"]),
         # text no Redis key can hold: each failed at the first apply_async with a UnicodeError
@@ -209,6 +220,29 @@ def test_a_password_in_the_urls_query_is_masked_where_the_url_is_shown(
         assert SECRET not in caplog.text
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("password", [f"pre@{SECRET}", f"pre;{SECRET}", f"pre@x;{SECRET}"])
+def test_a_password_holding_an_at_or_a_semicolon_is_masked_whole_where_the_url_is_shown(
+    prefix: str, caplog: pytest.LogCaptureFixture, password: str
+) -> None:
+    """redis-py reads a password up to the host's '@' (the last), a ';' and '@' in it included;
+    the masking stopped at the first of either, and the INFO log naming where the locks are
+    showed the rest."""
+    with RedisServer() as server:
+        with server.client() as admin:
+            admin.config_set("requirepass", password)
+        url = f"redis://:{password}@127.0.0.1:{server.port}/0"
+        app = new_app(url, prefix)
+        try:
+            with caplog.at_level(logging.INFO, logger="celery_redislock.connection"):
+                client, where = client_for(app)
+            assert client.ping()  # the password redis-py read is the whole of it
+            assert where == f"redis://:**@127.0.0.1:{server.port}/0"
+            assert f"locks in Redis at {where} (from redislock_url)" in caplog.text
+            assert SECRET not in caplog.text
+        finally:
+            app.close()
 
 
 @pytest.mark.parametrize(
