@@ -138,14 +138,15 @@ class LockOptions:
 class AppSettings:
     """An app's ``redislock_*`` settings; ``url`` is ``None`` until resolved from the broker URL."""
 
-    url: str | None
+    #: never shown (nor ``transport_options``): it may hold a password
+    url: str | None = field(repr=False)
     prefix: str
     on_error: str
     #: beat processes elect a leader that alone sends, holding its lock for ``beat_leader_ttl`` s
     beat_leader: bool
     beat_leader_ttl: float
     #: for a sentinel:// URL: ``master_name`` etc. (None: ``broker_transport_options``)
-    transport_options: Mapping[str, Any] | None = None
+    transport_options: Mapping[str, Any] | None = field(default=None, repr=False)
     #: replicas that must acknowledge an acquisition (``WAIT``), and how long to wait for them
     replicas: int = 0
     replica_timeout: float = 1.0

@@ -204,6 +204,17 @@ def test_the_key_secret_is_not_in_the_settings_repr(redis_server: RedisServer, p
     assert secret not in repr(settings)
 
 
+def test_no_password_of_the_url_or_transport_options_is_in_the_settings_repr(prefix: str) -> None:
+    """The settings' repr showed ``redislock_url`` as given, and ``sentinel_kwargs``, passwords and all."""
+    url = f"sentinel://user:{SECRET}@127.0.0.1:26379/0"
+    options = {"master_name": "m", "sentinel_kwargs": {"password": SECRET}}
+    app = new_app(url, prefix, redislock_transport_options=options)
+    try:
+        assert SECRET not in repr(app_settings(app))
+    finally:
+        app.close()
+
+
 def test_a_password_in_the_urls_query_is_masked_where_the_url_is_shown(
     redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
