@@ -201,12 +201,23 @@ class RedisServer:
                     # unable to listen, exits.
                     if int(probe.info("server")["process_id"]) == self.process.pid:
                         return True
+                except redis.exceptions.AuthenticationError:  # NOAUTH: --requirepass, or an ACL
+                    if self._said_ready():
+                        return True
                 except redis.exceptions.ConnectionError:
                     pass  # the server is still starting: poll against the deadline
                 time.sleep(0.01)
             return False
         finally:
             probe.close()
+
+    def _said_ready(self) -> bool:
+        """This process's server logged that it listens (a sentinel never does: it is probed)."""
+        assert self.process is not None
+        log = (self.dir / "redis.log").read_text(errors="replace")
+        mine = f"{self.process.pid}:"  # a restart's log holds the previous server's lines too
+        lines = log.splitlines()
+        return any(line.startswith(mine) and "Ready to accept connections" in line for line in lines)
 
     def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -287,6 +287,20 @@ def test_a_server_whose_port_another_process_took_starts_on_another(redis_server
             assert int(client.info("server")["process_id"]) == taken.pid
 
 
+def test_a_server_that_requires_a_password_starts() -> None:
+    """``--requirepass`` (or an ACL turning the default user off): the readiness probe, refused
+    with NOAUTH, took the server for not started, killed it and tried again, five times over,
+    then raised ``redis-server did not start``."""
+    server = RedisServer("--requirepass", "s3cret-pw")
+    with server:
+        with server.client(password="s3cret-pw") as client:
+            assert int(client.info("server")["process_id"]) == server.pid
+        with server.client() as client, pytest.raises(redis.AuthenticationError):
+            client.ping()
+    assert server.process is not None and server.process.poll() is not None
+    assert not server.dir.exists()
+
+
 def test_a_cluster_node_listens_at_or_below_port_55535() -> None:
     """A Cluster node's bus port is its port + 10,000: a node is started at or below 55535, where
     the kernel's free ports run to 60999 (Linux's default range)."""
