@@ -153,39 +153,45 @@ class RedisServer:
                 (self.dir / "redis.conf").write_text(self.config)
         for _ in range(5):
             self.port = self.port or _free_port(self.highest_port)
-            self.process = subprocess.Popen(
-                [
-                    *self.wrapper,
-                    self.binary,
-                    *config,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--unixsocket",
-                    self.unix_socket,
-                    "--unixsocketperm",
-                    "700",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(self.dir),
-                    "--logfile",
-                    str(self.dir / "redis.log"),
-                    *self.extra_args,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            with (self.dir / "stderr.log").open("ab") as stderr:  # where a bad directive is reported
+                self.process = subprocess.Popen(
+                    [
+                        *self.wrapper,
+                        self.binary,
+                        *config,
+                        "--port",
+                        str(self.port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--unixsocket",
+                        self.unix_socket,
+                        "--unixsocketperm",
+                        "700",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        str(self.dir),
+                        "--logfile",
+                        str(self.dir / "redis.log"),
+                        *self.extra_args,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
             if self._wait_ready():
                 return self
             self._kill()
             self.port = 0  # probably taken meanwhile (by another process's server too): try another
-        log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"redis-server did not start; its log ends with:\n{log}")
+        output = (self._read("stderr.log") + self._read("redis.log"))[-2000:]
+        raise RuntimeError(f"redis-server did not start; its output ends with:\n{output}")
+
+    def _read(self, name: str) -> str:
+        """The text of the file ``name`` of the server's directory, if it is there."""
+        path = self.dir / name
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def _wait_ready(self) -> bool:
         assert self.process is not None
@@ -214,7 +220,7 @@ class RedisServer:
     def _said_ready(self) -> bool:
         """This process's server logged that it listens (a sentinel never does: it is probed)."""
         assert self.process is not None
-        log = (self.dir / "redis.log").read_text(errors="replace")
+        log = self._read("redis.log")
         mine = f"{self.process.pid}:"  # a restart's log holds the previous server's lines too
         lines = log.splitlines()
         return any(line.startswith(mine) and "Ready to accept connections" in line for line in lines)
@@ -240,7 +246,11 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # a failed start, Ctrl-C: nothing left running, nor behind
+            self.close()
+            raise
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close()

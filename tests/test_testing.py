@@ -301,6 +301,35 @@ def test_a_server_that_requires_a_password_starts() -> None:
     assert not server.dir.exists()
 
 
+def test_a_server_that_fails_to_start_leaves_no_directory() -> None:
+    """``with RedisServer(...)`` whose start raised never reached ``__exit__``: its directory
+    (config, log, socket) stayed in the temp dir, one per failed fixture. And a bad directive,
+    which redis-server reports on its stderr before it opens its log, raised a
+    ``FileNotFoundError`` for the log instead of saying what is wrong."""
+    server = RedisServer("--no-such-directive", "yes")
+    with pytest.raises(RuntimeError, match=r"did not start(.|\n)*no-such-directive"), server:
+        pass
+    assert not server.dir.exists()
+
+
+def test_a_start_interrupted_stops_its_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or any exception) while ``with RedisServer()`` waited for its server left the
+    server running, never stopped by its pid, and its directory behind."""
+
+    def interrupted(self: RedisServer) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RedisServer, "_wait_ready", interrupted)
+    server = RedisServer()
+    try:
+        with pytest.raises(KeyboardInterrupt), server:
+            pass
+        assert server.process is not None and server.process.poll() is not None, "still running"
+        assert not server.dir.exists()
+    finally:
+        server.close()  # what the fix does: the server is stopped, by its pid, if the test failed
+
+
 def test_a_cluster_node_listens_at_or_below_port_55535() -> None:
     """A Cluster node's bus port is its port + 10,000: a node is started at or below 55535, where
     the kernel's free ports run to 60999 (Linux's default range)."""
