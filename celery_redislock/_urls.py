@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["masked"]
+__all__ = ["cluster_parts", "masked"]
 
 #: A ';' that starts the next URL of a list (sentinels'); one inside a password does not.
 _NEXT_URL = re.compile(r";(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
@@ -28,3 +28,16 @@ def _masked_one(url: str) -> str:
     if colon:
         url = f"{scheme}{sep}{user}:**{rest[end:]}"
     return re.sub(r"([?&]password=)[^&#]*", r"\1**", url)
+
+
+def cluster_parts(url: str) -> tuple[str, list[str]]:
+    """A ``redis-cluster://`` (``rediss-cluster://``) URL as the ``redis://`` (``rediss://``) URL
+    of its first node, which holds its credentials, db and query options as redis-py reads
+    them, and its nodes' ``host:port``."""
+    scheme, _, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    netloc, _, query = netloc.partition("?")
+    userinfo, _, hosts = netloc.rpartition("@")
+    nodes = hosts.split(",")
+    plain = f"{scheme.removesuffix('-cluster')}://{userinfo + '@' if userinfo else ''}{nodes[0]}"
+    return plain + (slash + tail if tail else "") + ("?" + query if query else ""), nodes

@@ -27,7 +27,7 @@ from redis.connection import parse_url
 
 from ._durations import seconds, to_ms
 from ._permit_scripts import MAX_LIMIT
-from ._urls import masked
+from ._urls import cluster_parts, masked
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, companion_key, is_utf8
 from .exceptions import LockConfigurationError
 from .keys import LockOn, call_digest, lock_key
@@ -333,12 +333,15 @@ def _check_url(problem: _Problem, url: object) -> None:
                 sentinel.port  # noqa: B018  (raises for a bad port)
             except ValueError as exc:
                 raise problem("redislock_url", shown, f"{allowed}: {exc}") from None
+            if sentinel.query:  # they would go unread
+                options = "a sentinel:// URL takes no query options (redislock_transport_options does)"
+                raise problem("redislock_url", shown, f"{allowed}: {options}")
             db = sentinel.path.strip("/")
             if db and not db.isdigit():
                 raise problem("redislock_url", shown, f"{allowed}: the database {db!r} is not a number")
         return
-    if scheme not in ("redis", "rediss", "unix"):
-        return  # several hosts: connection.redis_client reads them
+    if scheme in ("redis-cluster", "rediss-cluster"):  # its nodes: read by connection.redis_client
+        url = cluster_parts(url)[0]  # what redis-py reads of the rest: as for one server
     try:
         parsed = parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:

@@ -30,7 +30,7 @@ import redis.sentinel
 from celery.exceptions import SoftTimeLimitExceeded
 
 from ._process import current_pid
-from ._urls import masked
+from ._urls import cluster_parts, masked
 from .config import URL_SCHEMES, app_settings, check_client
 from .exceptions import LockConfigurationError, RedisLockError
 from .state import LockClient, app_state
@@ -124,19 +124,14 @@ def _as_redis_py(broker: str) -> str:
 
 
 def _cluster(url: str, options: dict[str, Any]) -> redis.cluster.RedisCluster:
-    scheme, _, rest = url.partition("://")
-    netloc, slash, tail = rest.partition("/")
-    netloc, _, query = netloc.partition("?")
-    userinfo, _, hosts = netloc.rpartition("@")
+    scheme = url.partition("://")[0]
+    plain, addresses = cluster_parts(url)  # the credentials, db and query options: the first node's
     nodes = []
-    for address in hosts.split(","):
+    for address in addresses:
         host, _, port = address.strip().rpartition(":")
         if not host or not port.isdigit():
             raise LockConfigurationError(f"{masked(url)!r}: each node must be host:port, got {address!r}")
         nodes.append(redis.cluster.ClusterNode(host, int(port)))  # type: ignore[no-untyped-call]
-    # the credentials, db and query options as redis-py reads them from a one-node URL
-    plain = f"{scheme.removesuffix('-cluster')}://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}"
-    plain += (slash + tail if tail else "") + ("?" + query if query else "")
     kwargs: dict[str, Any] = redis.connection.parse_url(plain)  # type: ignore[no-untyped-call]
     if kwargs.pop("db", 0) not in (0, "0"):
         raise LockConfigurationError(f"{masked(url)!r}: a Redis Cluster has only db 0")

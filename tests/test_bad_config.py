@@ -116,6 +116,20 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
             "redis://127.0.0.1:6379/locks",
             ["redislock_url='redis://127.0.0.1:6379/locks'", "the database 'locks' is not a number"],
         ),
+        # a Cluster's or a sentinel's query options were dropped unread, a typo as well
+        (
+            "redislock_url",
+            f"redis-cluster://:{SECRET}@127.0.0.1:7000,127.0.0.1:7001?socket_timout=1",
+            [
+                "redislock_url='redis-cluster://:**@127.0.0.1:7000,127.0.0.1:7001?socket_timout=1'",
+                "socket_timout",
+            ],
+        ),
+        (
+            "redislock_url",
+            f"sentinel://:{SECRET}@127.0.0.1:26379/0?socket_timeout=1",
+            ["redislock_url='sentinel://:**@127.0.0.1:26379/0?socket_timeout=1'", "takes no query options"],
+        ),
         # a scheme mistyped, or another transport's: the URL was shown as given, password and all
         (
             "redislock_url",
