@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["cluster_parts", "masked"]
+__all__ = ["cluster_parts", "listed", "masked"]
 
 #: A ';' that starts the next URL of a list (sentinels'); one inside a password does not.
 _NEXT_URL = re.compile(r";(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
+def listed(url: str) -> list[str]:
+    """The URLs of a list joined with ';' (sentinels'), as given: a ';' in a password stays."""
+    return _NEXT_URL.split(url)
+
+
 def masked(url: str) -> str:
     """``url`` with every password shown as ``**``: before each host (one per listed URL), and
     in the query (``?password=``, which redis-py reads as well)."""
-    return ";".join(_masked_one(part) for part in _NEXT_URL.split(url))
+    return ";".join(_masked_one(part) for part in listed(url))
 
 
 def _masked_one(url: str) -> str:

@@ -27,7 +27,7 @@ from redis.connection import parse_url
 
 from ._durations import seconds, to_ms
 from ._permit_scripts import MAX_LIMIT
-from ._urls import cluster_parts, masked
+from ._urls import cluster_parts, listed, masked
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, companion_key, is_utf8
 from .exceptions import LockConfigurationError
 from .keys import LockOn, call_digest, lock_key
@@ -327,7 +327,7 @@ def _check_url(problem: _Problem, url: object) -> None:
         raise problem("redislock_url", masked(url), f"{allowed}, of UTF-8 text")
     shown = masked(url)
     if scheme == "sentinel":
-        for part in url.split(";"):
+        for part in listed(url):
             try:
                 sentinel = urlsplit(part.strip())
                 sentinel.port  # noqa: B018  (raises for a bad port)

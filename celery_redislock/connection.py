@@ -30,7 +30,7 @@ import redis.sentinel
 from celery.exceptions import SoftTimeLimitExceeded
 
 from ._process import current_pid
-from ._urls import cluster_parts, masked
+from ._urls import cluster_parts, listed, masked
 from .config import URL_SCHEMES, app_settings, check_client
 from .exceptions import LockConfigurationError, RedisLockError
 from .state import LockClient, app_state
@@ -150,14 +150,14 @@ def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str,
             "e.g. redislock_transport_options={'master_name': 'mymaster'}"
         )
     sentinels: list[tuple[str, int]] = []
-    for part in url.split(";"):
+    for part in listed(url):
         parsed = urlsplit(part.strip())
         if parsed.scheme != "sentinel" or not parsed.hostname:
             raise LockConfigurationError(
                 f"{masked(url)!r}: {masked(part.strip())!r} is not a sentinel://host:port URL"
             )
         sentinels.append((parsed.hostname, parsed.port or 26379))
-    first = urlsplit(url.split(";")[0].strip())  # the primary's credentials and db, as kombu reads them
+    first = urlsplit(listed(url)[0].strip())  # the primary's credentials and db, as kombu reads them
     master: dict[str, Any] = {"db": int(first.path.strip("/") or 0)}
     if first.username:
         master["username"] = unquote(first.username)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -231,3 +232,47 @@ def test_a_sentinel_that_fails_is_asked_once_before_the_next(
         assert lock.acquire(blocking=False)
         lock.release()
         assert accepted == 1
+
+
+def test_an_acl_users_password_holding_a_semicolon_locks_through_the_sentinels(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sentinels and an ACL user whose password holds ';' and '@' (redis-py reads both): each
+    sentinel URL of the list was cut at the password's ';', the rest taken for a database,
+    refused with the password's tail in the message."""
+    secret = "s3cret-pw"
+    password = f"p@ss;{secret}"
+    with RedisSentinelServers() as servers:
+        assert servers.replica is not None
+        for server in (servers.primary, servers.replica):
+            with server.client() as admin:
+                admin.acl_setuser(
+                    "locks", enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all"]
+                )
+                admin.config_set("masterauth", password)
+                admin.config_set("masteruser", "locks")
+        for sentinel in servers.sentinels:  # the sentinels ask the primary as that user too
+            with sentinel.client() as admin:
+                admin.execute_command("SENTINEL", "SET", servers.master_name, "auth-user", "locks")
+                admin.execute_command("SENTINEL", "SET", servers.master_name, "auth-pass", password)
+        url = ";".join(
+            f"sentinel://locks:{password}@127.0.0.1:{sentinel.port}/0" for sentinel in servers.sentinels
+        )
+        app = Celery("sentinel", broker="memory://", set_as_current=False)
+        app.conf.update(
+            redislock_url=url,
+            redislock_prefix=prefix,
+            redislock_transport_options={"master_name": "mymaster"},
+        )
+        try:
+            with caplog.at_level(logging.INFO, logger="celery_redislock.connection"):
+                client, where = client_for(app)
+            with RedisLock(client, f"{prefix}:k", ttl=5) as lock:
+                assert lock.owned()
+            assert where == ";".join(
+                f"sentinel://locks:**@127.0.0.1:{sentinel.port}/0" for sentinel in servers.sentinels
+            )
+            assert secret not in caplog.text
+        finally:
+            forget_client(app)
+            app.close()
