@@ -40,9 +40,9 @@ def cluster_parts(url: str) -> tuple[str, list[str]]:
     of its first node, which holds its credentials, db and query options as redis-py reads
     them, and its nodes' ``host:port``."""
     scheme, _, rest = url.partition("://")
-    netloc, slash, tail = rest.partition("/")
-    netloc, _, query = netloc.partition("?")
-    userinfo, _, hosts = netloc.rpartition("@")
+    where, _, query = rest.partition("?")  # a query may hold a path (ssl_ca_certs=/...)
+    userinfo, _, located = where.rpartition("@")
+    hosts, slash, tail = located.partition("/")
     nodes = hosts.split(",")
     plain = f"{scheme.removesuffix('-cluster')}://{userinfo + '@' if userinfo else ''}{nodes[0]}"
     return plain + (slash + tail if tail else "") + ("?" + query if query else ""), nodes

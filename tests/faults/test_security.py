@@ -8,8 +8,10 @@ import ast
 import base64
 import gc
 import logging
+import os
 import re
 import ssl
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -33,10 +35,10 @@ from celery_redislock import (
 from celery_redislock.connection import lock_url
 from celery_redislock.keys import call_digest, lock_key
 from celery_redislock.lock import companion_key
-from celery_redislock.testing import RedisServer
+from celery_redislock.testing import RedisServer, find_redis_server
 from tests import invariants
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
-from tests.faults.tls import TLSRedisServer, TLSUnsupported, have_openssl
+from tests.faults.tls import TLSRedisServer, TLSUnsupported, have_openssl, make_certificates
 from tests.taskapp import LEASE, make_app
 from tests.workers import renewed, threads_worker, wait_for
 
@@ -242,6 +244,69 @@ def test_locked_tasks_over_tls_broker_and_locks(tls_server: TLSRedisServer, pref
 
     with pytest.raises(RedisLockError, match=r"rediss://127\.0\.0\.1.*certificate verify failed"):
         one()
+
+
+def test_locked_tasks_over_a_tls_cluster_as_an_acl_user(
+    tmp_path: Path, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``rediss-cluster://user:password@nodes?ssl_cert_reqs=required&ssl_ca_certs=/path`` (no db
+    path, as a Cluster has only db 0): the '/' of the CA's path was taken for the start of the
+    db, the CA dropped, and every lock failed with CERTIFICATE_VERIFY_FAILED. The password
+    (holding '@' and ';') is shown nowhere."""
+    if not have_openssl():
+        pytest.skip("openssl is needed to make the test CA")
+    secret = "s3cret-pw"
+    password = f"p@ss;{secret}"
+    ca, cert, key = make_certificates(tmp_path)
+    acl = ["--user", "locks", "on", f">{password}", "~*", "&*", "+@all"]
+    nodes: list[TLSRedisServer] = []
+    try:
+        for i in range(3):
+            (tmp_path / f"node{i}").mkdir()
+            node = TLSRedisServer(
+                tmp_path / f"node{i}",
+                *("--cluster-enabled", "yes", "--tls-cluster", "yes", "--cluster-config-file", "nodes.conf"),
+                *(*acl, "--masteruser", "locks", "--masterauth", password),
+                certificates=(ca, cert, key),
+                highest_port=55535,  # a node's bus port is its port + 10,000
+            )
+            nodes.append(node)
+            node.start()
+        cli = Path(find_redis_server()).with_name("redis-cli")
+        subprocess.run(
+            [
+                *(str(cli) if cli.exists() else "redis-cli", "--tls", "--cacert", str(ca), "--user", "locks"),
+                *("--cluster", "create", *(f"127.0.0.1:{node.port}" for node in nodes), "--cluster-yes"),
+            ],
+            env={**os.environ, "REDISCLI_AUTH": password},
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        for node in nodes:
+            with node.client(username="locks", password=password) as client:
+                wait_for(lambda: client.cluster("info")["cluster_state"] == "ok", what="the cluster")
+    except TLSUnsupported as exc:
+        pytest.skip(str(exc))
+    try:
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in nodes)
+        url = f"rediss-cluster://locks:{password}@{hosts}?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+        app = Celery("tls-cluster", broker="memory://", set_as_current=False)
+        app.conf.update(redislock_url=url, redislock_prefix=prefix)
+
+        @app.task(base=LockedTask, bind=True, shared=False, name="tls.cluster")
+        def fence(self: Any, x: int) -> int:
+            return self.request.lock_fence  # type: ignore[no-any-return]
+
+        with caplog.at_level(logging.INFO, logger="celery_redislock"):
+            fences = [fence(x) for x in range(3)]  # keys in several slots: several nodes
+        assert all(isinstance(value, int) for value in fences)
+        assert f"rediss-cluster://locks:**@{hosts}?ssl_cert_reqs=required" in caplog.text
+        assert secret not in caplog.text
+        app.close()
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 # -- ACL: the command list of docs/operations.md -------------------------------------------------

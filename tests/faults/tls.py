@@ -66,9 +66,18 @@ def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
 
 
 class TLSRedisServer:
-    def __init__(self, directory: Path, *extra_args: str) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *extra_args: str,
+        certificates: tuple[Path, Path, Path] | None = None,
+        highest_port: int = 65535,
+    ) -> None:
+        """``certificates``: (CA, certificate, key) of ``make_certificates``, shared (a Cluster's
+        nodes, which check each other's); ``highest_port``: as ``RedisServer``'s."""
         self.dir = directory
-        self.ca, self.cert, self.key = make_certificates(directory)
+        self.ca, self.cert, self.key = certificates or make_certificates(directory)
+        self.highest_port = highest_port
         self.extra_args = extra_args
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -84,7 +93,7 @@ class TLSRedisServer:
 
     def start(self) -> TLSRedisServer:
         for _ in range(5):
-            self.port = _free_port()
+            self.port = _free_port(self.highest_port)
             with (self.dir / "stderr.log").open("wb") as stderr:  # config errors go there, not to the log
                 self.process = subprocess.Popen(
                     [
