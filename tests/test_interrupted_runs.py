@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -1160,12 +1160,11 @@ def test_a_direct_call_inside_a_run_interrupted_as_it_took_its_lock_leaves_no_lo
         assert not recorder.exists(key), f"left: {recorder.get(key)!r}, PTTL {recorder.pttl(key)} ms"
 
 
-def held_locks_interrupted(monkeypatch: pytest.MonkeyPatch, key: str) -> list[int]:
-    """Make the first ``set`` of ``task._held_locks`` (the keys held in a thread, a ``ContextVar``)
-    to a mapping naming ``key``, on a worker's thread, set it and then raise
-    ``SoftTimeLimitExceeded``, as a signal handler does that lands right after the call returns;
-    the returned list gets an item when it did."""
-    real = celery_redislock.task._held_locks
+def interrupted_as_set(monkeypatch: pytest.MonkeyPatch, name: str, when: Callable[[Any], bool]) -> list[int]:
+    """Make the first ``set`` of ``task.<name>`` (a ``ContextVar``) to a value ``when`` accepts, on
+    a worker's thread, set it and then raise ``SoftTimeLimitExceeded``, as a signal handler does
+    that lands right after the call returns; the returned list gets an item when it did."""
+    real = getattr(celery_redislock.task, name)
     fired: list[int] = []
 
     class Interrupted:
@@ -1174,7 +1173,7 @@ def held_locks_interrupted(monkeypatch: pytest.MonkeyPatch, key: str) -> list[in
 
         def set(self, value: Any) -> Any:
             token = real.set(value)
-            if not fired and key in value and threading.current_thread() is not threading.main_thread():
+            if not fired and when(value) and threading.current_thread() is not threading.main_thread():
                 fired.append(1)
                 raise SoftTimeLimitExceeded()
             return token
@@ -1182,8 +1181,13 @@ def held_locks_interrupted(monkeypatch: pytest.MonkeyPatch, key: str) -> list[in
         def reset(self, token: Any) -> None:
             real.reset(token)
 
-    monkeypatch.setattr(celery_redislock.task, "_held_locks", Interrupted())
+    monkeypatch.setattr(celery_redislock.task, name, Interrupted())
     return fired
+
+
+def held_locks_interrupted(monkeypatch: pytest.MonkeyPatch, key: str) -> list[int]:
+    """``interrupted_as_set`` of ``_held_locks`` (the keys held in a thread), set to name ``key``."""
+    return interrupted_as_set(monkeypatch, "_held_locks", lambda value: key in value)
 
 
 def test_a_direct_call_inside_a_run_interrupted_as_it_records_its_hold_leaves_no_lock(
@@ -1248,24 +1252,7 @@ def test_a_direct_call_interrupted_as_it_hands_its_request_its_fields_leaves_the
     )(body)
     outer = define(app, "pending_outer", lambda self, x: inner(x, 0), lock_on=lambda x: "outer")
     x, y = (uuid.uuid4().int % 10**9 for _ in range(2))
-    real = celery_redislock.task._pending_request
-    fired: list[int] = []
-
-    class Interrupted:
-        def get(self) -> Any:
-            return real.get()
-
-        def set(self, value: Any) -> Any:
-            token = real.set(value)
-            if not fired and value is not None and threading.current_thread() is not threading.main_thread():
-                fired.append(1)
-                raise SoftTimeLimitExceeded()
-            return token
-
-        def reset(self, token: Any) -> None:
-            real.reset(token)
-
-    monkeypatch.setattr(celery_redislock.task, "_pending_request", Interrupted())
+    fired = interrupted_as_set(monkeypatch, "_pending_request", lambda value: value is not None)
     with threads_worker(app, concurrency=1):
         interrupted = outer.delay(x)
         with pytest.raises(SoftTimeLimitExceeded):
