@@ -663,7 +663,9 @@ def test_the_celery_command_shows_and_releases_a_lock_held_in_an_examples_worker
         return done.stdout
 
     with Worker(name="cli") as worker:
-        task_id = celery("call", "examples.tasks.long_report", "--args", "[8]").strip()
+        # long enough for the `celery` commands below, each a process that imports Celery, to
+        # find the lock still held on a loaded machine (8 s was not, once)
+        task_id = celery("call", "examples.tasks.long_report", "--args", "[30]").strip()
         [held] = wait_for(
             lambda: json.loads(celery("redislock", "list", "--json")), what="the lock to be listed"
         )
@@ -677,7 +679,7 @@ def test_the_celery_command_shows_and_releases_a_lock_held_in_an_examples_worker
         assert released.startswith(f"released {held['key']} (held by task={task_id} ")
         assert json.loads(celery("redislock", "list", "--json")) == []
         worker.wait_for_log(f"lock '{held['key']}' lost (not owned)", timeout=10)
-        worker.wait_for_log(f"long_report[{task_id}] succeeded", "'lost': True")
+        worker.wait_for_log(f"long_report[{task_id}] succeeded", "'lost': True", timeout=90)
 
 
 def test_release_by_task_reads_the_arguments_as_a_worker_receives_them(setup: Setup) -> None:
