@@ -401,6 +401,12 @@ FRESH_FOR = 0.5
 _POLL = getattr(select, "poll", None)
 
 
+#: What a failed exchange with Redis raises (unreachable, refused, timed out, an error reply):
+#: a handler that means Redis failures catches these, and lets anything else (an interrupt: a
+#: Celery soft time limit is an ``Exception`` too) propagate.
+FAILURES = (redis.exceptions.RedisError, OSError)
+
+
 #: ``reply_grace`` of a client without a ``socket_timeout`` (one that would wait forever).
 REPLY_GRACE = 5.0
 

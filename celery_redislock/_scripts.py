@@ -496,6 +496,13 @@ class Script:
             client.script_load(self.source)
             return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
+    def freed(self, client: Any, keys: Sequence[str], args: Sequence[str | int]) -> bool:
+        """Run a release (a script whose reply is 1 when it freed the token's hold, 0 when it found
+        none); whether the hold was freed: also when the client's retry policy sent it again
+        after a lost reply (``resending``), whose second run finds gone what its first freed."""
+        resent: list[bool] = []
+        return bool(int(self(client, keys, args, lambda: resent.append(True))) or resent)
+
     def _call_pooled(
         self,
         client: Any,

@@ -52,6 +52,7 @@ import redis
 from . import signals
 from ._durations import to_ms
 from ._process import current_pid
+from ._redis import FAILURES
 from ._task_scripts import DECLINE, DROP, LET_GO, REPLACE, UNREPLACE
 from .attempt import MAX_TTL, busy_reply, hostname, seconds_left
 from .config import TASK_OPTIONS, LockOptions
@@ -197,7 +198,7 @@ def _undo(task: Any, key: str, task_id: str, undo: Callable[[], object]) -> None
     (a soft time limit is an ``Exception`` too) propagates, the lock left likewise."""
     try:
         undo()
-    except (redis.RedisError, OSError) as exc:
+    except FAILURES as exc:
         logger.warning(
             "task %s[%s]: could not give back enqueue lock %s (%s); it expires within its ttl",
             task.name,

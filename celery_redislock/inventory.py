@@ -365,13 +365,13 @@ def force_release(client: Client, lock: HeldLock, why: str, limit: int | None = 
     second run finds the hold gone that its first freed: freed, as a holder's release sent again
     is (``RedisLock.release``).
     """
-    permit, resent = permit_of(lock.key), list[bool]()
+    permit = permit_of(lock.key)
     args: list[str | int]
     if permit is None or (limit is not None and permit[1] > limit):
         script, key, args = FORCE_RELEASE, lock.key, [lock.token, "", lock.fence]
     else:  # the script reads permits 1..limit, where the token is found and a waiter handed one
         script, key, args = RELEASE_PERMIT, permit[0], [lock.token, "", permit[1] if limit is None else limit]
-    released = bool(int(script(client, [key], args, lambda: resent.append(True))) or resent)
+    released = script.freed(client, [key], args)
     if released:
         logger.warning(
             "lock %s force-released (%s); it was held by %s, fence %d",
@@ -389,8 +389,7 @@ def release_token(client: Client, key: str, token: str) -> bool:
     slot's marker, a forced release), owner-checked by the token; whether it was released (also
     when the client's retry policy sent it again after a lost reply, the second run finding the
     hold its first freed gone, as ``RedisLock.release`` counts it)."""
-    resent = list[bool]()
-    return bool(int(RELEASE(client, [key], [token], lambda: resent.append(True))) or resent)
+    return RELEASE.freed(client, [key], [token])
 
 
 def release_held_by(client: Client, key: str, holder: str) -> bool:

@@ -25,7 +25,7 @@ import redis
 import redis.cluster
 
 from ._durations import Duration, seconds, to_ms
-from ._redis import PooledConnection, call_with_timeout, node_client, reply_grace, send_later
+from ._redis import FAILURES, PooledConnection, call_with_timeout, node_client, reply_grace, send_later
 from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
@@ -160,7 +160,7 @@ class OneServer:
         too) propagates: the run must not go on past it."""
         try:
             RELEASE(self.client, self._keys, [token, member])
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except FAILURES as exc:
             logger.warning(
                 "lock %r: could not leave the waiter queue: %s",
                 self.name,
@@ -181,9 +181,7 @@ class OneServer:
         (``Script.__call__``'s ``resending``), not through a wrapped ``execute_command``
         (docs/operations.md, "Tracing").
         """
-        resent: list[bool] = []
-        released = int(RELEASE(self.client, self._keys, [token], lambda: resent.append(True)))
-        return bool(released or resent)
+        return RELEASE.freed(self.client, self._keys, [token])
 
     def free_later(self, token: str, then: Callable[[Any], None]) -> bool:
         """``free`` without waiting for the reply (``_redis.send_later``, whose contract holds):

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 import redis
 
 from ._durations import Duration, to_ms
-from ._redis import checkout
+from ._redis import FAILURES, checkout
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks
 from ._urls import masked
 from .attempt import Attempt, lease_seconds, owns
@@ -65,8 +65,6 @@ logger = logging.getLogger(__name__)
 RETRY_DELAY = 0.05
 #: Clock drift allowed for, as a fraction of the ttl (plus 2 ms), as in the Redlock spec.
 DRIFT_FACTOR = 0.01
-#: What a failed exchange with one server raises (``Quorum._on_all`` counts it as that server's).
-_FAILURES = (redis.exceptions.RedisError, OSError)
 
 
 def _clients(servers: object, timeout: float) -> list[redis.Redis]:
@@ -266,7 +264,7 @@ class Quorum:
                 pool: Any = client.connection_pool
                 try:
                     connection = checkout(pool)  # cut short in its handshake: not left half-connected
-                except _FAILURES as exc:
+                except FAILURES as exc:
                     sent.append((pool, None, exc))
                     continue
                 sent.append((pool, connection, b""))  # released by the finally, whatever happens next
@@ -275,7 +273,7 @@ class Quorum:
                     packed = script.pack(bulks(encoder, [self.name]), bulks(encoder, args))
                     connection.send_packed_command([packed])
                     sent[-1] = (pool, connection, packed)
-                except _FAILURES as exc:
+                except FAILURES as exc:
                     sent[-1] = (pool, connection, exc)
             deadline = mod_time.monotonic() + self._node_timeout
             for _, connection, command in sent:
@@ -288,7 +286,7 @@ class Quorum:
                     results.append(script.read_reply(connection, command))
                 except redis.exceptions.ResponseError as exc:
                     results.append(exc)  # a complete error reply: the connection is clean
-                except _FAILURES as exc:
+                except FAILURES as exc:
                     connection.disconnect()
                     results.append(exc)
         finally:

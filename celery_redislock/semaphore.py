@@ -22,6 +22,7 @@ import redis.cluster
 
 from ._durations import Duration, to_ms
 from ._permit_scripts import ACQUIRE_PERMIT, MAX_LIMIT, RELEASE_PERMIT
+from ._redis import FAILURES
 from ._scripts import RENEW
 from .attempt import Attempt, companion_key, owns
 from .exceptions import LockConfigurationError
@@ -145,7 +146,7 @@ class Permits(OneServer):
         meanwhile runs out unrenewed within its lease); an interrupt propagates."""
         try:
             self.free(token, member)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except FAILURES as exc:
             fields = log_fields(self.name, outcome="error")
             logger.warning("semaphore %r: could not leave the waiter queue: %s", self.name, exc, extra=fields)
 
@@ -153,11 +154,9 @@ class Permits(OneServer):
         """Release ``token``'s permit (and leave the queue as ``member``), owner-checked; whether
         ``token`` held one (also when the client's retry policy sent the release again after its
         first send freed it)."""
-        resent: list[bool] = []
-        args: list[str | int] = [token, member, self.book.limit]
-        released = int(RELEASE_PERMIT(self.client, [self.name], args, lambda: resent.append(True)))
+        released = RELEASE_PERMIT.freed(self.client, [self.name], [token, member, self.book.limit])
         self.book.held.pop(token, None)
-        return bool(released or resent)
+        return released
 
     def extend(self, token: str, ttl: float) -> bool:
         key = self.book.key_of(token)
