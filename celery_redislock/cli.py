@@ -41,6 +41,7 @@ import redis
 from kombu.utils import json as kombu_json
 
 from ._permit_scripts import MAX_LIMIT
+from .attempt import is_utf8
 from .config import AppSettings, LockOptions, app_settings, bound_options
 from .connection import Client, client_for
 from .exceptions import LockConfigurationError, RedisLockError
@@ -67,11 +68,8 @@ class _Group(click.Group):
 def _utf8(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A key or a task name: UTF-8 text, as every key of the package is. A command line's bytes
     that are not UTF-8 reach Python as lone surrogates, which no key can hold."""
-    if value is not None:
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise click.BadParameter(f"{value!r} is not UTF-8", ctx, param) from None
+    if value is not None and not is_utf8(value):
+        raise click.BadParameter(f"{value!r} is not UTF-8", ctx, param)
     return value
 
 
