@@ -99,20 +99,24 @@ def test_the_watchdog_renews_each_node_in_one_round_trip(
     monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
     # names of one length: CRC16 is linear, so their 300 slots differ whatever the prefix (with
     # lengths mixed, about 1 prefix in 100 put fewer than 250 apart)
-    locks = [RedisLock(client, f"{prefix}:{i:04d}", ttl=1.5) for i in range(300)]  # ~100 slots per node
+    # a lease of 6 s, renewed every 2 s: a loaded machine's stalls stay well inside it
+    locks = [RedisLock(client, f"{prefix}:{i:04d}", ttl=6) for i in range(300)]  # ~100 slots per node
     for lock in locks:
         lock.acquire()
     assert len({key_slot(lock.name.encode()) for lock in locks}) > 250
-    threading.Event().wait(2.0)  # four renewal intervals of 0.5 s
+
+    def one_write_per_node() -> bool:  # three writes in a row, one per node, renewing all 300 leases
+        seen = list(writes)
+        rounds = zip(seen, seen[1:], seen[2:], strict=False)
+        return any(len({c for c, _ in r}) == 3 and sum(n for _, n in r) >= 300 for r in rounds)
+
+    # leases taken over a loaded second are renewed apart at first, then fall into step
+    wait_for(one_write_per_node, what="a renewal round of all 300 leases in one write per node")
     renewed = list(writes)
     assert all(not lock.lost.is_set() for lock in locks)
     for lock in locks:
         lock.release()
     assert len({connection for connection, _ in renewed}) == 3  # one connection per node
-    commands = sum(count for _, count in renewed)
-    assert commands >= 3 * 250  # a script call per slot and interval...
-    assert len(renewed) <= 3 * 4 * 3  # ...sent in one write per node and tick (leases due in <= 3 ticks)
-    assert commands / len(renewed) >= 10
 
 
 def _move_slot(cluster: RedisClusterServers, slot: int, source: RedisServer, finish: bool) -> RedisServer:
