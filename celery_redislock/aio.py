@@ -21,6 +21,13 @@ Cancellation (``asyncio.timeout``, ``task.cancel()``) timeline:
   many times ``socket_timeout``; a client's ``retry`` bounds it;
 * during ``release()``: the release is finished and the object forgets the
   hold before ``CancelledError`` propagates: a cancelled release is a release.
+
+Every task of a loop runs on the main thread, where a signal handler raises (Celery's soft
+time limit) in whatever runs then, the watchdog task's own step included. What is raised
+there, not by a renewal (a failed renewal is retried, as the thread's), is neither swallowed
+nor taken for a failed renewal: the tasks holding the loop's watched locks are cancelled,
+and an ``async with`` block of such a lock ends with that exception (not ``CancelledError``)
+once it released the lock; the watchdog task goes on renewing what is still held.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from redis.exceptions import NoScriptError
 
 from . import telemetry
 from ._durations import Duration, to_ms
-from ._redis import call_with_timeout_async, deadline, reply_grace
+from ._redis import FAILURES, call_with_timeout_async, deadline, reply_grace
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script
 from .attempt import Attempt, LockCore, ending_block, lease_seconds, owns
 from .exceptions import LockConfigurationError, LockNotAcquired, LockNotOwned
@@ -129,6 +136,10 @@ class AsyncRedisLock(LockCore):
         self._lease: Lease | None = None
         #: the token of the hold whose release raised (maybe after Redis freed the key), if any
         self._released_maybe: str | None = None
+        #: the task that took the hold, and what landed in the watchdog task since (the
+        #: exception its ``async with`` block raises in place of the task's cancellation)
+        self._task: asyncio.Task[Any] | None = None
+        self._landed: BaseException | None = None
 
     async def acquire(self, blocking: bool = True, timeout: Duration | None = None) -> bool:
         """Take the lock; ``True`` once held, ``False`` if not within ``timeout`` (see ``RedisLock``)."""
@@ -142,6 +153,7 @@ class AsyncRedisLock(LockCore):
             return False
         self.record_hold(token, fence)
         self.lost.clear()
+        self._task, self._landed = asyncio.current_task(), None
         if self.watchdog:
             self._lease = Lease(self.client, self.key.lease_key(token), token, self.ttl, weakref.ref(self))
             _watchdog().add(self._lease, attempt.sent_at)
@@ -227,6 +239,9 @@ class AsyncRedisLock(LockCore):
     async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         with ending_block(self.name, exc):
             await self.release()
+        landed, self._landed = self._landed, None
+        if landed is not None and isinstance(exc, asyncio.CancelledError):
+            raise landed from exc
 
     def lease_lost(self, lease: Lease) -> bool:
         """Called by the watchdog: set ``lost`` if ``lease`` is still this object's hold."""
@@ -234,6 +249,13 @@ class AsyncRedisLock(LockCore):
             return False
         self.lost.set()
         return True
+
+    def interrupted(self, landed: Exception) -> asyncio.Task[Any] | None:
+        """Called by the watchdog: ``landed`` was raised in its task's own step (see the module
+        docstring); this object's ``async with`` block raises it in place of the cancellation of
+        the task that took the hold, returned for the watchdog to cancel (None: it has ended)."""
+        self._landed = landed
+        return self._task if self._task is not None and not self._task.done() else None
 
 
 async def call_noting_resend(
@@ -413,12 +435,28 @@ class _AsyncWatchdog(LeaseSet):
                     await self._renew(due)
                 finally:
                     await self._land(due)  # also when renewing failed unexpectedly
-            except Exception:  # the task must survive anything
-                logger.exception(
-                    "celery-redislock async watchdog: unexpected error; carrying on",
-                    extra=telemetry.log_fields(outcome="error"),
-                )
+            except Exception as exc:  # the task must survive anything; see the module docstring
+                self._pass_on(exc)
                 await asyncio.sleep(0.1)
+
+    def _pass_on(self, landed: Exception) -> None:
+        """``landed`` was raised in the task's own step, not by a renewal: an interrupt (a soft
+        time limit) or a bug. The tasks holding the leases are cancelled (each once), and their
+        locks' ``async with`` blocks raise it (``AsyncRedisLock.interrupted``)."""
+        holders = {
+            task
+            for lease in self.leases
+            if isinstance(lock := lease.owner(), AsyncRedisLock) and (task := lock.interrupted(landed))
+        }
+        logger.error(
+            "celery-redislock async watchdog: %r raised in its task; passed on to %d task(s) holding locks",
+            landed,
+            len(holders),
+            exc_info=landed,
+            extra=telemetry.log_fields(outcome="error"),
+        )
+        for task in holders:
+            task.cancel(f"celery-redislock: {landed!r} raised in the watchdog task")
 
     async def _renew(self, leases: list[Lease]) -> None:
         renewals = [
@@ -426,11 +464,15 @@ class _AsyncWatchdog(LeaseSet):
             for (_, _, ttl_ms), batches in self.batches(leases).items()
             for batch in batches
         ]
-        results = await asyncio.gather(*renewals)
+        # each to its end, also when another raised: none is left in flight when they land
+        results = await asyncio.gather(*renewals, return_exceptions=True)
         await self._land(leases)  # all answered: the losses are reported with no renewal in flight
         for lost in results:
-            for lease, reason in lost:
+            for lease, reason in [] if isinstance(lost, BaseException) else lost:
                 self._report(lease, reason)
+        for raised in results:
+            if isinstance(raised, BaseException):
+                raise raised
 
     async def _renew_batch(self, batch: list[Lease], ttl_ms: int) -> list[tuple[Lease, str]]:
         sent_at = mod_time.monotonic()
@@ -438,7 +480,7 @@ class _AsyncWatchdog(LeaseSet):
         try:
             async with deadline(batch[0].interval / 2):
                 not_owned = await RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
-        except Exception as exc:  # unreachable, stalled, refusing: retry until the leases run out
+        except (*FAILURES, asyncio.TimeoutError) as exc:  # unreachable, stalled, refusing: retried
             return failed_renewal(batch, exc, "celery-redislock async watchdog")
         return renewal_answered(batch, ttl_ms, sent_at, not_owned)
 

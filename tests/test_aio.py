@@ -12,6 +12,7 @@ import pytest
 import redis
 import redis.asyncio
 import redis.asyncio.connection
+from celery.exceptions import SoftTimeLimitExceeded
 
 import celery_redislock.aio as aio_module
 import celery_redislock.watchdog as watchdog_module
@@ -224,6 +225,67 @@ def test_a_cancelled_watchdog_task_is_replaced_while_holds_are_left(
         assert not lock.lost.is_set() and not later.lost.is_set()
         await lock.release()
         await later.release()
+        await until(_watchdog_gone, "the watchdog task ended with the last hold")
+
+    run(redis_server, body)
+
+
+@pytest.mark.parametrize("where", ["as it picks the leases due", "as a renewal's reply is read"])
+def test_a_soft_time_limit_landing_in_the_watchdog_task_reaches_the_holder(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Every task of an event loop runs on the main thread, where Celery's soft time limit is
+    raised (by a signal handler, in whatever runs then). One that lands in the watchdog task's
+    own step is neither swallowed as the watchdog's error nor taken for a failed renewal: the
+    task holding the lock is cancelled, and its ``async with`` block ends with the soft time
+    limit once it released the lock; the watchdog task goes on renewing. Swallowed, the limit
+    never reached the body, which ran on, its lock renewed, until the hard time limit."""
+    name = f"{prefix}:k"
+    fired: list[int] = []
+    real_renew = type(RENEW).call_async
+
+    async def renew_lost(self: Any, client: Any, keys: Any, args: Any) -> Any:
+        reply = await real_renew(self, client, keys, args)
+        if self is RENEW and name in keys and not fired:
+            fired.append(1)
+            raise SoftTimeLimitExceeded()  # landed as the reply was read: the renewal applied
+        return reply
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        watchdog = aio_module._watchdog()
+        real_pick = watchdog.pick
+
+        def pick(now: float) -> list[Lease]:
+            if not fired:
+                fired.append(1)
+                raise SoftTimeLimitExceeded()
+            return real_pick(now)
+
+        if where == "as it picks the leases due":
+            monkeypatch.setattr(watchdog, "pick", pick)
+        else:
+            monkeypatch.setattr(type(RENEW), "call_async", renew_lost)
+        lock = AsyncRedisLock(client, name, ttl=LEASE)
+        entered, forever = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            async with lock:
+                entered.set()
+                await forever.wait()
+
+        holder = asyncio.ensure_future(hold())
+        await asyncio.wait_for(entered.wait(), 30)
+        with pytest.raises(SoftTimeLimitExceeded):
+            await asyncio.wait_for(holder, 30)
+        assert fired and not lock.held() and await client.exists(name) == 0
+
+        async def hold_later() -> None:
+            later = AsyncRedisLock(client, f"{name}:later", ttl=LEASE)
+            assert await later.acquire()
+            await renewed_async(client, f"{name}:later", later)
+            await later.release()
+
+        await asyncio.wait_for(asyncio.ensure_future(hold_later()), 30)
         await until(_watchdog_gone, "the watchdog task ended with the last hold")
 
     run(redis_server, body)
