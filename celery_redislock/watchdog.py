@@ -9,7 +9,8 @@ Contract:
   ``BATCH`` leases. A call that a Cluster node redirects (MOVED, ASK: the
   slot is moving) is sent again through the Cluster client, which follows it.
   Renewals use connections of the watchdog's own whose
-  connect and read timeouts are half an interval, and several servers are
+  connect and read timeouts are half an interval (each tried once, not under
+  the client's retry policy), and several servers are
   renewed side by side (a thread each, for the tick), so a stalled server or
   network can neither stop the thread from reporting a loss nor starve the
   leases held on other servers, however many clients of it the leases came
@@ -61,6 +62,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from . import signals, telemetry
 from ._process import current_pid
@@ -428,7 +431,9 @@ class Watchdog(LeaseSet):
         return renewal_answered(batch, ttl_ms, sent_at, not_owned)
 
     def _connection(self, client: Any, timeout: float) -> Any:
-        """The thread's connection to the server of ``client``, with ``timeout`` for connect and reads.
+        """The thread's connection to the server of ``client``, with ``timeout`` for connect and reads,
+        each tried once: not under the client's retry policy, whose tries and backoffs (redis-py
+        8.1's default: 11 tries) would hold a connect never answered up for many timeouts.
 
         Connections unused for ``_IDLE`` seconds are closed, and with them the
         reference to their client (which keeps ids from being reused meanwhile).
@@ -443,7 +448,12 @@ class Watchdog(LeaseSet):
             connection = self._connections[slot][1]
         else:
             pool = client.connection_pool
-            kwargs = {**pool.connection_kwargs, "socket_timeout": timeout, "socket_connect_timeout": timeout}
+            kwargs = {
+                **pool.connection_kwargs,
+                "socket_timeout": timeout,
+                "socket_connect_timeout": timeout,
+                "retry": Retry(NoBackoff(), 0),
+            }
             connection = pool.connection_class(**kwargs)
         self._connections[slot] = (client, connection, now)
         return connection

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -415,10 +416,31 @@ class _RefusedConnection(redis.Connection):
         raise ValueError("no connection for this client")
 
 
-def _refuse_connections(how: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def unanswered_port() -> Iterator[int]:
+    """A port on 127.0.0.1 whose connects are never answered (a server behind a network that
+    drops its packets): its listen backlog is full, so its SYNs are dropped."""
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        while True:  # fill the backlog until a connect times out
+            probe = stack.enter_context(socket.socket())
+            probe.settimeout(0.2)
+            try:
+                probe.connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+        yield port
+
+
+def _refuse_connections(how: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch, port: int) -> None:
     """From now on, the watchdog can make no connection of its own for ``client`` (``how``)."""
     pool = client.connection_pool
-    if how == "class":  # its connection class raises
+    if how == "unanswered":  # its server's host drops the packets of new connections (``port``)
+        monkeypatch.setitem(pool.connection_kwargs, "port", port)
+    elif how == "class":  # its connection class raises
         monkeypatch.setattr(pool, "connection_class", _RefusedConnection)
     elif how == "kwargs":  # its pool's connection_kwargs hold one the class refuses (TypeError)
         monkeypatch.setitem(pool.connection_kwargs, "not_an_option", 1)
@@ -429,22 +451,26 @@ def _refuse_connections(how: str, client: redis.Redis, monkeypatch: pytest.Monke
         )
 
 
-@pytest.mark.parametrize("how", ["class", "kwargs", "node"])
+@pytest.mark.parametrize("how", ["class", "kwargs", "node", "unanswered"])
 def test_a_server_whose_connection_cannot_be_made_starves_no_other_and_its_locks_are_lost_in_time(
     redis_server: RedisServer,
     prefix: str,
     lost_reports: list[dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
+    unanswered_port: int,
     how: str,
 ) -> None:
     """Two locks renewed in one tick, through two clients: the watchdog cannot make its connection
     for one of them (``how``). That is a failed renewal of that client's lease only, as Redis
     unreachable is: the other lock is still renewed, and the first is found lost (``expired``,
     its ``lost`` set, ``lock_lost`` sent) once its lease runs out, not left unrenewed and held
-    as far as its owner knows while the tick is given up, round after round."""
+    as far as its owner knows while the tick is given up, round after round. A connect never
+    answered gives up after its timeout (half an interval), not after the client's retry
+    policy's tries and backoffs (redis-py 8.1's default: 11 tries, 10 s with this lease), which
+    held up the tick, and with it the renewal of the other lock, for longer than its lease."""
     healthy, refused = redis_server.client(), redis_server.client()
     refused.ping()  # the lock's own commands use this pooled connection; only new ones are refused
-    _refuse_connections(how, refused, monkeypatch)
+    _refuse_connections(how, refused, monkeypatch, unanswered_port)
     kept = RedisLock(healthy, f"{prefix}:kept", ttl=1.5)
     doomed = RedisLock(refused, f"{prefix}:doomed", ttl=1.5)
     try:
