@@ -24,8 +24,8 @@ Cancellation (``asyncio.timeout``, ``task.cancel()``) timeline:
 
 Every task of a loop runs on the main thread, where a signal handler raises (Celery's soft
 time limit) in whatever runs then, the watchdog task's own step included. What is raised
-there, not by a renewal (a failed renewal is retried, as the thread's), is neither swallowed
-nor taken for a failed renewal: the tasks holding the loop's watched locks are cancelled,
+there that is not a Redis failure is not swallowed (a renewal it cut short is retried, as a
+failed one, until its lease runs out): the tasks holding the loop's watched locks are cancelled,
 and an ``async with`` block of such a lock ends with that exception (not ``CancelledError``)
 once it released the lock; the watchdog task goes on renewing what is still held.
 """
@@ -440,9 +440,9 @@ class _AsyncWatchdog(LeaseSet):
                 await asyncio.sleep(0.1)
 
     def _pass_on(self, landed: Exception) -> None:
-        """``landed`` was raised in the task's own step, not by a renewal: an interrupt (a soft
-        time limit) or a bug. The tasks holding the leases are cancelled (each once), and their
-        locks' ``async with`` blocks raise it (``AsyncRedisLock.interrupted``)."""
+        """``landed`` was raised in the task's own step, not by Redis: an interrupt (a soft time
+        limit) or a bug. The tasks holding the leases are cancelled (each once), and their locks'
+        ``async with`` blocks raise it (``AsyncRedisLock.interrupted``)."""
         holders = {
             task
             for lease in self.leases
@@ -480,8 +480,11 @@ class _AsyncWatchdog(LeaseSet):
         try:
             async with deadline(batch[0].interval / 2):
                 not_owned = await RENEW.call_async(batch[0].client, keys, [ttl_ms, *tokens])
-        except (*FAILURES, asyncio.TimeoutError) as exc:  # unreachable, stalled, refusing: retried
-            return failed_renewal(batch, exc, "celery-redislock async watchdog")
+        except Exception as exc:  # unreachable, stalled, refusing: retried until the leases run out
+            found = failed_renewal(batch, exc, "celery-redislock async watchdog")
+            if not isinstance(exc, (*FAILURES, asyncio.TimeoutError)):  # maybe one that landed here
+                self._pass_on(exc)
+            return found
         return renewal_answered(batch, ttl_ms, sent_at, not_owned)
 
     async def _land(self, leases: list[Lease]) -> None:

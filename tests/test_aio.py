@@ -291,6 +291,33 @@ def test_a_soft_time_limit_landing_in_the_watchdog_task_reaches_the_holder(
     run(redis_server, body)
 
 
+def test_a_renewal_that_raises_what_is_not_a_redis_failure_is_still_a_failed_renewal(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal that raises something other than a Redis failure (a bug, or an interrupt that
+    landed in it), tick after tick: passed on to the holders (none here: the task that took the
+    lock has ended), and a failed renewal all the same, so the lock is found lost once its lease
+    runs out, not renewed by no one while its owner believes it held."""
+    name = f"{prefix}:k"
+    real_renew = type(RENEW).call_async
+
+    async def broken(self: Any, client: Any, keys: Any, args: Any) -> Any:
+        if self is RENEW and name in keys:
+            raise ValueError("a renewal's bug")
+        return await real_renew(self, client, keys, args)
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        monkeypatch.setattr(type(RENEW), "call_async", broken)
+        lock = AsyncRedisLock(client, name, ttl=1.5)
+        assert await asyncio.ensure_future(lock.acquire())
+        await asyncio.wait_for(lock.lost.wait(), 30)
+        with pytest.raises(LockNotOwned):
+            await lock.release()
+        await until(_watchdog_gone, "the watchdog task ended with the last hold")
+
+    run(redis_server, body)
+
+
 def test_an_extend_is_not_undone_by_a_renewal_in_flight(
     redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
