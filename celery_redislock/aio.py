@@ -197,7 +197,7 @@ class AsyncRedisLock(LockCore):
             raise
         released = released or self._released_maybe == token
         if self.freed(token):
-            self._lease = self._released_maybe = None
+            self._lease = self._released_maybe = self._task = None
         return released
 
     async def extend(self, ttl: Duration | None = None) -> None:
