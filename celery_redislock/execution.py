@@ -36,7 +36,7 @@ from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 import redis
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from . import signals, state, telemetry
 from ._durations import to_ms
@@ -447,11 +447,28 @@ class Execution:
         return None
 
     def _parked_for(self, lock: ExecutionLock) -> Continuation | None:
-        """The retry or replacement sent by this run that ``lock`` is parked for, if any."""
+        """The retry or replacement sent by this run that ``lock`` is parked for, if any; else the
+        run's own message, when it comes back (``_requeued``)."""
+        if not self.options.rules.parks_for_retry:
+            return None
         then: Continuation | None = getattr(lock.request, "lock_retry", None)
-        if self.options.rules.parks_for_retry and then is not None and then[0] == lock.name:
+        if then is not None and then[0] == lock.name:
             return then
-        return None
+        return self._requeued(lock)
+
+    def _requeued(self, lock: ExecutionLock) -> Continuation | None:
+        """The run's message, carrying the ticket of ``lock``, when the body rejected it for a
+        requeue (``Reject(requeue=True)``) and Celery puts it back in the queue: a worker's run
+        of an ``acks_late`` task (without it, the message was acknowledged as it was received).
+        Its next delivery adopts the hold, as a retry's message does; nothing comes back for
+        ``apply()`` or a direct call, nor takes a lock the message did not carry."""
+        exc, ticket = self.unreturned, self.ticket
+        requeue = isinstance(exc, Reject) and getattr(exc, "requeue", False)  # the stubs omit the attribute
+        if not (requeue and getattr(self.task, "acks_late", False)):
+            return None
+        if ticket is None or ticket[0] != lock.name or getattr(self.request, "is_eager", False):
+            return None
+        return (lock.name, ticket[1], 0.0, (self.retries, replaced_nesting(self.request)))
 
     def _settles(self) -> bool:
         """Whether the mode keeps the lock for ``lock_period`` after the run: not for a retry of

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chord, group
+from celery.exceptions import Reject
 from celery.signals import task_postrun, task_rejected, task_revoked
 from redis.connection import AbstractConnection
 
@@ -1182,6 +1183,97 @@ def test_a_task_id_with_spaces_and_field_names_is_read_whole(app: Celery) -> Non
     with threads_worker(app):
         assert first.get(timeout=RESULT_TIMEOUT) == x
     assert attempts(app, x) == ["attempt@0", "attempt@1"]
+
+
+# -- a message its body rejects for a requeue ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["until_executed", "until_expired"])
+def test_a_message_rejected_for_a_requeue_keeps_its_hold_for_it(app: Celery, mode: str) -> None:
+    """An ``acks_late`` task whose body raises ``Reject(requeue=True)`` at its message's first
+    delivery: Celery puts the message back in the queue, and the run parks its hold for the token
+    the message carries, as for a retry. A duplicate sent between the two deliveries (here while
+    the first delivery's ``task_postrun`` runs) is refused: it gets the message's task id; the
+    next delivery adopts the hold, with a greater fence, and runs. Before, the run let go of its
+    hold as after any run: the duplicate was sent and took the lock, and the requeued message,
+    finding it held, was skipped (``None``)."""
+    rejected, go = threading.Event(), threading.Event()
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name=f"attempts.requeued_{mode}",
+        lock_mode=mode,
+        lock_period=60,
+        acks_late=True,
+    )
+    def requeued(self: Any, x: str) -> str:
+        recorder(app).record("delivery", self, x)
+        if len(deliveries(x)) == 1:
+            raise Reject("not now", requeue=True)
+        return x
+
+    def deliveries(x: str) -> list[list[str]]:
+        return [event for event in events(app, x) if event[0] == "delivery"]
+
+    def on_postrun(sender: Any = None, state: str = "", **_: Any) -> None:
+        if sender is not None and sender.name == requeued.name and state == "REJECTED":
+            rejected.set()
+            go.wait(RESULT_TIMEOUT)  # the message goes back to the queue once this returns
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(requeued, (x,))
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        with threads_worker(app, concurrency=1):
+            first = requeued.delay(x)
+            assert rejected.wait(RESULT_TIMEOUT), "the first delivery was not rejected"
+            try:
+                duplicate = requeued.delay(x)
+            finally:
+                go.set()
+            assert duplicate.id == first.id, "a duplicate was sent while the message was requeued"
+            assert first.get(timeout=RESULT_TIMEOUT) == x
+            wait_for(lambda: runs_over(requeued.name), what="the runs to let go")
+    finally:
+        task_postrun.disconnect(on_postrun)
+    assert [event[3] for event in deliveries(x)] == [first.id, first.id]
+    assert int(deliveries(x)[1][5]) > int(deliveries(x)[0][5])
+    if mode == "until_expired":  # kept for its period by the run that ran
+        kept = parse_value(client.get(key))
+        assert kept is not None and kept.kept
+        client.delete(key)
+    assert not client.exists(key)
+
+
+@pytest.mark.parametrize("how", ["not acks_late", "apply"])
+def test_a_reject_for_a_requeue_that_nothing_requeues_lets_go_of_the_hold(app: Celery, how: str) -> None:
+    """``Reject(requeue=True)`` where no message comes back: a task without ``acks_late`` (its
+    message was acknowledged as it was received: Celery's reject does nothing) and ``apply()``
+    (no message). The hold is not parked for a delivery that never comes: released, and the next
+    ``delay()`` is sent and runs."""
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="attempts.rejects", lock_mode="until_executed")
+    def rejects(self: Any, x: str, reject: bool = True) -> str:
+        recorder(app).record("run", self, x)
+        if reject:
+            raise Reject("not now", requeue=True)
+        return x
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(rejects, (x,))
+    with threads_worker(app):
+        if how == "apply":
+            assert str(rejects.apply((x,)).state) == "REJECTED"
+        else:
+            first = rejects.delay(x)
+            wait_for(lambda: [event for event in events(app, x) if event[0] == "run"], what="the run")
+            wait_for(lambda: runs_over(rejects.name, first.id), what="the run to let go")
+        assert not client.exists(key)
+        second = rejects.delay(x, reject=False)
+        assert second.get(timeout=RESULT_TIMEOUT) == x
+    assert not client.exists(key)
 
 
 def test_adopt_waits_for_replicas(prefix: str) -> None:
