@@ -226,10 +226,12 @@ def test_send_task_of_a_duplicate_does_not_run_the_body(app: Celery) -> None:
     assert len(starts(app, x)) == 1
 
 
-def test_revoking_a_queued_task_frees_its_enqueue_lock(app: Celery) -> None:
+def test_revoking_a_queued_task_frees_its_enqueue_lock(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    """The worker frees it, and says so at INFO under ``celery_redislock.enqueue`` (the loggers
+    table of docs/operations.md)."""
     x, task = fresh(), app.tasks["taskapp.until_executed"]
     key = task_lock_key(task, (x,))
-    with worker(app):
+    with worker(app), caplog.at_level(logging.INFO, logger="celery_redislock"):
         queued_result = task.apply_async((x,), countdown=2)  # held by the worker until its eta
         wait_for(lambda: recorder(app).client.exists(key))
         queued_result.revoke()
@@ -237,6 +239,12 @@ def test_revoking_a_queued_task_frees_its_enqueue_lock(app: Celery) -> None:
             lambda: not recorder(app).client.exists(key), what="the worker to free the revoked task's lock"
         )
     assert starts(app, x) == []
+    freed = [
+        (record.name, record.levelno)
+        for record in caplog.records
+        if f"[{queued_result.id}] revoked: its enqueue lock {key} released" in record.getMessage()
+    ]
+    assert freed == [("celery_redislock.enqueue", logging.INFO)]
 
 
 @pytest.mark.locks_may_remain("the message is never consumed: its enqueue lock stays until it expires")
