@@ -106,6 +106,8 @@ def main() -> None:
                 result.forget()
             say("two sync_account(3) at once in a 2-process worker: one waited for the other's lock")
             lines = sorted(line for child in (1, 2) for line in scrape(port + child))
+            main_lines = scrape(port)  # it runs no task; a dead pool child's crash releases count there
+        say(f"the worker's main process serves port {port} ({len(main_lines)} redislock_ lines)")
         say(f"the pool children's metrics (ports {port + 1} and {port + 2}), their lock outcomes:")
         for line in lines:
             if line.startswith(("redislock_lock_acquisitions_total", "redislock_lock_wait_seconds_count")):

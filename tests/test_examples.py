@@ -38,6 +38,7 @@ EXAMPLES = {
     "examples.primitive_demo": ["demo keys left in Redis: none"],
     "examples.prometheus_worker": [
         "one waited for the other's lock",
+        "the worker's main process serves port",
         'outcome="acquired",task="examples.tasks.sync_account"} 1.0',
         'outcome="busy-wait",task="examples.tasks.sync_account"} 1.0',
     ],
