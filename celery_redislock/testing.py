@@ -434,8 +434,9 @@ def hold(
 ) -> Iterator[RedisLock | RedisSemaphore]:
     """Hold the lock of ``task(*args, **kwargs)`` for the block, as a run of it with id
     ``task_id`` elsewhere would: a call of the task meanwhile finds its lock busy
-    (``lock_busy`` applies), and an enqueue in the ``until_*`` modes is refused as a
-    duplicate of ``task_id``. Released (owner-checked) when the block ends; yields the hold.
+    (``lock_busy`` applies), and an enqueue in the modes whose enqueue lock is that key
+    (``until_executing``, ``until_executed``, ``until_expired``) is refused as a duplicate of
+    ``task_id``. Released (owner-checked) when the block ends; yields the hold.
 
     The key is the task's execution lock (``task_lock_key``); for an
     ``until_and_while_executing`` task, that is the running task's lock, not

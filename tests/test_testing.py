@@ -161,6 +161,34 @@ def test_hold_makes_a_call_find_its_lock_busy_and_an_enqueue_a_duplicate(
         assert_no_locks(app)
 
 
+@pytest.mark.parametrize(
+    "mode", ["until_executing", "until_executed", "until_and_while_executing", "until_expired"]
+)
+def test_hold_refuses_an_enqueue_where_the_enqueue_lock_is_the_key_it_holds(
+    app: Celery, redis_server: RedisServer, mode: str
+) -> None:
+    """docs/testing.md: ``hold`` holds the execution key, which is the enqueue lock of
+    ``until_executing``, ``until_executed`` and ``until_expired``: an enqueue meanwhile is refused
+    as a duplicate of its ``task_id``. An ``until_and_while_executing`` enqueue takes the
+    ``…:queued`` lock, which ``hold`` leaves free: it is sent (the docs said every ``until_*``
+    mode refused it)."""
+
+    @app.task(base=LockedTask, shared=False, name=f"proj.{mode}", lock_mode=mode, lock_period=60)
+    def task(x: int) -> int:
+        return x
+
+    with use_redis(app, redis_server.url) as client:
+        with hold(task, (1,), task_id="held-here"):
+            sent = task.delay(1)
+        if mode == "until_and_while_executing":
+            assert sent.id != "held-here"
+            queued = task_lock_key(task, (1,)) + ":queued"  # its message is never run here
+            assert client.delete(queued) == 1
+        else:
+            assert sent.id == "held-here"
+        assert_no_locks(app)
+
+
 def held_places(client: redis.Redis, key: str, limit: int) -> int:
     """How many of the ``limit`` places of the semaphore ``key`` are held: its permits and its own key."""
     return int(client.exists(key, *(companion_key(key, f"permit:{i}") for i in range(1, limit + 1))))
