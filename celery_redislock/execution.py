@@ -432,7 +432,8 @@ class Execution:
         ``None``: not kept, the caller releases it.
 
         A run that sent its retry or replacement (``send_continuation``) parks its hold for the
-        token that message carries, whether the body then raised the ``Retry`` or not. Also
+        token that message carries, whether the body then raised the ``Retry`` or not; one whose
+        message Celery requeues (``_requeued``), for the token that message carries. Also
         the trace's end's (``finish``), for a hold an asynchronous exception
         kept ``let_go`` from letting go: a lock the mode keeps is never released there.
         """
