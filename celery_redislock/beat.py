@@ -36,7 +36,10 @@ claim's token (header ``redislock_beat``), and a ``LockedTask`` checks again on
 the worker before it runs: where the beat cannot see the task (beat's
 ``send_task`` fallback, for a task not registered in the beat process), every
 beat sends the slot unclaimed and the first of its messages to start claims it;
-the worker drops the others (INFO log, ``task_deduplicated``).
+the worker drops the others (INFO log, ``task_deduplicated``). The run takes the slot over for
+its task id and attempt: a copy of its message (kombu publishing it again after a lost
+confirmation, a redelivery) is ignored; its retries, its replacement and the message a busy
+lock's retry queues again (header field ``again``) run.
 
 **Overlap.** A run that outlasts its interval holds the task's execution lock
 (mode ``while_executing``, the default), so the next slot's run is skipped

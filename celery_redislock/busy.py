@@ -38,7 +38,16 @@ from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .found import Found
 from .inventory import hold_of, release_token
-from .protocol import REPUBLISH, held_attempt, parse_holder, replaced_nesting, request_ticket
+from .protocol import (
+    BEAT_HEADER,
+    REPUBLISH,
+    held_attempt,
+    parse_holder,
+    replaced_nesting,
+    request_slot,
+    request_ticket,
+    slot_republished,
+)
 from .redelivery import first_delivery
 from .run_lock import KEPT, PARKED, adopt, watch
 
@@ -151,6 +160,10 @@ def _retry(found: Found) -> bool:
     signature = task.signature_from_request(
         request, found.args, found.kwargs, countdown=delay, retries=request.retries
     )
+    slot = request_slot(request)
+    if slot is not None:  # its run has the slot: the message queued again takes it over (``CLAIM``)
+        again = {**slot, "again": slot_republished(slot) + 1}
+        signature.options["headers"] = {**(signature.options.get("headers") or {}), BEAT_HEADER: again}
     ticket = request_ticket(request)
     if ticket is not None and options.rules.frees_ticket:
         # Queued again, with the same enqueue lock: it lives as long as at enqueue (owner-checked).

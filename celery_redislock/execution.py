@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, suppress
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry
@@ -59,6 +59,7 @@ from .protocol import (
     request_slot,
     request_ticket,
     sent_attempt,
+    slot_republished,
     text,
 )
 from .run_lock import (
@@ -633,9 +634,16 @@ class Execution:
 
         The sender's claim (same token) is taken over, naming this task; a slot
         nobody claimed (beat's ``send_task`` fallback) goes to the first
-        message of it that starts here.
+        message of it that starts here. A copy of a message whose run has the slot (kombu's
+        publish retry sent it twice, a redelivery) or a stale copy of an earlier attempt is
+        ignored (``Ignore``: the result of that run stands).
         """
-        holder = holder_for(self.task_id, self.retries, self.node, current_pid(), "claimed")
+        holder = holder_for(
+            self.task_id, self.retries, self.node, current_pid(), "claimed", replaced_nesting(self.request)
+        )
+        again = slot_republished(slot)
+        if again:  # queued again by a busy lock's retry: later than the run it repeats
+            holder += f" again={again}"
         reply = CLAIM(self.client, [slot["key"]], [slot["token"], holder, slot["ttl"]])
         if isinstance(reply, int):
             logger.info(
@@ -649,6 +657,8 @@ class Execution:
             )
             return True
         other = text(reply)
+        if parse_holder(other).get("task") == self.task_id:
+            self._ignore_copy(slot, other)
         logger.info(
             "task %s[%s]: not run, a duplicate: slot %s of beat entry %r went to %s (marker %s)",
             self.task.name,
@@ -664,3 +674,16 @@ class Execution:
             sender=self.task, key=slot["key"], existing_task_id=parse_holder(other).get("task")
         )
         return False
+
+    def _ignore_copy(self, slot: dict[str, Any], run: str) -> NoReturn:
+        """The message is a copy of the one whose run ``run`` has its beat slot ``slot``: ignored."""
+        logger.info(
+            "task %s[%s]: a copy of a message whose run has slot %s of beat entry %r (%s); ignored",
+            self.task.name,
+            self.task_id,
+            slot["slot"],
+            slot["entry"],
+            run,
+            extra=telemetry.log_fields(slot["key"], self.task_id, run, outcome="slot-dropped"),
+        )
+        raise Ignore()

@@ -56,6 +56,7 @@ __all__ = [
     "request_ticket",
     "seconds_until",
     "sent_attempt",
+    "slot_republished",
     "text",
 ]
 
@@ -67,7 +68,8 @@ HEADER = "redislock"
 FRESH = "fresh"
 #: The message header naming the beat slot a message was sent for (``celery_redislock.beat``):
 #: ``entry``, ``slot`` (its id), ``key`` (its marker), ``token``, ``ttl`` (ms, of a new
-#: marker), ``beat`` (the sender) and ``claimed`` (whether the sender claimed the slot).
+#: marker), ``beat`` (the sender) and ``claimed`` (whether the sender claimed the slot); on a
+#: message a busy lock's retry queued again, ``again`` (how many times: ``slot_republished``).
 BEAT_HEADER = "redislock_beat"
 #: The ``apply_async`` option (popped there, never sent) of a busy retry's republish
 #: (``busy._retry``): the same message queued again, never refused as a duplicate.
@@ -232,6 +234,13 @@ def request_slot(request: Any) -> dict[str, Any] | None:
     ):
         return dict(slot)
     return None
+
+
+def slot_republished(slot: Mapping[str, Any]) -> int:
+    """How many times a busy lock's retry (``lock_busy="retry"``) queued again the message of a
+    beat slot (``request_slot``'s): its ``again`` field, 0 when absent."""
+    again = slot.get("again")
+    return again if isinstance(again, int) and not isinstance(again, bool) else 0
 
 
 def canvas_member(options: Mapping[str, Any]) -> bool:

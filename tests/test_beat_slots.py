@@ -12,6 +12,7 @@ import json
 import logging
 import subprocess
 import sys
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -22,12 +23,13 @@ import pytest
 from celery import Celery
 from celery.beat import Scheduler
 from celery.schedules import BaseSchedule, crontab, schedule, solar
+from celery.signals import task_postrun
 from kombu import Producer
 from kombu.exceptions import OperationalError
 
 from celery_redislock import LockConfigurationError, LockedTask, signals
 from celery_redislock.beat import CLOCK_TOLERANCE, ONE_OFF_TTL, guard, slot_of
-from celery_redislock.protocol import BEAT_HEADER
+from celery_redislock.protocol import BEAT_HEADER, text
 from celery_redislock.testing import RedisServer
 from examples._support import ROOT
 from tests.interrupts import Arm
@@ -699,6 +701,70 @@ def test_the_send_task_fallback_is_deduplicated_by_the_worker(
     assert Counter(item["key"] for item in dropped) == {
         f"{prefix}:slot:fallback:{slot}": count - 1 for slot, count in per_slot.items() if count > 1
     }
+
+
+def test_a_slot_published_twice_by_kombus_retry_runs_once(
+    app: Celery, redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker took the beat's message, but the connection dropped before its reply: kombu's
+    publish retry (``Producer.publish`` through ``connection.ensure``) sends the same message
+    again, so two copies of one slot, with one task id and one claim token, reach the queue.
+    A worker running them one after the other ran the slot twice: the token owns the marker,
+    and the first copy's execution lock was gone by the time the second started. The second
+    copy is ignored (IGNORED, no result stored over the first's)."""
+    clock = Clock(at(2026, 1, 1, 10, 0, 0, 100000))
+    entries = {"job": {"task": "taskapp.beat_job", "schedule": every(10), "args": ["twice"]}}
+    beat = SimulatedBeat(app, clock, 0.0, entries)
+    publish = Producer._publish
+
+    def published_twice(self: Producer, *args: Any, **kwargs: Any) -> Any:
+        publish(self, *args, **kwargs)  # went out; its reply lost: kombu's retry publishes again
+        return publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Producer, "_publish", published_twice)
+    run([beat], clock, at(2026, 1, 1, 10, 0, 12), 0.05)
+    messages = queued(app)
+    assert len(messages) == 2 and messages[0]["headers"] == messages[1]["headers"]
+    task_id = messages[0]["headers"]["id"]
+    states: list[str] = []
+
+    def on_postrun(sender: Any = None, task_id: str = "", state: str = "", **_: Any) -> None:
+        if task_id == messages[0]["headers"]["id"]:
+            states.append(state)
+
+    task_postrun.connect(on_postrun, weak=False, dispatch_uid="test-published-twice")
+    worker_app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    recorder: Recorder = worker_app.recorder  # type: ignore[attr-defined]
+    try:
+        with threads_worker(worker_app, concurrency=1):  # one after the other
+            wait_for(lambda: len(states) == 2, what=lambda: f"both copies dealt with: {states}")
+    finally:
+        task_postrun.disconnect(dispatch_uid="test-published-twice")
+        worker_app.close()
+    assert [run[2] for run in recorder.runs()] == ["2026-01-01T10:00:10Z"]
+    assert sorted(states) == ["IGNORED", "SUCCESS"]
+    assert worker_app.AsyncResult(task_id).get(timeout=10) == "twice"
+
+
+def test_a_slot_queued_again_by_a_busy_locks_retry_runs(app: Celery, prefix: str) -> None:
+    """A slot's message finds the task's execution lock held (``lock_busy="retry"``): its run has
+    claimed the slot, and queues the message again, with the same task id and attempt. That
+    message is the slot's (a later one than the run it repeats, header field ``again``), not a
+    copy of it: it runs once the lock is free."""
+    task = app.tasks["taskapp.hold_retry"]
+    recorder: Recorder = app.recorder  # type: ignore[attr-defined]
+    with threads_worker(app, concurrency=2):
+        held = task.delay("busy", True)
+        wait_for(lambda: any(e[:4] == ["start", "hold_retry", "busy", held.id] for e in recorder.events()))
+        slot = {"entry": "e", "slot": "1", "key": f"{prefix}:slot:e:1", "token": uuid.uuid4().hex}
+        header = {**slot, "ttl": 60_000, "beat": "beat=test", "claimed": True}
+        sent = app.send_task(task.name, ("busy", True), headers={BEAT_HEADER: header})
+        wait_for(lambda: sent.state == "RETRY", what="the slot's message queued again")
+        recorder.open_gate("busy", times=2)
+        assert sent.get(timeout=60) == "busy"
+    starts = [e[3] for e in recorder.events() if e[0] == "start"]
+    assert starts == [held.id, sent.id]
+    assert " again=" in text(recorder.client.get(slot["key"]))
 
 
 # -- bad input -------------------------------------------------------------------------
