@@ -13,7 +13,9 @@ Where each outcome is handled:
   or released; a direct call, which has no trace, does that in its ``__call__``
   (``Execution.cut_short``), for an interrupt in ``begin`` too;
 * a step between taking the lock and running the body fails (a Redis error
-  freeing the message's enqueue lock): the lock is released on the way out;
+  freeing the message's enqueue lock): the lock is released on the way out; with
+  ``redislock_on_error="run"`` the body runs unlocked, and the enqueue lock is freed as it
+  ends (``Execution._free_kept_ticket``);
 * the run fails before its body (refused, a timed-out or interrupted wait, a failed
   republish): the message's enqueue lock is freed where the mode frees it;
 * the lock is lost while the body runs: see ``run_lock.ExecutionLock``;
@@ -165,10 +167,15 @@ class Execution:
         "ticket",
         "unreturned",
         "url",
+        "went_unlocked",
     )
 
     #: the run this one was started in (``state.run_started``), once in ``state.running``
     outer: state.Run | None
+    #: what the body raised of ``Retry``, ``Ignore`` or ``Reject`` (Celery calls no ``after_return``)
+    unreturned: BaseException | None
+    #: a Redis error as the run began made it go on unlocked (``redislock_on_error="run"``)
+    went_unlocked: bool
 
     def __init__(
         self,
@@ -186,8 +193,7 @@ class Execution:
         self.retries: int = 0 if request is None else request.retries or 0
         self.node: str = (None if request is None else request.hostname) or hostname()
         self.lock: ExecutionLock | None = None
-        #: what the body raised of ``Retry``, ``Ignore`` or ``Reject`` (Celery calls no ``after_return``)
-        self.unreturned: BaseException | None = None
+        self.unreturned, self.went_unlocked = None, False
         if not settings.enabled:  # redislock_enabled=False: no ticket, slot, lock; ``client``, ``url`` unset
             self.ticket = self.slot = None
             return
@@ -237,7 +243,7 @@ class Execution:
             )
             self.unlocked(where, exc)
             self._over()  # unlocked: nothing left to finish
-            self.lock = None
+            self.lock, self.went_unlocked = None, True
             return True
 
     def unlocked(self, where: str, exc: Exception) -> None:
@@ -389,15 +395,25 @@ class Execution:
         self._over()  # only once let go: an interrupted let-go is the trace's end's
 
     def _free_kept_ticket(self) -> None:
-        """After a run that went on unlocked (a Redis error as it took its lock,
-        ``redislock_on_error="run"``) where the mode adopts the message's enqueue lock: the hold
-        still queued for the message, kept while the body ran to keep duplicates out
-        (``_free_unadopted_hold``), goes now, owner-checked (``give_up_ticket``), as the run's lock
-        would (a Redis error leaves it to expire); ``until_expired`` keeps it, to run out within
-        ``lock_queue_ttl``, no sooner than ``lock_period``, and so does a run that raised its
+        """After a run that went on unlocked (a Redis error as it began,
+        ``redislock_on_error="run"``): the message's enqueue lock, owner-checked, where the error
+        may have left it held (a Redis error leaves it to expire within ``lock_queue_ttl``).
+
+        Where the mode frees it as the run starts (``until_executing``, swapped for the execution
+        lock in ``until_and_while_executing``), and that failed: it goes now, Redis being back, not
+        an hour later. Where the mode adopts it: the hold still queued for the message, kept while
+        the body ran to keep duplicates out (``_free_unadopted_hold``), goes now
+        (``give_up_ticket``), as the run's lock would; ``until_expired`` keeps it, to run out
+        within ``lock_queue_ttl``, no sooner than ``lock_period``, and so does a run that raised its
         retry, whose message carries the ticket on (Celery copies its headers) and adopts it."""
         ticket, rules = self.ticket, self.options.rules
-        if ticket is None or ticket[0] != self.key or not rules.adopts_ticket or rules.settles:
+        if ticket is None or not self.went_unlocked:
+            return
+        if rules.frees_ticket:
+            with suppress(redis.RedisError):
+                release_token(self.client, *ticket)
+            return
+        if ticket[0] != self.key or not rules.adopts_ticket or rules.settles:
             return
         if isinstance(self.unreturned, Retry):
             return

@@ -213,6 +213,32 @@ def test_redis_unreachable_at_execution_then_back(
     assert invariants.keys_of(server.client(), stage.prefix) == []  # nothing stays locked
 
 
+@pytest.mark.parametrize("mode", ["until_executing", "until_and_while_executing"])
+def test_an_enqueue_lock_left_by_an_outage_at_the_runs_start_goes_once_redis_is_back(
+    stage: Stage, mode: str
+) -> None:
+    """The message's enqueue lock was taken at ``delay()``; Redis cannot be reached as the run
+    starts, where the mode frees it (``until_executing``) or swaps it for the execution lock
+    (``until_and_while_executing``), so with ``redislock_on_error="run"`` the body runs unlocked.
+    Redis is back before the body ends: the enqueue lock is freed then, not left to refuse every
+    ``delay()`` of these arguments for ``lock_queue_ttl`` (an hour)."""
+    with TCPProxy(stage.server.port) as proxy:
+        worker = stage.worker("w", redislock_url=proxy.url(), redislock_on_error="run", redislock_ttl=TTL)
+        x, task = fresh(), stage.task(mode)
+        ticket = task_lock_key(task, (x,), {"gate": True}) + task.lock_options.rules.queued_suffix
+        proxy.drop()
+        result = task.delay(x, gate=True)  # the test side's lock client goes straight to Redis
+        assert stage.client.ttl(ticket) > 0
+        stage.wait_events("start", x)
+        assert "running unlocked (redislock_on_error='run')" in worker.output()
+        proxy.heal()
+        stage.recorder.open_gate(x)
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+        assert not stage.client.exists(ticket)
+        again = task.delay(x)
+        assert again.id != result.id and again.get(timeout=RESULT_TIMEOUT) == x
+
+
 def test_a_release_that_cannot_reach_redis_leaves_a_lock_that_expires_within_lock_ttl(stage: Stage) -> None:
     """The worker's connections to the locks are dropped while its task runs: its release fails,
     and nothing renews the lease any more, so Redis expires the lock within a lease. The key's
