@@ -13,8 +13,9 @@ worker. A call that finds the lock held gets what ``lock_duplicate`` says:
   run's hold, and one queued for a retry or a replacement, are never taken over:
   a replacing call that finds one gets its ``AsyncResult``, as with ``"return"``.
 
-The retry of a run with other arguments (``enqueue_retry``) is never refused: it
-continues a message sent already. Finding the lock held, it is sent without it.
+The retry of a run with other arguments (``enqueue_retry``), and the replacement of a run of
+another task (``self.replace(sig)``), are never refused: they continue a message sent
+already. Finding the lock held, they are sent without it.
 Every ticket taken here is marked ``fresh`` in the message header: no run held it,
 so a message that never runs frees it (``give_up_ticket``), a retry's or a
 replacement's as a new call's, never keeping it as the hold of a run.
@@ -48,6 +49,7 @@ from functools import partial
 from typing import Any
 
 import redis
+from celery import current_task
 
 from . import signals
 from ._durations import to_ms
@@ -68,6 +70,7 @@ from .protocol import (
     message_delay,
     parse_holder,
     parse_value,
+    replaced_nesting,
     request_ticket,
     seconds_until,
     sent_attempt,
@@ -93,9 +96,25 @@ def enqueue(
     send: Callable[[str | None], Any],
 ) -> Any:
     """Take the enqueue lock ``key`` for the message ``task_id``, then ``send`` it carrying the
-    lock; a call that finds it held gets what ``lock_duplicate`` says (``duplicate``)."""
+    lock; a call that finds it held gets what ``lock_duplicate`` says (``duplicate``). The
+    replacement of a run of another task (``self.replace(sig)``, its message carrying the
+    replaced run's task id, whose result it is) is never refused: sent as ``enqueue_retry``
+    sends a retry (one of the task's own runs is ``execution.send_continuation``'s)."""
     sent, busy = _send_locked(task, key, task_id, options, headers, send)
-    return sent if busy is None else duplicate(task, key, *busy, dispatched=_dispatched(options))
+    if busy is None:
+        return sent
+    if _replaces_run(task_id, options):
+        return _sent_unlocked(task, key, task_id, busy, send)
+    return duplicate(task, key, *busy, dispatched=_dispatched(options))
+
+
+def _replaces_run(task_id: str, options: Mapping[str, Any]) -> bool:
+    """Whether the message ``task_id`` sent with ``options`` replaces the run under way in this
+    thread (``self.replace(sig)``: under that run's task id, one replacement deeper)."""
+    running = current_task.request if current_task else None
+    if running is None or running.id != task_id:
+        return False
+    return sent_attempt(options)[1] > replaced_nesting(running)
 
 
 def enqueue_retry(
@@ -111,10 +130,15 @@ def enqueue_retry(
     a duplicate. When another message holds ``key``, it is sent without the lock, and its
     worker finds the key held (``lock_busy``)."""
     sent, busy = _send_locked(task, key, task_id, options, headers, send)
-    if busy is None:
-        return sent
+    return sent if busy is None else _sent_unlocked(task, key, task_id, busy, send)
+
+
+def _sent_unlocked(task: Any, key: str, task_id: str, busy: _Busy, send: Callable[[str | None], Any]) -> Any:
+    """Send the retry or replacement ``task_id`` without the enqueue lock ``key``, held (``busy``)
+    by another message: its worker finds the key held (``lock_busy`` applies)."""
     logger.info(
-        "task %s[%s]: its retry is sent without enqueue lock %s, held by task %s (lock_busy applies)",
+        "task %s[%s]: its retry or replacement is sent without enqueue lock %s, held by task %s "
+        "(lock_busy applies)",
         task.name,
         task_id,
         key,

@@ -689,6 +689,39 @@ def test_a_run_replaced_by_a_call_of_other_arguments_lets_go_as_after_any_run(ap
     client.delete(next_key, idle)
 
 
+def test_a_run_replaced_by_another_tasks_call_whose_enqueue_lock_is_held_still_ends(app: Celery) -> None:
+    """A task replaces itself (``self.replace(sig)``) with a call of another ``until_executed``
+    task, whose arguments' message is queued already (here in a queue no worker consumes). The
+    replacement carries the replaced task's id, and that task's result is the replacement's: it
+    continues a message sent already, as a retry does, so it is never refused as a duplicate. It
+    is sent without the enqueue lock, held by the queued message, and its worker finds the key
+    held (``lock_busy="skip"``: the result is ``None``). Before, it was refused (nothing sent,
+    Celery's replace then ended the run with ``Ignore``): the replaced task never got a result."""
+    idle = f"{app.conf.task_default_queue}-idle"  # no worker consumes it
+
+    @app.task(base=LockedTask, shared=False, name="enqueue.replacing_target", lock_mode="until_executed")
+    def target(x: str) -> str:
+        recorder(app).push(f"{recorder(app).prefix}:targets", x)
+        return x
+
+    @app.task(bind=True, shared=False, name="enqueue.replaced_by_another")
+    def replaced(self: Any, x: str) -> None:
+        raise self.replace(target.si(x))
+
+    x, client = fresh(), recorder(app).client
+    key = task_lock_key(target, (x,))
+    queued_call = target.apply_async((x,), queue=idle)
+    try:
+        with worker(app):
+            result = replaced.delay(x)
+            assert result.get(timeout=RESULT_TIMEOUT) is None  # the replacement ran, and skipped
+        assert client.llen(f"{recorder(app).prefix}:targets") == 0
+        held = parse_value(client.get(key))
+        assert held is not None and parse_holder(held.holder)["task"] == queued_call.id
+    finally:
+        client.delete(key, idle)
+
+
 def test_a_link_callback_refused_as_a_duplicate_leaves_its_parents_success(app: Celery) -> None:
     """``lock_duplicate="raise"``: Celery's worker sends a task's ``link`` callback once the task
     has succeeded, before it stores the result; a ``DuplicateTask`` from that send failed the
