@@ -220,17 +220,21 @@ return left
 
 _CLAIM = """
 -- CLAIM. KEYS[1] a beat slot's marker; ARGV[1] the token of the message sent for the slot,
--- ARGV[2] the claimer's holder description, ARGV[3] ttl in ms for a new marker.
+-- ARGV[2] the claimer's holder description (a run's names its claim: field claim),
+-- ARGV[3] ttl in ms for a new marker, ARGV[4] '1' when the claimer's message was
+-- redelivered.
 -- The marker is a lock value (fence 0) naming the message that runs the slot.
 -- Claims the slot for the token: sets the marker when there is none, and, when
 -- the token already has it, renames its holder (its TTL kept): from the beat that
 -- sent it to the run of its message, or from a run to a later attempt of its task
 -- id (a retry, a replacement, the message queued again by a busy lock's retry:
--- holder fields rep, try and again, compared in that order). A run of the same or an
--- earlier attempt of that task id (a copy of the message: kombu's publish retry
--- sent it twice, a redelivery, a stale attempt) is refused: the slot went to the
--- run the marker names. Returns 1 when the token has the slot, else the holder of
--- the marker.
+-- holder fields rep, try and again, compared in that order), or to a redelivery of
+-- its message (its execution lock then tells whether the first delivery died, or
+-- runs still). A run of the same or an earlier attempt of that task id, not
+-- redelivered (a copy of the message: kombu's publish retry sent it twice, a stale
+-- attempt), is refused: the slot went to the run the marker names. The same claim
+-- sent again after a lost reply finds the slot its own. Returns 1 when the token
+-- has the slot, else the holder of the marker.
 local value = redis.call('GET', lock)
 if not value then
   redis.call('SET', lock, hold(ARGV[1], 0, ARGV[2]), 'PX', ARGV[3])
@@ -243,12 +247,12 @@ local function attempt(holder)
 end
 local function later(claimer, run)
   local task = string.match(run, '^task=(%S+)')
-  if not task or task ~= string.match(claimer, '^task=(%S+)') then return true end
+  if claimer == run or not task or task ~= string.match(claimer, '^task=(%S+)') then return true end
   local this, that = attempt(claimer), attempt(run)
   for i = 1, 3 do
     if this[i] ~= that[i] then return this[i] > that[i] end
   end
-  return false
+  return ARGV[4] == '1'
 end
 if owns(value, ARGV[1]) and later(ARGV[2], current) then
   redis.call('SET', lock, hold(ARGV[1], 0, ARGV[2]), 'KEEPTTL')

@@ -651,8 +651,9 @@ class Execution:
         The sender's claim (same token) is taken over, naming this task; a slot
         nobody claimed (beat's ``send_task`` fallback) goes to the first
         message of it that starts here. A copy of a message whose run has the slot (kombu's
-        publish retry sent it twice, a redelivery) or a stale copy of an earlier attempt is
-        ignored (``Ignore``: the result of that run stands).
+        publish retry sent it twice) or a stale copy of an earlier attempt is ignored
+        (``Ignore``: the result of that run stands); a redelivered copy claims it again, its
+        execution lock deciding whether its first delivery died (it runs) or runs still.
         """
         holder = holder_for(
             self.task_id, self.retries, self.node, current_pid(), "claimed", replaced_nesting(self.request)
@@ -660,7 +661,10 @@ class Execution:
         again = slot_republished(slot)
         if again:  # queued again by a busy lock's retry: later than the run it repeats
             holder += f" again={again}"
-        reply = CLAIM(self.client, [slot["key"]], [slot["token"], holder, slot["ttl"]])
+        holder += f" claim={secrets.token_hex(4)}"  # this claim's, sent again after a lost reply
+        redelivered = (getattr(self.request, "delivery_info", None) or {}).get("redelivered")
+        args = [slot["token"], holder, slot["ttl"], 1 if redelivered else 0]
+        reply = CLAIM(self.client, [slot["key"]], args)
         if isinstance(reply, int):
             logger.info(
                 "task %s[%s]: runs slot %s of beat entry %r (sent by %s)",

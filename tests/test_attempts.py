@@ -27,7 +27,7 @@ from redis.connection import AbstractConnection
 
 from celery_redislock import LockedTask, RedisLock, task_lock_key
 from celery_redislock._scripts import RELEASE, RENEW, Script
-from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE
+from celery_redislock._task_scripts import ADOPT, CLAIM, DECLINE, PARK, SETTLE
 from celery_redislock.enqueue import give_up_ticket
 from celery_redislock.inventory import read_lock, release_token
 from celery_redislock.lock import companion_key
@@ -932,6 +932,27 @@ def test_a_resent_adopt_is_recognised_as_its_own(redis_server: RedisServer, pref
         assert result.get(timeout=RESULT_TIMEOUT) == x
     assert len(lost) == 1
     assert [event[0] for event in events(app, x)] == ["start", "end", "released"]  # no "busy"
+    app.close()
+    retrying.close()
+
+
+def test_a_resent_slot_claim_is_recognised_as_its_own(redis_server: RedisServer, prefix: str) -> None:
+    """A beat slot's message claims its slot on the worker (``CLAIM``); the reply is lost, and the
+    client sends the claim again. The second must find the slot its own: it found the marker
+    naming its own task id and attempt, took itself for a copy of its message, and the slot's
+    only run was ignored."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}")
+    retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)  # retries, as redis-py 6+ does
+    app_state(app).client = LockClient(os.getpid(), retrying, redis_server.url, False)
+    x, task = fresh(), app.tasks["taskapp.hold_skip"]
+    slot = {"entry": "e", "slot": "1", "key": f"{prefix}:slot:e:1", "token": uuid.uuid4().hex}
+    header = {**slot, "ttl": 60_000, "beat": "beat=test", "claimed": True}
+    retrying.script_load(CLAIM.source)  # the claim's first reply lost, not its loading's
+    result = app.send_task(task.name, (x,), headers={BEAT_HEADER: header})
+    with first_reply_lost(CLAIM) as lost, threads_worker(app):
+        assert result.get(timeout=RESULT_TIMEOUT) == x
+    assert len(lost) == 1
+    assert [event[0] for event in events(app, x)] == ["start", "end", "released"]
     app.close()
     retrying.close()
 

@@ -18,6 +18,7 @@ republishes the same message by hand; this lets kombu redeliver it.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from typing import Any
@@ -26,7 +27,7 @@ import pytest
 
 from celery_redislock import task_lock_key
 from celery_redislock.lock import companion_key
-from celery_redislock.protocol import parse_value
+from celery_redislock.protocol import BEAT_HEADER, parse_value
 from tests.faults.conftest import RESULT_TIMEOUT, Stage, fresh
 from tests.invariants import leftover_locks, stored
 from tests.workers import WorkerProcess, wait_for
@@ -105,10 +106,15 @@ def test_a_redelivered_twin_that_sees_its_first_delivery_end_sends_no_lock_relea
     assert [event[3] for event in stage.events("start", x)] == [result.id]
 
 
-def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out(stage: Stage) -> None:
+@pytest.mark.parametrize("slot", [False, True], ids=["message", "beat slot's message"])
+def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out(
+    stage: Stage, slot: bool
+) -> None:
     """``acks_late`` promises a run for a message whose worker died mid-task. Its redelivery finds
     the lock still naming the same task and attempt, as a twin's would, but nobody renews it:
-    once the dead worker's lease has run out, the redelivered message runs.
+    once the dead worker's lease has run out, the redelivered message runs. A beat slot's
+    message too: its first delivery's run claimed the slot, and the copy, flagged
+    ``redelivered``, is not a copy kombu's publish retry made (ignored): it claims the slot again.
 
     The survivor already consumes the queue when the worker dies, and the test puts the message
     back as soon as it has died (kombu's sweep does it only ``visibility_timeout`` after the
@@ -125,7 +131,9 @@ def test_a_message_redelivered_after_its_worker_died_runs_once_the_lease_ran_out
     doomed = stage.worker("doomed", **conf)
     x, task = fresh(), stage.task("hold_skip")
     key = task_lock_key(task, (x,), {"gate": True})
-    result = task.delay(x, gate=True)
+    marker = {"entry": "e", "slot": "1", "key": f"{stage.prefix}:slot:e:1", "token": secrets.token_hex(16)}
+    header = {BEAT_HEADER: {**marker, "ttl": 600_000, "beat": "beat=test", "claimed": True}}
+    result = task.apply_async((x,), {"gate": True}, headers=header if slot else None)
     start = stage.wait_events("start", x)[0]
     survivor = stage.worker("survivor", **conf)  # nothing to consume: the message is unacknowledged
     doomed.kill()
