@@ -489,7 +489,8 @@ def test_a_server_whose_connection_cannot_be_made_starves_no_other_and_its_locks
 
 #: A process whose non-daemon thread holds two locks (ttl 1 s) for three leases, ``clients``
 #: clients of one server between them, while its main thread has returned: the interpreter
-#: shuts down meanwhile (``concurrent.futures`` refuses new work from then on).
+#: shuts down meanwhile (``concurrent.futures`` refuses new work from then on, and Python 3.12+
+#: starts no thread: the locks are taken, starting the watchdog, before the main thread returns).
 _HELD_AT_SHUTDOWN = """
 import sys, threading, time
 import redis
@@ -499,9 +500,12 @@ url, prefix, clients = sys.argv[1], sys.argv[2], int(sys.argv[3])
 made = [redis.Redis.from_url(url) for _ in range(clients)]
 locks = [RedisLock(made[i % clients], f"{prefix}:{i}", ttl=1.0) for i in range(2)]
 
+acquired = threading.Event()
+
 def job():
     for lock in locks:
         lock.acquire()
+    acquired.set()
     for i in range(2):  # held through three renewals of each (ttl 1 s: one every 1/3 s), 10 s at most
         key, rises, deadline = f"{prefix}:{i}", 0, time.monotonic() + 10
         lowest = made[0].pttl(key)
@@ -515,6 +519,7 @@ def job():
         lock.release()
 
 threading.Thread(target=job).start()
+acquired.wait(30)
 """
 
 
