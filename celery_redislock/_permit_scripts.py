@@ -215,7 +215,10 @@ _WATCH_PERMIT = """
 -- to the copy, its fence kept, waking it with "<fence>:<i>"; a permit running out is not.
 -- Returns the permit's fence once marked, 0 if another copy watches it, {-2, false} if the run
 -- holds no permit; -1, as WATCH, for a hold kept for its period (`watch_hold`), which no permit is.
+-- A permit the copy's token owns was handed to it, as WATCH says: its fence is returned again.
+local _, token = member_fields(ARGV[2])
 for i, value in ipairs(permits(tonumber(ARGV[3]))) do
+  if owns(value, token) then return fence_of(value) end
   if value and holder_of(value) == ARGV[1] then return watch_hold(permit_prefix .. i, value, ARGV[2]) end
 end
 return {-2, false}

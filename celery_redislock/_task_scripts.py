@@ -182,8 +182,11 @@ _WATCH = """
 -- one parked for the run's retry or replacement (PARK); a hold running out is never handed over.
 -- Returns the hold's fence once marked, 0 if another copy watches it, -1 if the run is over and
 -- its hold kept for its period (not watched), else {PTTL, holder or false} (the run no longer
--- holds it).
+-- holds it). A hold the copy's token owns was handed to it by the release, after this call's
+-- first run (its reply lost, the call sent again): its fence is returned again, as then.
 local value = redis.call('GET', lock)
+local _, token = member_fields(ARGV[2])
+if owns(value, token) then return fence_of(value) end
 if not value or holder_of(value) ~= ARGV[1] then
   return {redis.call('PTTL', lock), holder_of(value) or false}
 end

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -884,10 +884,11 @@ def test_an_attempt_that_goes_on_after_its_retry_never_overlaps_the_next(
 
 
 @contextmanager
-def first_reply_lost(script: Script) -> Iterator[list[Any]]:
+def first_reply_lost(script: Script, then: Callable[[], None] | None = None) -> Iterator[list[Any]]:
     """The first reply to ``script`` is lost after the script ran: the connection reads it,
     then fails as a dropped connection does, so that the client's retry policy (redis-py 6+
-    retries by default) sends the script again. Yields the lost replies."""
+    retries by default) sends the script again; ``then()`` runs in between (what happens
+    before the resend). Yields the lost replies."""
     send, read = AbstractConnection.send_packed_command, AbstractConnection.read_response
     guard = threading.Lock()
     pending: set[AbstractConnection] = set()  # connections awaiting the doomed reply
@@ -907,6 +908,8 @@ def first_reply_lost(script: Script) -> Iterator[list[Any]]:
                 return reply
             pending.discard(self)
             lost.append(reply)
+        if then is not None:
+            then()
         raise redis.ConnectionError("the reply was lost (test seam)")
 
     with pytest.MonkeyPatch.context() as patch:

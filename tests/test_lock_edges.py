@@ -23,9 +23,10 @@ import celery_redislock.busy as busy
 import celery_redislock.lock as lock_module
 import celery_redislock.redelivery as redelivery
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
+from celery_redislock._permit_scripts import WATCH_PERMIT
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
-from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE
+from celery_redislock._task_scripts import ADOPT, DECLINE, PARK, SETTLE, WATCH
 from celery_redislock.attempt import waiter_member
 from celery_redislock.found import Found
 from celery_redislock.inventory import release_token
@@ -37,6 +38,7 @@ from tests.conftest import blocked_clients, busy_for, calls_since, command_calls
 from tests.interrupts import Arm, Interrupt, on_this_thread
 from tests.invariants import stored
 from tests.taskapp import LEASE, text
+from tests.test_attempts import first_reply_lost
 from tests.workers import renewed, wait_for
 
 
@@ -813,6 +815,33 @@ def test_a_watcher_interrupted_as_its_watch_is_answered_leaves_no_watch_behind(
     run.release()
     assert not client.exists(name), "the release handed the hold to the interrupted watcher"
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+@pytest.mark.parametrize("limit", [1, 2], ids=["lock", "permit"])
+def test_a_watch_sent_again_after_its_hold_was_handed_to_it_learns_the_run_let_go(
+    fresh_server: RedisServer, prefix: str, limit: int
+) -> None:
+    """A redelivered copy's ``WATCH`` (with ``lock_limit`` above 1, ``WATCH_PERMIT``) runs, its
+    reply is lost, and the run releases its hold before the client's retry policy sends the
+    watch again: the release handed the hold to the copy's token. The second run answers as the
+    first did (the fence), so the copy takes the hold handed to it as its run letting go
+    (``"alive"``) and frees it (before: it found the hold no longer the run's and left it,
+    unrenewed, to a token nothing knows for a lease)."""
+    run_client, copy_client, name = fresh_server.client(), fresh_server.client(), f"{prefix}:k"
+    run, copy = (
+        RedisLock(client, name, ttl=LEASE, holder=h)
+        if limit == 1
+        else RedisSemaphore(client, name, limit, ttl=LEASE, holder=h)
+        for client, h in ((run_client, RUN), (copy_client, COPY))
+    )
+    assert watch(copy, RUN, secrets.token_hex(16)) is None  # the scripts loaded: the watch's reply is lost
+    run.acquire()
+    fence, now = run.fence, time.monotonic()
+    found = Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
+    with first_reply_lost(WATCH if limit == 1 else WATCH_PERMIT, then=run.release) as lost:
+        assert redelivery.watch_until(found, now + LEASE, now + 30) == "alive"
+    assert lost == [fence]  # the first run watched the hold
+    assert sorted(copy_client.scan_iter(match=f"*{prefix}*")) == [], "the hold handed over was left"
 
 
 @pytest.mark.parametrize("kind", ["copy", "later_attempt"])
