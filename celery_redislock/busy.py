@@ -49,7 +49,7 @@ from .protocol import (
     slot_republished,
 )
 from .redelivery import first_delivery
-from .run_lock import KEPT, PARKED, adopt, watch
+from .run_lock import KEPT, PARKED, adopt, watch_end
 
 __all__ = ["OUTCOMES", "POLICIES", "BusyPolicy", "policy_for", "skipped", "when_busy"]
 
@@ -188,20 +188,17 @@ def _earlier_run(found: Found) -> bool:
     """An earlier run of this task id holds the lock, still running (the run this message
     continues, letting go now, or an attempt of these arguments before a retry of other ones came
     back to them): wait for it as ``_wait`` does. Where the mode keeps a hold for its period, the
-    wait watches the hold (``run_lock.watch``): a run that ends and keeps it, or parks it for
+    wait watches the hold (``run_lock.watch_end``): a run that ends and keeps it, or parks it for
     its retry or replacement, wakes this one, which then meets it as any run does
     (``_met_again``); its release hands it over here, taken with a fence of the run's own."""
-    lock, token = found.lock, secrets.token_hex(16)
-    watched = watch(lock, found.holder or "", token) if found.options.rules.settles else 0
-    if watched == KEPT:  # over already, and kept
+    lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
+    if not found.options.rules.settles:
+        return _wait(found)
+    watched, fence = watch_end(lock, found.holder or "", token, sent_at + found.options.wait_timeout)
+    if KEPT in (watched, fence) or fence == PARKED:  # over already and kept, or woken by the keep or the park
         return _met_again(found)
     if not watched:  # 0: a copy of that run's message watches it; None: that run let go of it
         return _wait(found)
-    sent_at = time.monotonic()
-    fence = lock.wait_as(token, sent_at + found.options.wait_timeout, queued=True)  # ``watch`` queued it
-    if fence in (KEPT, PARKED):  # woken by the keep or the park, out of the queue
-        lock.servers.abandon(token, lock.member(token))  # where its last attempt queued it again
-        return _met_again(found)
     if fence is None:
         raise LockNotAcquired(lock.name, *lock.busy)
     try:  # ``token``, which nothing else knows, holds the lock: given back if this is cut short

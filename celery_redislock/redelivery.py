@@ -1,7 +1,7 @@
 """How a message delivered again learns how its first delivery's hold ends (``first_delivery``).
 
 A redelivered copy (``acks_late``, a visibility timeout, a dead consumer's messages) that finds
-its lock held by its own first delivery watches that hold (``run_lock.watch``) for at most a
+its lock held by its own first delivery watches that hold (``run_lock.watch_end``) for at most a
 renewal interval, or the rest of the lease of a holder that renews no more: the release hands
 it the hold, a run that keeps it for its period or parks it for its retry wakes it, and a hold
 gone otherwise ran out. ``busy`` acts on the answer (the copy ignored, or run).
@@ -15,7 +15,7 @@ from typing import Literal
 
 from .found import Found
 from .protocol import held_attempt, parse_holder
-from .run_lock import KEPT, PARKED, release, watch
+from .run_lock import KEPT, PARKED, release, watch_end
 
 __all__ = ["Fate", "first_delivery", "watch_until"]
 
@@ -38,7 +38,7 @@ def first_delivery(found: Found) -> Fate:
     worker released for it); ``"watched"``, another copy of the message, or a later attempt of
     its task id, watches the hold already, and acts on how it ends.
 
-    This copy watches the hold (``run_lock.watch``): its release hands it over here, whoever
+    This copy watches the hold (``run_lock.watch_end``): its release hands it over here, whoever
     else waits for it, and a run that keeps it for its period or parks it for its retry wakes
     this copy (a kept hold is never watched: the watch answers that at once), so a hold gone
     otherwise ran out (unless it went well before the end of its lease, let go of otherwise). A
@@ -59,17 +59,15 @@ def watch_until(found: Found, ends: float, until: float) -> Fate | None:
     at monotonic ``ends`` at the latest unless renewed, until monotonic ``until``: how it stands,
     as ``first_delivery`` says, or ``None`` when it still holds the lock, not renewed."""
     lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
-    watched = watch(lock, found.holder or "", token)
-    if watched == KEPT:
+    watched, fence = watch_end(lock, found.holder or "", token, until)
+    if KEPT in (watched, fence):  # over already and kept, or woken by the keep
         return "kept"
+    if fence == PARKED:  # woken by the run parking it
+        return "parked"
     if watched == 0:
         return "watched"  # another copy (or a later attempt) watches it, and acts on its end
     if watched is None:  # gone already
         return _gone(found)
-    fence = lock.wait_as(token, until, queued=True)  # ``watch`` queued it
-    if fence in (KEPT, PARKED):  # woken by the run keeping or parking it, out of the queue
-        lock.servers.abandon(token, lock.member(token))  # where its first attempt queued it again
-        return "kept" if fence == KEPT else "parked"
     if fence is not None:
         try:  # ``token``, which nothing else knows, holds the lock: given back if this is cut short
             if fence == watched:  # handed over by its release: the first delivery let go of it

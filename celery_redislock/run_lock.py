@@ -49,6 +49,7 @@ __all__ = [
     "release",
     "release_later",
     "watch",
+    "watch_end",
 ]
 
 logger = logging.getLogger(__name__)
@@ -258,6 +259,28 @@ def watch(lock: LeaseLock, holder: str, token: str) -> int | None:
     found, pttl_ms = busy_reply(reply)
     lock.busy = (found, seconds_left(pttl_ms))
     return None
+
+
+def watch_end(lock: LeaseLock, holder: str, token: str, deadline: float) -> tuple[int | None, int | None]:
+    """Watch, as ``token``, how the hold of ``lock`` by ``holder`` ends (``watch``), and once watched
+    wait for it until monotonic ``deadline`` (``lock.wait_as``): ``(watched, fence)``, ``watched``
+    as ``watch`` returns it, ``fence`` what the wait came to: the fence of a hold granted to
+    ``token`` (handed over by the release, its fence ``watched``, or taken free), ``KEPT`` or
+    ``PARKED`` (woken by the run keeping or parking it), or ``None`` (the deadline passed:
+    ``lock.busy`` names the holder; or not waited). ``token`` is out of the queue however this
+    ends; cut short (an interrupt such as a soft time limit, also between the watch and the
+    wait), a hold handed to it is given back: nothing else knows the token."""
+    try:
+        watched = watch(lock, holder, token)
+        if not watched or watched == KEPT:
+            return watched, None
+        fence = lock.wait_as(token, deadline, queued=True)  # ``watch`` queued it
+        if fence in (KEPT, PARKED):  # woken out of the queue, where its first attempt queued it again
+            lock.servers.abandon(token, lock.member(token))
+    except BaseException:
+        lock.servers.abandon(token, lock.member(token))
+        raise
+    return watched, fence
 
 
 def release(task: Any, lock: RedisLock, task_id: str | None, *, announce: bool = True) -> str | None:

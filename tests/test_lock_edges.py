@@ -22,6 +22,7 @@ from celery.exceptions import Ignore
 import celery_redislock.busy as busy
 import celery_redislock.lock as lock_module
 import celery_redislock.redelivery as redelivery
+import celery_redislock.run_lock as run_lock
 from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock._permit_scripts import WATCH_PERMIT
 from celery_redislock._redis import call_with_timeout
@@ -686,7 +687,7 @@ def test_a_copy_woken_by_its_runs_end_before_its_first_attempt_leaves_the_queue(
             owner.append((parked_for_its_retry(client, run), RETRY))
         return watched
 
-    monkeypatch.setattr(redelivery, "watch", watch_then_end)
+    monkeypatch.setattr(run_lock, "watch", watch_then_end)
     now = time.monotonic()
     found = Found(None, None, copy, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
     assert redelivery.watch_until(found, time.monotonic() + LEASE, time.monotonic() + 30) == ending
@@ -812,6 +813,31 @@ def test_a_watcher_interrupted_as_its_watch_is_answered_leaves_no_watch_behind(
     with pytest.raises(Interrupt):
         wait(waiting_run(waiter))
     assert fired
+    run.release()
+    assert not client.exists(name), "the release handed the hold to the interrupted watcher"
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+@pytest.mark.parametrize("kind", ["copy", "later_attempt"])
+def test_a_watcher_interrupted_before_its_wait_begins_leaves_no_watch_behind(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """An interrupt (a soft time limit) lands once the waiter's ``WATCH`` is answered, before its
+    wait for how the hold ends begins (the entry of ``wait_as``): the token ``WATCH`` queued as
+    the hold's watcher, which nothing else knows, is given up on the way out, so the run's
+    release frees the lock at once (before: handed to that token, which held the key,
+    unrenewed, for a lease)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    waiter, wait = copy_or_later(kind, client, name)
+    run.acquire()
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise Interrupt
+
+    monkeypatch.setattr(waiter, "wait_as", interrupted)
+    with pytest.raises(Interrupt):
+        wait(waiting_run(waiter))
     run.release()
     assert not client.exists(name), "the release handed the hold to the interrupted watcher"
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
