@@ -37,7 +37,7 @@ from .attempt import seconds_left
 from .enqueue import superseded
 from .exceptions import LockNotAcquired
 from .found import Found
-from .inventory import hold_of, release_token
+from .inventory import hold_of, leave_queue_of, release_token
 from .protocol import (
     BEAT_HEADER,
     REPUBLISH,
@@ -358,8 +358,17 @@ class AdoptParked:
         park wakes this waiter) or frees it, then adopt it. Not woken in time: adopted all the
         same where ``ADOPT`` can (that run ended and kept the hold for its period without parking
         it, as when an interrupt landed between its send of this message and its record of it:
-        taken over; parked or freed just now); else ``LockNotAcquired``."""
-        found.lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout)
+        taken over; parked or freed just now); else ``LockNotAcquired``. Cut short (an interrupt
+        such as a soft time limit), the wait leaves the queue and a hold parked for ``token`` as
+        it is: the run's failure gives it up as the mode says, kept for the rest of its period
+        where the mode keeps one (``Execution._free_unadopted_hold``: ``DECLINE``)."""
+        lock = found.lock
+        try:
+            lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout, keep=True)
+        except BaseException:
+            with suppress(redis.RedisError):  # else dropped after its deadline, as a dead waiter is
+                leave_queue_of(lock.client, lock.name, lock.holder or "")
+            raise
         return _adopt(found, self.token)  # woken: ``token`` owns the hold (parked for it, or taken free)
 
 

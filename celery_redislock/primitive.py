@@ -165,7 +165,7 @@ class LeaseLock(LockCore):
         whose token the caller drew first, to give it back owner-checked whatever cuts it short."""
         return self._attempts(self.new_attempt(token, False, None, self.servers.queues))
 
-    def wait_as(self, token: str, deadline: float, *, queued: bool = False) -> int | None:
+    def wait_as(self, token: str, deadline: float, *, queued: bool = False, keep: bool = False) -> int | None:
         """Queue for the lock as ``token`` until it is granted or handed over to ``token`` (the
         fence), or until monotonic ``deadline`` (``None``); ``busy`` then names the holder.
         ``queued``: a script queued ``token`` already (``WATCH``); it leaves the queue however
@@ -173,11 +173,13 @@ class LeaseLock(LockCore):
 
         For a hold prepared for a known token (a retry waiting for its previous attempt to
         park the hold for it): the caller then makes it its own (e.g. ``ADOPT`` re-tokens it,
-        and ``take_hold`` records the result).
+        and ``take_hold`` records the result). ``keep``: cut short, this leaves a hold granted
+        to ``token``, and its place in the queue, as they are: the caller gives them up (a hold
+        parked for the token goes as its mode says, maybe kept for the rest of its period).
         """
         attempt = self.new_attempt(token, True, deadline, self.servers.queues)
         attempt.queued = attempt.sent = queued and attempt.queue
-        return self._attempts(attempt)
+        return self._attempts(attempt, keep)
 
     def take_hold(self, token: str, fence: int, sent_at: float) -> None:
         """Record as this object's the hold ``token`` was granted (``fence``) by a request sent at
@@ -208,12 +210,12 @@ class LeaseLock(LockCore):
             self.forget()
         self.servers.abandon(token, self.member(token))
 
-    def _attempts(self, attempt: Attempt) -> int | None:
+    def _attempts(self, attempt: Attempt, keep: bool = False) -> int | None:
         """Drives ``attempt`` until granted (the fence) or past its deadline (None).
 
         Interrupted (an exception, KeyboardInterrupt or a Celery time limit
         included) after an attempt may have reached Redis, it leaves the queue
-        and releases the lock if it came.
+        and releases the lock if it came (not with ``keep``: the caller's, see ``wait_as``).
         """
         try:
             while True:
@@ -227,7 +229,7 @@ class LeaseLock(LockCore):
                 if fence is not None:  # handed over after our last attempt was sent
                     return fence
         except BaseException:
-            if attempt.sent:
+            if attempt.sent and not keep:
                 self.servers.abandon(attempt.token, attempt.member)
             raise
 

@@ -43,6 +43,7 @@ import celery_redislock.primitive
 import celery_redislock.run_lock
 import celery_redislock.task
 from celery_redislock import LockedTask, task_lock_key
+from celery_redislock.attempt import Attempt
 from celery_redislock.exceptions import LockLost, LockNotAcquired
 from celery_redislock.lock import RedisLock, companion_key
 from celery_redislock.protocol import parse_holder, parse_value
@@ -568,6 +569,49 @@ def test_a_retry_that_gave_up_waiting_for_its_park_leaves_no_hold_behind(app: Ce
             assert 500_000 < recorder.pttl(key) <= 600_000, "not kept for the period's rest"
             assert released == []
             recorder.delete(key, *recorder.scan_iter(match=companion_key(key, "declined:*")))
+
+
+@pytest.mark.locks_may_remain("its lock_period")
+def test_a_soft_time_limit_as_a_retry_is_woken_by_its_park_keeps_the_until_expired_period(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """until_expired: attempt 1 is published while attempt 0 still runs (``throw=False``) and waits
+    for attempt 0 to park the hold for it (``busy.AdoptParked``); attempt 0 parks it, and the
+    soft time limit lands as attempt 1's wait reads the fence it was handed (right after
+    ``Attempt.handed``, or ``Attempt.granted`` for an attempt sent after the park, returns it).
+    Attempt 1 fails and will never adopt the hold: it is let go of as the mode says, kept for
+    what is left of ``lock_period`` after attempt 0's acquisition (before: the interrupted wait
+    released it as a hold granted to its token, and the lock was free within the period)."""
+    task = retrying_once_and_going_on(app, "until_expired", lock_period=600)
+    x = uuid.uuid4().int % 10**9
+    key, attempt_1, fired = task_lock_key(task, (x,)), list[str](), list[int]()
+
+    def interrupted_once_handed(read: Callable[[Any, Any], int | None]) -> Callable[[Any, Any], int | None]:
+        def reading(attempt: Any, reply: Any) -> int | None:
+            fence = read(attempt, reply)
+            if fence is not None and not fired and attempt_1 and attempt_1[0] in attempt.member:
+                fired.append(1)
+                raise SoftTimeLimitExceeded()
+            return fence
+
+        return reading
+
+    for name in ("granted", "handed"):
+        monkeypatch.setattr(Attempt, name, interrupted_once_handed(getattr(Attempt, name)))
+    with recorder_of(app) as recorder, postruns(task) as done, threads_worker(app):
+        try:
+            result = task.delay(x)
+            attempt_1.append(f"task={result.id} try=1 ")
+            wait_for(lambda: recorder.zcard(companion_key(key, "queue")) == 1, what="attempt 1 to wait")
+            recorder_for(app).open_gate(x)
+            wait_for(lambda: done.count(result.id) == 2 and runs_over(task.name), what="both attempts' end")
+            assert fired == [1]
+            kept = parse_value(recorder.get(key))
+            assert kept is not None and kept.kept, f"left: {recorder.get(key)!r}"
+            assert 500_000 < recorder.pttl(key) <= 600_000, "not kept for the period's rest"
+            assert not list(recorder.scan_iter(match=companion_key(key, "*")))
+        finally:
+            recorder.delete(key, *recorder.scan_iter(match=companion_key(key, "*")))
 
 
 def test_a_revoked_retry_leaves_no_hold_behind(app: Celery) -> None:
