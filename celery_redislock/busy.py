@@ -178,8 +178,9 @@ def _retry(found: Found) -> bool:
 
 
 def _wait(found: Found) -> bool:
-    """Wait for the lock (woken by its release) up to ``lock_wait_timeout``; then as ``raise``."""
-    if found.lock.acquire(timeout=found.options.wait_timeout):
+    """Wait for the lock (woken by its release) up to ``lock_wait_timeout`` (``Found.wait_ends``);
+    then as ``raise``."""
+    if found.lock.acquire(timeout=max(found.wait_ends() - time.monotonic(), 0.0)):
         return found.took()
     raise LockNotAcquired(found.lock.name, *found.lock.busy)
 
@@ -194,7 +195,8 @@ def _earlier_run(found: Found) -> bool:
     lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
     if not found.options.rules.settles:
         return _wait(found)
-    watched, fence = watch_end(lock, found.holder or "", token, sent_at + found.options.wait_timeout)
+    found = replace(found, deadline=found.wait_ends())  # the hold met next is waited for until then too
+    watched, fence = watch_end(lock, found.holder or "", token, found.wait_ends())
     if KEPT in (watched, fence) or fence == PARKED:  # over already and kept, or woken by the keep or the park
         return _met_again(found)
     if not watched:  # 0: a copy of that run's message watches it; None: that run let go of it
@@ -214,7 +216,7 @@ def _earlier_run(found: Found) -> bool:
 def _met_again(found: Found) -> bool:
     """The hold ``found`` waited for changed meanwhile (kept for its period, parked): the lock is
     taken if free now, else met as any run meets a held lock (``when_busy``, its holder read
-    afresh)."""
+    afresh), a wait for it ending by ``found.deadline``."""
     lock, asked = found.lock, time.monotonic()
     if lock.acquire(blocking=False):
         return found.took()
@@ -364,7 +366,7 @@ class AdoptParked:
         where the mode keeps one (``Execution._free_unadopted_hold``: ``DECLINE``)."""
         lock = found.lock
         try:
-            lock.wait_as(self.token, time.monotonic() + found.options.wait_timeout, keep=True)
+            lock.wait_as(self.token, found.wait_ends(), keep=True)
         except BaseException:
             with suppress(redis.RedisError):  # else dropped after its deadline, as a dead waiter is
                 leave_queue_of(lock.client, lock.name, lock.holder or "")

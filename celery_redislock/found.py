@@ -3,6 +3,7 @@ copy watching its first delivery's hold (``redelivery``) know of it."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,14 @@ class Found:
     #: between the script's run and the reply's reading widen the span, never move the end out)
     asked: float
     seen: float
+    #: monotonic end of the run's wait, once one began (``busy``'s earlier-run wait): a wait for
+    #: the hold it meets next ends by it too (``lock_wait_timeout`` is the longest wait); ``None``:
+    #: ``lock_wait_timeout`` from the wait's start
+    deadline: float | None = None
+
+    def wait_ends(self) -> float:
+        """The monotonic end of a wait beginning now: ``deadline``, else ``lock_wait_timeout`` on."""
+        return time.monotonic() + self.options.wait_timeout if self.deadline is None else self.deadline
 
     @property
     def task_id(self) -> str | None:

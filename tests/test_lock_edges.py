@@ -23,7 +23,14 @@ import celery_redislock.busy as busy
 import celery_redislock.lock as lock_module
 import celery_redislock.redelivery as redelivery
 import celery_redislock.run_lock as run_lock
-from celery_redislock import LockConfigurationError, LockLost, LockNotOwned, RedisLock, RedisSemaphore
+from celery_redislock import (
+    LockConfigurationError,
+    LockLost,
+    LockNotAcquired,
+    LockNotOwned,
+    RedisLock,
+    RedisSemaphore,
+)
 from celery_redislock._permit_scripts import WATCH_PERMIT
 from celery_redislock._redis import call_with_timeout
 from celery_redislock._scripts import ACQUIRE, RELEASE
@@ -772,6 +779,49 @@ def test_a_later_attempt_watching_a_parked_hold_is_woken_by_how_its_adopter_ends
     thread.join()  # its wait ends by itself within 10 s
     assert (watcher, got) == (token, [KEPT]), "the adoption dropped the watch: the keep woke no one"
     assert text(stored(client, name)) == f"{KEPT_TOKEN}:{adopted}:{RETRY.replace('queued', 'running')}"
+    client.delete(name)
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
+@pytest.mark.parametrize("ending", ["kept", "parked"])
+def test_a_later_attempt_that_meets_the_hold_again_waits_no_longer_than_lock_wait_timeout(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """A later attempt of the task id (``until_expired``, ``lock_busy="wait"``) waits for its
+    earlier attempt's hold (``busy``'s earlier-run wait), is woken as that run keeps the hold for
+    its period, or parks it for a retry, and meets the hold again (``lock_busy``): its wait
+    for that hold ends by the deadline its wait began with, ``lock_wait_timeout`` being the
+    longest wait (before: a new ``lock_wait_timeout`` from then on, each hold met again
+    adding one)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    run.acquire()
+    later = RedisLock(client, name, ttl=LEASE, holder=LATER)
+    wait_timeout, timeouts, acquire = 600.0, list[float | None](), later.acquire
+
+    def recorded(blocking: bool = True, timeout: float | None = None) -> bool:
+        if not blocking:
+            return acquire(blocking=False)
+        timeouts.append(timeout)  # the wait for the hold met again: not waited here
+        return False
+
+    monkeypatch.setattr(later, "acquire", recorded)
+    rules = SimpleNamespace(settles=True, adopts_ticket=False)
+    options = SimpleNamespace(rules=rules, wait_timeout=wait_timeout, ttl=LEASE, busy="wait")
+    now, task = time.monotonic(), type("Task", (), {"name": "t", "app": SimpleNamespace()})()
+    found = Found(task, options, later, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
+
+    def end_once_waited_for() -> None:
+        wait_until_queued(client, name)
+        kept_for_its_period(client, run) if ending == "kept" else parked_for_its_retry(client, run)
+
+    ended = threading.Thread(target=end_once_waited_for)
+    ended.start()
+    with pytest.raises(LockNotAcquired):
+        busy._earlier_run(found)
+    ended.join()
+    assert len(timeouts) == 1 and timeouts[0] is not None
+    assert timeouts[0] < wait_timeout, "the wait for the hold met again began a new lock_wait_timeout"
     client.delete(name)
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
