@@ -167,7 +167,10 @@ def _retry(found: Found) -> bool:
     ticket = request_ticket(request)
     if ticket is not None and options.rules.frees_ticket:
         # Queued again, with the same enqueue lock: it lives as long as at enqueue (owner-checked).
-        RENEW(lock.client, [ticket[0]], [to_ms(options.queue_ttl + delay), ticket[1]])
+        # A Redis error leaves it as it is: republished is the outcome, never an unlocked run beside
+        # the holder (``redislock_on_error="run"``).
+        with suppress(redis.RedisError):
+            RENEW(lock.client, [ticket[0]], [to_ms(options.queue_ttl + delay), ticket[1]])
     # The same message queued again, never refused as a duplicate (one sent without an enqueue
     # lock, by ``send_task`` say, would be, by the queued message's: nothing sent, RETRY forever).
     signature.apply_async(**{REPUBLISH: True})

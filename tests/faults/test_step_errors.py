@@ -18,6 +18,7 @@ import pytest
 import redis
 
 import celery_redislock._scripts
+import celery_redislock.busy
 import celery_redislock.execution
 import celery_redislock.lock
 import celery_redislock.run_lock
@@ -42,6 +43,8 @@ STEPS: dict[str, tuple[Any, str]] = {
     # a run that waits for the reply (lock_on_lost="raise": a loss at release fails it)
     "release_waited": (celery_redislock.lock.RedisLock, "_free"),
     "settle": (celery_redislock.execution, "SETTLE"),
+    # a busy run republished (lock_busy="retry") renews its enqueue lock for the queued copy
+    "renew_queued": (celery_redislock.busy, "RENEW"),
 }
 #: step -> whether the call fails (any, if not here): ``send_later``'s (a release's, not waited for)
 FAILS: dict[str, Callable[[], bool]] = {
@@ -182,6 +185,43 @@ def test_a_redis_error_freeing_the_enqueue_lock_of_a_refused_run_never_runs_it_u
         assert [event for event in app.recorder.events() if event[0] == "start"] == []  # type: ignore[attr-defined]
         holder.release()
         assert invariants.leftover_locks(client, prefix) == []
+    finally:
+        if holder.owned():  # the test failed before releasing it
+            holder.release()
+        client.close()
+        app.close()
+
+
+def test_a_redis_error_renewing_the_enqueue_lock_of_a_busy_retry_never_runs_it_unlocked(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``until_and_while_executing`` (``lock_busy="retry"``) with ``redislock_on_error="run"``:
+    another run holds the execution lock, so this one is republished, and the renewal of its
+    enqueue lock for the queued copy fails once. That error does not make it an unlocked run
+    beside the holder (before: the body ran): the message is republished all the same (its
+    enqueue lock lives as set at enqueue), and runs once the holder let go."""
+    app = make_app(redis_server.url, prefix, f"q-{prefix}", redislock_ttl=TTL, redislock_on_error="run")
+    task = app.tasks["taskapp.until_and_while_executing"]
+    x = fresh()
+    client = redis_server.client()
+    holder = RedisLock(client, task_lock_key(task, (x,)), TTL)
+    assert holder.acquire(blocking=False)
+    failed = fail_once(monkeypatch, "renew_queued")
+
+    def events(kind: str) -> list[Any]:
+        return [event for event in app.recorder.events() if event[:1] == [kind] and event[2] == str(x)]  # type: ignore[attr-defined]
+
+    try:
+        with threads_worker(app):
+            result = task.delay(x)
+            wait_for(
+                lambda: len(events("busy")) >= 2 or events("start"), what="the message to come back busy"
+            )
+            assert len(failed) == 1
+            assert events("start") == [], "the body ran unlocked beside the holder"
+            holder.release()
+            assert result.get(timeout=RESULT_TIMEOUT) == x
+        wait_for(lambda: not invariants.leftover_locks(client, prefix), what="no lock left")
     finally:
         if holder.owned():  # the test failed before releasing it
             holder.release()
