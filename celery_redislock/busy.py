@@ -199,21 +199,22 @@ def _earlier_run(found: Found) -> bool:
     if not found.options.rules.settles:
         return _wait(found)
     found = replace(found, deadline=found.wait_ends())  # the hold met next is waited for until then too
-    watched, fence = watch_end(lock, found.holder or "", token, found.wait_ends())
-    if KEPT in (watched, fence) or fence == PARKED:  # over already and kept, or woken by the keep or the park
-        return _met_again(found)
-    if not watched:  # 0: a copy of that run's message watches it; None: that run let go of it
-        return _wait(found)
-    if fence is None:
-        raise LockNotAcquired(lock.name, *lock.busy)
-    try:  # ``token``, which nothing else knows, holds the lock: given back if this is cut short
-        if fence == watched:  # handed over by its release, that run's fence kept
+    try:  # ``token``, which nothing else knows, may be granted the lock: given back if this is cut short
+        watched, fence = watch_end(lock, found.holder or "", token, found.wait_ends())
+        if fence is not None and fence == watched:  # handed over by its release, that run's fence kept
             return _adopt(found, token)
-        lock.take_hold(token, fence, sent_at)  # free, taken here (that run's lease ran out)
+        if fence is not None and fence not in (KEPT, PARKED):
+            lock.take_hold(token, fence, sent_at)  # free, taken here (that run's lease ran out)
     except BaseException:  # an interrupt (a soft time limit) before it was adopted or recorded
         lock.give_back(token)
         raise
-    return found.took()
+    if KEPT in (watched, fence) or fence == PARKED:  # over already and kept, or woken by the keep or the park
+        return _met_again(found)
+    if fence is not None:  # taken free above
+        return found.took()
+    if not watched:  # 0: a copy of that run's message watches it; None: that run let go of it
+        return _wait(found)
+    raise LockNotAcquired(lock.name, *lock.busy)
 
 
 def _met_again(found: Found) -> bool:

@@ -59,7 +59,16 @@ def watch_until(found: Found, ends: float, until: float) -> Fate | None:
     at monotonic ``ends`` at the latest unless renewed, until monotonic ``until``: how it stands,
     as ``first_delivery`` says, or ``None`` when it still holds the lock, not renewed."""
     lock, token, sent_at = found.lock, secrets.token_hex(16), time.monotonic()
-    watched, fence = watch_end(lock, found.holder or "", token, until)
+    try:  # ``token``, which nothing else knows, may be granted the lock: given back if this is cut short
+        watched, fence = watch_end(lock, found.holder or "", token, until)
+        if fence is not None and fence == watched:  # handed over by its release: the first delivery let go
+            lock.servers.free(token)
+            return "alive"
+        if fence is not None and fence not in (KEPT, PARKED):
+            lock.take_hold(token, fence, sent_at)  # free, taken here
+    except BaseException:  # an interrupt (a soft time limit) before it was freed or recorded
+        lock.give_back(token)
+        raise
     if KEPT in (watched, fence):  # over already and kept, or woken by the keep
         return "kept"
     if fence == PARKED:  # woken by the run parking it
@@ -68,15 +77,7 @@ def watch_until(found: Found, ends: float, until: float) -> Fate | None:
         return "watched"  # another copy (or a later attempt) watches it, and acts on its end
     if watched is None:  # gone already
         return _gone(found)
-    if fence is not None:
-        try:  # ``token``, which nothing else knows, holds the lock: given back if this is cut short
-            if fence == watched:  # handed over by its release: the first delivery let go of it
-                lock.servers.free(token)
-                return "alive"
-            lock.take_hold(token, fence, sent_at)  # free, taken here
-        except BaseException:  # an interrupt (a soft time limit) before it was freed or recorded
-            lock.give_back(token)
-            raise
+    if fence is not None:  # taken free above
         if _ran_out(found) == "died":
             return "died"
         release(found.task, lock, None, announce=False)  # let go of early: gone, never handed

@@ -267,19 +267,16 @@ def watch_end(lock: LeaseLock, holder: str, token: str, deadline: float) -> tupl
     as ``watch`` returns it, ``fence`` what the wait came to: the fence of a hold granted to
     ``token`` (handed over by the release, its fence ``watched``, or taken free), ``KEPT`` or
     ``PARKED`` (woken by the run keeping or parking it), or ``None`` (the deadline passed:
-    ``lock.busy`` names the holder; or not waited). ``token`` is out of the queue however this
-    ends; cut short (an interrupt such as a soft time limit, also between the watch and the
-    wait), a hold handed to it is given back: nothing else knows the token."""
-    try:
-        watched = watch(lock, holder, token)
-        if not watched or watched == KEPT:
-            return watched, None
-        fence = lock.wait_as(token, deadline, queued=True)  # ``watch`` queued it
-        if fence in (KEPT, PARKED):  # woken out of the queue, where its first attempt queued it again
-            lock.servers.abandon(token, lock.member(token))
-    except BaseException:
+    ``lock.busy`` names the holder; or not waited). ``token`` is out of the queue once this
+    returns. Cut short (an interrupt such as a soft time limit, also between the watch and the
+    wait, or right after this returns), ``token`` may be queued or hold the lock, which nothing
+    else knows: the caller gives it up (``lock.give_back``)."""
+    watched = watch(lock, holder, token)
+    if not watched or watched == KEPT:
+        return watched, None
+    fence = lock.wait_as(token, deadline, queued=True)  # ``watch`` queued it
+    if fence in (KEPT, PARKED):  # woken out of the queue, where its first attempt queued it again
         lock.servers.abandon(token, lock.member(token))
-        raise
     return watched, fence
 
 

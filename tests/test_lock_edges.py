@@ -893,6 +893,40 @@ def test_a_watcher_interrupted_before_its_wait_begins_leaves_no_watch_behind(
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
+@pytest.mark.parametrize("kind", ["copy", "later_attempt"])
+def test_a_watcher_interrupted_as_its_wait_returns_the_hold_handed_to_it_gives_it_back(
+    fresh_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The run's release hands its watched hold to the waiter (its token, which nothing else
+    knows), and an interrupt (a soft time limit) lands right after the watch and wait return
+    that (``run_lock.watch_end``): the hold is given back at once (before: kept, unrenewed, for
+    a lease)."""
+    client, name = fresh_server.client(), f"{prefix}:k"
+    run = RedisLock(client, name, ttl=LEASE, holder=RUN)
+    run.acquire()
+    waiter, wait = copy_or_later(kind, client, name)
+    module = redelivery if kind == "copy" else busy
+
+    def interrupted(*args: Any) -> tuple[int | None, int | None]:
+        watched, fence = run_lock.watch_end(*args)
+        assert fence == watched  # handed over
+        raise Interrupt
+
+    monkeypatch.setattr(module, "watch_end", interrupted)
+
+    def release_once_waited_for() -> None:
+        wait_until_queued(client, name)
+        run.release()
+
+    ended = threading.Thread(target=release_once_waited_for)
+    ended.start()
+    with pytest.raises(Interrupt):
+        wait(waiting_run(waiter))
+    ended.join()
+    assert not client.exists(name), "the hold handed over stayed with a token nobody knows"
+    assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
+
+
 @pytest.mark.parametrize("limit", [1, 2], ids=["lock", "permit"])
 def test_a_watch_sent_again_after_its_hold_was_handed_to_it_learns_the_run_let_go(
     fresh_server: RedisServer, prefix: str, limit: int
