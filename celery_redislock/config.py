@@ -227,6 +227,11 @@ class _Problem:
     def __call__(self, option: str, value: object, allowed: str) -> LockConfigurationError:
         return LockConfigurationError(f"{self.where}: {option}={value!r} is not valid; {allowed}")
 
+    def of_type(self, option: str, value: object, allowed: str) -> LockConfigurationError:
+        """The error for a setting whose value may hold a password: named by its type alone."""
+        kind = type(value).__name__
+        return LockConfigurationError(f"{self.where}: {option} of type {kind} is not valid; {allowed}")
+
 
 def _choice(problem: _Problem, option: str, value: object, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
@@ -320,9 +325,13 @@ def _check_url(problem: _Problem, url: object) -> None:
     allowed = (
         "allowed: a redis://, rediss://, unix://, redis-cluster://, rediss-cluster:// or sentinel:// URL"
     )
-    scheme = url.partition("://")[0] if isinstance(url, str) else None
-    if not isinstance(url, str) or scheme not in URL_SCHEMES:  # a mistyped scheme may hold a password too
-        raise problem("redislock_url", masked(url) if isinstance(url, str) else url, allowed)
+    if isinstance(url, bytes):  # redis-py reads a str; the bytes shown, their password masked
+        raise problem("redislock_url", masked(url.decode("latin-1")).encode("latin-1"), f"{allowed} (a str)")
+    if not isinstance(url, str):  # a list of URLs, say: their passwords with them
+        raise problem.of_type("redislock_url", url, allowed)
+    scheme = url.partition("://")[0]
+    if scheme not in URL_SCHEMES:  # a mistyped scheme may hold a password too
+        raise problem("redislock_url", masked(url), allowed)
     if not is_utf8(url):
         raise problem("redislock_url", masked(url), f"{allowed}, of UTF-8 text")
     shown = masked(url)
@@ -440,8 +449,8 @@ def app_settings(app: Any) -> AppSettings:
         raise problem("redislock_prefix", prefix, "allowed: a non-empty str of UTF-8 text without '{' or '}'")
     transport_options = app.conf.get("redislock_transport_options")
     if transport_options is not None and not isinstance(transport_options, Mapping):
-        allowed = "allowed: a dict, e.g. {'master_name': ...}"
-        raise problem("redislock_transport_options", transport_options, allowed)
+        allowed = "allowed: a dict, e.g. {'master_name': ...}"  # the value may hold a password
+        raise problem.of_type("redislock_transport_options", transport_options, allowed)
     replicas = setting("replicas")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise problem("redislock_replicas", replicas, "allowed: an int >= 0")

@@ -92,7 +92,7 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
     ("setting", "value", "culprits"),
     [
         ("redislock_url", "http://localhost", ["redislock_url='http://localhost' is not valid"]),
-        ("redislock_url", 6379, ["redislock_url=6379 is not valid"]),
+        ("redislock_url", 6379, ["redislock_url of type int is not valid"]),
         (
             "redislock_url",
             f"redis://:{SECRET}@127.0.0.1:notaport/0",
@@ -173,6 +173,40 @@ def test_bad_app_settings_fail_at_bind(
     for culprit in culprits:
         assert culprit in message, f"{culprit!r} not in {message!r}"
     assert SECRET not in message
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "culprit"),
+    [
+        # a URL given as bytes is refused (redis-py reads a str): it was shown with its password
+        (
+            "redislock_url",
+            f"redis://:{SECRET}@127.0.0.1:6379/0".encode(),
+            "redislock_url=b'redis://:**@127.0.0.1",
+        ),
+        (
+            "redislock_url",
+            f"redis://:{SECRET}@h\xff:1/0".encode("latin-1"),
+            "redislock_url=b'redis://:**@h\\xff:1",
+        ),
+        # transport options that are no dict: shown as given, a sentinel's password in them
+        (
+            "redislock_transport_options",
+            [("sentinel_kwargs", {"password": SECRET})],
+            "redislock_transport_options of type list is not valid; allowed: a dict",
+        ),
+    ],
+)
+def test_a_setting_of_the_wrong_type_is_refused_without_showing_its_password(
+    redis_server: RedisServer, client: redis.Redis, prefix: str, setting: str, value: object, culprit: str
+) -> None:
+    with pytest.raises(LockConfigurationError) as raised:
+        define(new_app(redis_server.url, prefix, **{setting: value}))
+    message = str(raised.value)
+    assert message.startswith("app 'cfg': ")
+    assert culprit in message, f"{culprit!r} not in {message!r}"
+    assert SECRET not in message
+    assert nothing_under(client, prefix)
 
 
 @pytest.mark.parametrize(
