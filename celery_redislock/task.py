@@ -186,6 +186,21 @@ class LockedTask(OnCommit):
             return send(task_id)
         return enqueue(self, key + rules.queued_suffix, task_id or uuid(), options, headers, send)
 
+    def apply(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        task_id: str | None = None,
+        *more: Any,
+        **options: Any,
+    ) -> Any:
+        """Run the task here (Celery's ``apply``), its ``task_id`` and options checked as
+        ``apply_async`` checks them."""
+        check_call_options(self, task_id, options)
+        return super().apply(args, kwargs, link, link_error, task_id, *more, **options)
+
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         pending = _pending_request.get()
         if pending is None or pending[0] is not self:

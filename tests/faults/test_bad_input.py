@@ -28,6 +28,7 @@ from celery_redislock.testing import RedisServer
 from tests import invariants
 
 SECRET = "s3cret-pw"
+TASK_UUID = uuid.UUID("6a1f7a3e-0c1b-4c9e-9f55-3d2b8e1d4c21")
 
 
 @dataclass
@@ -185,6 +186,26 @@ CASES = [
         LockKeyError,
         ["argument 'lock_on'", "unexpected keyword argument 'b'"],
         id="lock-on-callable-with-another-signature",
+    ),
+    # -- a task id that is no str: apply() ran the task, which failed with "TypeError:
+    # quote_from_bytes() expected bytes" as its holder was written (apply_async refused it)
+    pytest.param(
+        lambda env: env.task().apply((1,), task_id=TASK_UUID),
+        LockConfigurationError,
+        ["task 'bad.add'", f"task_id={TASK_UUID!r} is not valid; allowed: a str"],
+        id="apply-task-id-a-uuid",
+    ),
+    pytest.param(
+        lambda env: env.task().signature((1,), task_id=TASK_UUID).apply(),
+        LockConfigurationError,
+        ["task 'bad.add'", f"task_id={TASK_UUID!r} is not valid; allowed: a str"],
+        id="signature-apply-task-id-a-uuid",
+    ),
+    pytest.param(
+        lambda env: env.task().signature((1,)).apply_async(task_id=TASK_UUID),
+        LockConfigurationError,
+        ["task 'bad.add'", f"task_id={TASK_UUID!r} is not valid; allowed: a str"],
+        id="signature-apply-async-task-id-a-uuid",
     ),
     # -- connections and permissions, refused at apply_async (redislock_on_error="fail")
     pytest.param(
