@@ -101,6 +101,9 @@ APP_SETTINGS: Mapping[str, Any] = {
     "skip_state": None,
     "spans": "auto",
 }
+#: Shortest ``lock_retry_delay`` (seconds): with none, a busy run's message came back at once,
+#: found the lock busy again and was republished again, hundreds of times a second.
+MIN_RETRY_DELAY = 0.1
 #: What ``redislock_client`` is, or its callable returns: a client of one server (a Sentinel
 #: primary's too) or of a Cluster, whose connection pool redis-py resets in a forked child.
 CLIENT_TYPES = (redis.Redis, redis.cluster.RedisCluster)
@@ -551,7 +554,7 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
         duplicate=duplicate,
         queue_ttl=_duration(problem, *raw("queue_ttl"), 0.001),
         period=period,
-        retry_delay=_duration(problem, *raw("retry_delay"), 0),
+        retry_delay=_duration(problem, *raw("retry_delay"), MIN_RETRY_DELAY),
         wait_timeout=ttl if wait_value is None else _duration(problem, option, wait_value, 0),
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
         beat=_flag(problem, *raw("beat")),

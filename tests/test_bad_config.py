@@ -47,7 +47,12 @@ BAD_OPTIONS = [
     ("lock_ttl", float("nan"), "seconds (int/float) or a timedelta"),
     ("lock_ttl", 10**9, "<= 31536000"),
     ("lock_queue_ttl", timedelta(seconds=-1), ">= 0.001"),
-    ("lock_retry_delay", -1, ">= 0"),
+    ("lock_retry_delay", -1, ">= 0.1"),
+    # a busy run republished at once, its copy found the lock busy and did again: hundreds of
+    # messages a second while the holder ran
+    ("lock_retry_delay", 0, ">= 0.1"),
+    ("lock_retry_delay", timedelta(0), ">= 0.1"),
+    ("lock_retry_delay", 0.01, ">= 0.1"),
     ("lock_wait_timeout", "forever", "seconds"),
     ("lock_period", 0, ">= 0.001"),
     ("lock_on", "a", "a tuple of the task's parameter names"),
@@ -158,6 +163,7 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
             ["redislock_on_error='ignore' is not valid; allowed: 'fail', 'run'"],
         ),
         ("redislock_busy", "never", ["redislock_busy='never' is not valid"]),
+        ("redislock_retry_delay", 0, ["redislock_retry_delay=0 is not valid", ">= 0.1"]),
         ("redislock_on", "a", ["redislock_on='a' is not valid"]),  # was named lock_on, as if set on the task
         ("redislock_on", ("user",), ["redislock_on=('user',) is not valid", "'user' is not a parameter"]),
         ("redislock_tll", 3, ["unknown setting 'redislock_tll'; did you mean 'redislock_ttl'"]),
