@@ -44,6 +44,7 @@ __all__ = [
     "busy_reply",
     "check_holder",
     "companion_key",
+    "flag",
     "hostname",
     "is_utf8",
     "lease_seconds",
@@ -100,6 +101,14 @@ def lease_seconds(ttl: object, watchdog: bool) -> float:
             f"ttl must be >= {MIN_WATCHDOG_TTL} seconds for the watchdog to renew it "
             f"(every ttl/3), got {ttl!r}; use a longer ttl or watchdog=False"
         )
+    return value
+
+
+def flag(value: object, what: str) -> bool:
+    """``value`` if it is a bool, else ``LockConfigurationError`` naming ``what`` (a str such as
+    ``"no"`` or ``"false"`` would be taken as true)."""
+    if not isinstance(value, bool):
+        raise LockConfigurationError(f"{what} must be True or False, got {value!r}")
     return value
 
 
@@ -289,14 +298,13 @@ class LockCore:
         timeout: Duration | None,
         holder: str | None,
     ) -> None:
+        self.watchdog, self.fair = flag(watchdog, "watchdog"), flag(fair, "fair")
         self.name = lock_name(name)
         self.ttl = lease_seconds(ttl, watchdog)
         self.timeout = None if timeout is None else seconds(timeout, "timeout")
         check_holder(holder)
         #: what a waiter's wake list is named after its token (raises for a name that can have no companions)
         self.wake_prefix = companion_key(self.name, "wake:")
-        self.watchdog = bool(watchdog)
-        self.fair = bool(fair)
         self.holder = holder
         self.token: str | None = None
         self.fence: int | None = None
@@ -353,7 +361,9 @@ class LockCore:
         return waiter_member(self._ttl_ms, token, self.fair, self.holder)
 
     def deadline(self, blocking: bool, timeout: Duration | None) -> float | None:
-        """The monotonic deadline of an acquire given ``blocking`` and ``timeout`` (None: none)."""
+        """The monotonic deadline of an acquire given ``blocking`` and ``timeout`` (None: none);
+        ``LockConfigurationError`` for a ``blocking`` that is no bool."""
+        flag(blocking, "blocking")
         if timeout is not None and not blocking:
             raise LockConfigurationError("timeout cannot be given with blocking=False")
         wait = self.timeout if timeout is None else seconds(timeout, "timeout")

@@ -176,11 +176,17 @@ CALL_OPTIONS = frozenset({"lock_in_canvas", "lock_beat", REPUBLISH})
 
 
 def check_call_options(task: Any, task_id: object, options: Mapping[str, Any]) -> None:
-    """``LockConfigurationError`` naming a ``task_id`` that is no str (a holder names it), or a
-    ``lock_*`` option of a call that no call takes (a task option, or a misspelt one), which
-    Celery would send among the message's properties, unread."""
+    """``LockConfigurationError`` naming a ``task_id`` that is no str (a holder names it), a
+    ``lock_in_canvas`` that is no bool, or a ``lock_*`` option of a call that no call takes (a
+    task option, or a misspelt one), which Celery would send among the message's properties,
+    unread."""
     if task_id is not None and not isinstance(task_id, str):
         raise LockConfigurationError(f"task {task.name!r}: task_id={task_id!r} is not valid; allowed: a str")
+    in_canvas = options.get("lock_in_canvas", False)
+    if not isinstance(in_canvas, bool):  # a "no" would opt in
+        raise LockConfigurationError(
+            f"task {task.name!r}: lock_in_canvas={in_canvas!r} is not valid; allowed: True or False"
+        )
     for option, value in options.items():
         if option.startswith("lock_") and option not in CALL_OPTIONS:
             raise LockConfigurationError(

@@ -50,7 +50,7 @@ from ._durations import Duration, to_ms
 from ._redis import FAILURES, checkout
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks
 from ._urls import masked
-from .attempt import Attempt, lease_seconds, owns
+from .attempt import Attempt, flag, lease_seconds, owns
 from .exceptions import LockConfigurationError
 from .primitive import LeaseLock
 from .protocol import text
@@ -125,9 +125,9 @@ class Redlock(LeaseLock):
         timeout: Duration | None = None,
         holder: str | None = None,
     ) -> None:
-        node_timeout = max(lease_seconds(ttl, watchdog) / 10, 0.1)
+        node_timeout = max(lease_seconds(ttl, flag(watchdog, "watchdog")) / 10, 0.1)
         clients = _clients(client, node_timeout)
-        if fair:
+        if flag(fair, "fair"):
             raise LockConfigurationError("fair=True needs a single server to queue waiters; not with several")
         super().__init__(name, ttl, watchdog=watchdog, fair=fair, timeout=timeout, holder=holder)
         self._quorum = self.servers = Quorum(clients, self.name, self.ttl, node_timeout)

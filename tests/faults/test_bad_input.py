@@ -13,14 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import redis.asyncio
 from celery import Celery
 
 from celery_redislock import (
+    AsyncRedisLock,
+    AsyncRedisSemaphore,
     LockConfigurationError,
     LockedTask,
     LockKeyError,
     RedisLock,
     RedisLockError,
+    RedisSemaphore,
     task_lock_key,
 )
 from celery_redislock import connection as connection_module
@@ -99,6 +103,11 @@ def deeply_nested(depth: int = 100_000) -> list[Any]:
         inner.append([])
         inner = inner[0]
     return top
+
+
+def async_client(env: Env) -> redis.asyncio.Redis:
+    """An asyncio client of the test's server (not connected: the constructors send nothing)."""
+    return redis.asyncio.Redis(host="127.0.0.1", port=env.server.port)
 
 
 def raising_lock_on(a: Any, b: Any = 2) -> Any:
@@ -294,6 +303,61 @@ CASES = [
         LockConfigurationError,
         ["timeout cannot be given with blocking=False"],
         id="lock-timeout-without-blocking",
+    ),
+    # a flag given as a str ("no", "false"): taken as True
+    pytest.param(
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k", fair="no"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["fair must be True or False, got 'no'"],
+        id="lock-fair-a-string",
+    ),
+    pytest.param(
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k", watchdog="false"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["watchdog must be True or False, got 'false'"],
+        id="lock-watchdog-a-string",
+    ),
+    pytest.param(
+        lambda env: RedisLock([env.server.client()], f"{env.prefix}:k", fair="no"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["fair must be True or False, got 'no'"],
+        id="redlock-fair-a-string",
+    ),
+    pytest.param(
+        lambda env: RedisSemaphore(env.server.client(), f"{env.prefix}:k", 2, fair="no"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["fair must be True or False, got 'no'"],
+        id="semaphore-fair-a-string",
+    ),
+    pytest.param(
+        lambda env: AsyncRedisLock(async_client(env), f"{env.prefix}:k", watchdog="no"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["watchdog must be True or False, got 'no'"],
+        id="async-lock-watchdog-a-string",
+    ),
+    pytest.param(
+        lambda env: AsyncRedisSemaphore(async_client(env), f"{env.prefix}:k", 2, fair="no"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["fair must be True or False, got 'no'"],
+        id="async-semaphore-fair-a-string",
+    ),
+    pytest.param(  # it waited for the lock: held, and left in Redis
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k").acquire(blocking="no"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["blocking must be True or False, got 'no'"],
+        id="lock-blocking-a-string",
+    ),
+    pytest.param(
+        lambda env: RedisSemaphore(env.server.client(), f"{env.prefix}:k", 2).acquire(blocking="no"),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["blocking must be True or False, got 'no'"],
+        id="semaphore-blocking-a-string",
+    ),
+    pytest.param(  # it took the enqueue lock and sent the message
+        lambda env: env.task().apply_async((1,), lock_in_canvas="no"),
+        LockConfigurationError,
+        ["task 'bad.add'", "lock_in_canvas='no' is not valid; allowed: True or False"],
+        id="lock-in-canvas-a-string",
     ),
     pytest.param(
         lambda env: RedisLock(env.server.url, f"{env.prefix}:k"),
