@@ -519,6 +519,19 @@ def _lease(problem: _Problem, option: str, value: object, settings: AppSettings)
     return ttl
 
 
+def _period(problem: _Problem, option: str, value: object, mode: str) -> float | None:
+    """``lock_period`` in seconds: needed by the modes that keep the lock after a run, refused on
+    a task of another mode (the app's ``redislock_period`` is the default of those that use it)."""
+    period = None if value is None else _duration(problem, option, value, 0.001)
+    settles = MODE_RULES[mode].settles
+    if settles and period is None:
+        raise problem("lock_period", None, f"{mode} needs it: how long the lock stays after a run")
+    if option == "lock_period" and period is not None and not settles:
+        allowed = "keeps no lock after a run (a period is for 'until_expired')"
+        raise problem(option, value, f"lock_mode {mode!r} {allowed}")
+    return period
+
+
 def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOptions:
     """Options of the task class ``task``: attribute > ``app.conf.redislock_*`` > default, validated
     (``settings``: the app's, validated)."""
@@ -544,10 +557,7 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
     busy_option, busy = raw("busy")
     rules = MODE_RULES[mode]
     busy = _choice(problem, busy_option, rules.default_busy if busy is None else busy, BUSY)
-    option, period_value = raw("period")
-    period = None if period_value is None else _duration(problem, option, period_value, 0.001)
-    if rules.settles and period is None:
-        raise problem("lock_period", None, f"{mode} needs it: how long the lock stays after a run")
+    period = _period(problem, *raw("period"), mode)
     option, wait_value = raw("wait_timeout")
     duplicate_option, duplicate = raw("duplicate")
     duplicate = _choice(problem, duplicate_option, duplicate, DUPLICATE)

@@ -186,7 +186,8 @@ def make_app(url: str, prefix: str, queue: str, without: tuple[str, ...] = (), *
         locked_task(name=f"taskapp.hold_{busy}", lock_busy=busy, lock_retry_delay=0.2)(gated)
 
     for mode in ("until_executing", "until_executed", "until_and_while_executing", "until_expired"):
-        locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=600)(gated)
+        period = 600 if mode == "until_expired" else None  # the only mode that keeps the lock after a run
+        locked_task(name=f"taskapp.{mode}", lock_mode=mode, lock_retry_delay=0.2, lock_period=period)(gated)
     # its pool child dies once the run is over (``_die_after_the_run``), its result not stored
     locked_task(
         name="taskapp.until_expired_dies", lock_mode="until_expired", lock_period=600, ignore_result=True

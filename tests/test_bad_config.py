@@ -94,6 +94,35 @@ def test_until_expired_needs_a_period(app: Celery) -> None:
 
 
 @pytest.mark.parametrize(
+    "mode", ["while_executing", "until_executing", "until_executed", "until_and_while_executing"]
+)
+def test_a_period_on_a_task_whose_mode_keeps_no_lock_after_its_runs_is_refused(
+    app: Celery, client: redis.Redis, prefix: str, mode: str
+) -> None:
+    """``lock_period`` is how long ``until_expired`` keeps the lock after a run; on a task of
+    another mode it was ignored, the task run as if it kept nothing (a once-a-day job, say, run
+    as often as called)."""
+    with pytest.raises(LockConfigurationError) as raised:
+        define(app, lock_mode=mode, lock_period=timedelta(days=1))
+    message = str(raised.value)
+    assert message.startswith(f"task 'cfg.add': lock_period={timedelta(days=1)!r} is not valid; ")
+    assert f"lock_mode {mode!r} keeps no lock after a run" in message and "'until_expired'" in message
+    assert nothing_under(client, prefix)
+
+
+def test_the_apps_period_is_the_default_of_its_until_expired_tasks_alone(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    app = new_app(redis_server.url, prefix, redislock_period=60)
+    try:
+        assert define(app).lock_options.period_ms == 0
+        expiring = define(app, name="cfg.expiring", lock_mode="until_expired")
+        assert expiring.lock_options.period_ms == 60_000
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize(
     ("setting", "value", "culprits"),
     [
         ("redislock_url", "http://localhost", ["redislock_url='http://localhost' is not valid"]),
