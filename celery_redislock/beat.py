@@ -85,6 +85,7 @@ from celery.utils.time import maybe_make_aware
 from ._durations import to_ms
 from ._process import current_pid
 from ._task_scripts import CLAIM
+from .attempt import is_utf8
 from .config import app_settings, bound_options
 from .connection import GIVEN_CLIENT, client_for
 from .exceptions import LockConfigurationError, LockNotOwned, RedisLockError
@@ -443,7 +444,8 @@ class BeatGuard:
 
         Returns what the scheduler's ``apply_async`` returns, or ``None`` when
         nothing was sent. Raises ``LockConfigurationError`` for an entry whose
-        opt-in or schedule is invalid (beat logs it and sends nothing).
+        opt-in, schedule or name (not UTF-8 text) is invalid (beat logs it and
+        sends nothing); an entry not opted in here is sent without a slot then.
         """
         if self.leader is not None and not self.leader.still_leads():
             fields = log_fields(holder=self.holder, outcome="not-leader")
@@ -455,6 +457,8 @@ class BeatGuard:
         if opted is False:
             return self._apply_async(entry, producer, advance, **kwargs)
         try:
+            if not is_utf8(entry.name):  # the slot's marker holds it
+                raise LockConfigurationError("its name, which its slot marker holds, is not UTF-8 text")
             slot = slot_of(entry.schedule, entry.schedule.now())
         except LockConfigurationError as exc:
             if opted:

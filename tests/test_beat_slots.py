@@ -20,6 +20,7 @@ from typing import Any, Literal
 from zoneinfo import ZoneInfo
 
 import pytest
+import redis
 from celery import Celery
 from celery.beat import Scheduler
 from celery.schedules import BaseSchedule, crontab, schedule, solar
@@ -820,6 +821,41 @@ def test_bad_opt_ins_and_settings_name_the_task_entry_option_and_value(app: Cele
     with pytest.raises(LockConfigurationError, match=r"beat entry 'odd': cannot tell the slots"):
         beat.scheduler.apply_async(beat.scheduler.schedule["odd"])
     assert sent(app) == []  # neither was sent
+
+
+@pytest.mark.parametrize(
+    ("task", "options"),
+    [("taskapp.beat_job", {}), ("taskapp.beat_job", {"lock_beat": True})],  # its task's opt-in, its own
+)
+def test_an_entry_whose_name_no_slot_marker_can_hold_is_refused_by_name(
+    app: Celery, client: redis.Redis, prefix: str, task: str, options: dict[str, Any]
+) -> None:
+    """A slot marker holds its entry's name (``{prefix}:slot:{entry}:{slot}``): a name with a
+    lone surrogate (not UTF-8 text) failed in redis-py with a ``UnicodeEncodeError`` naming
+    neither the entry nor the marker."""
+    name = "nightly\udcff"
+    beat = SimulatedBeat(
+        app, Clock(at(2026, 1, 1)), 0, {name: {"task": task, "schedule": every(1), "options": options}}
+    )
+    with pytest.raises(LockConfigurationError) as raised:
+        beat.scheduler.apply_async(beat.scheduler.schedule[name])
+    message = str(raised.value)
+    assert message.startswith(f"beat entry {name!r}: ") and "UTF-8" in message
+    assert sent(app) == []
+    assert [*client.scan_iter(match=f"{prefix}*")] == []
+
+
+def test_an_entry_of_a_task_beat_does_not_know_whose_name_no_marker_can_hold_is_sent_without_a_slot(
+    app: Celery, client: redis.Redis, prefix: str
+) -> None:
+    """As an entry whose schedule has no slots: beat cannot tell whether its task wants one (the
+    worker's task decides). It was sent with a slot whose marker the worker could not claim."""
+    name = "nightly\udcff"
+    entries = {name: {"task": "taskapp.beat_fallback", "schedule": every(1), "args": ["s"]}}
+    beat = SimulatedBeat(app, Clock(at(2026, 1, 1)), 0, entries)
+    beat.scheduler.apply_async(beat.scheduler.schedule[name])
+    assert sent(app) == [("['s']", None, None)]
+    assert [*client.scan_iter(match=f"{prefix}*")] == []
 
 
 def test_only_a_guarded_beat_stamps_the_messages_it_sends() -> None:
