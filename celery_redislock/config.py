@@ -45,6 +45,7 @@ __all__ = [
     "call_headers",
     "check_call_options",
     "check_client",
+    "check_task_id",
     "run_key",
     "task_options",
 ]
@@ -175,13 +176,21 @@ class AppSettings:
 CALL_OPTIONS = frozenset({"lock_in_canvas", "lock_beat", REPUBLISH})
 
 
+def check_task_id(task: Any, task_id: object) -> None:
+    """``LockConfigurationError`` naming a ``task_id`` that no lock's holder can name: no str, or
+    not UTF-8 text."""
+    if not isinstance(task_id, str) or not is_utf8(task_id):
+        allowed = "allowed: a str" + (" of UTF-8 text" if isinstance(task_id, str) else "")
+        raise LockConfigurationError(f"task {task.name!r}: task_id={task_id!r} is not valid; {allowed}")
+
+
 def check_call_options(task: Any, task_id: object, options: Mapping[str, Any]) -> None:
-    """``LockConfigurationError`` naming a ``task_id`` that is no str (a holder names it), a
+    """``LockConfigurationError`` naming a ``task_id`` a holder cannot name (``check_task_id``), a
     ``lock_in_canvas`` that is no bool, or a ``lock_*`` option of a call that no call takes (a
     task option, or a misspelt one), which Celery would send among the message's properties,
     unread."""
-    if task_id is not None and not isinstance(task_id, str):
-        raise LockConfigurationError(f"task {task.name!r}: task_id={task_id!r} is not valid; allowed: a str")
+    if task_id is not None:
+        check_task_id(task, task_id)
     in_canvas = options.get("lock_in_canvas", False)
     if not isinstance(in_canvas, bool):  # a "no" would opt in
         raise LockConfigurationError(

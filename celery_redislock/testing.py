@@ -48,7 +48,7 @@ import redis.sentinel
 
 from ._durations import Duration
 from ._process import current_pid
-from .config import app_settings
+from .config import app_settings, check_task_id
 from .connection import Client, client_for
 from .exceptions import LockConfigurationError
 from .inventory import HeldLock, glob_escape, held_locks
@@ -444,9 +444,11 @@ def hold(
     for, without a limit. For a task with ``lock_limit`` N above 1, every one of its N
     places is taken (``places``: that many, 1 to N), as N runs hold them: a permit each, the
     first as ``task_id``, the others as ``task_id-2``, ``task_id-3``... (one run holds one
-    place); the first is yielded. With ``redislock_enabled=False``: ``LockConfigurationError``.
+    place); the first is yielded. With ``redislock_enabled=False``, or a ``task_id`` that is no
+    str of UTF-8 text: ``LockConfigurationError``.
     """
     key = task_lock_key(task, args, kwargs)  # LockConfigurationError unless a bound LockedTask
+    check_task_id(task, task_id)
     if not app_settings(task.app).enabled:  # the tasks would ignore the lock held
         raise LockConfigurationError(f"task {task.name!r}: hold() needs redislock_enabled=True")
     limit = task.lock_options.limit

@@ -28,7 +28,7 @@ from celery_redislock import (
     task_lock_key,
 )
 from celery_redislock import connection as connection_module
-from celery_redislock.testing import RedisServer
+from celery_redislock.testing import RedisServer, hold
 from tests import invariants
 
 SECRET = "s3cret-pw"
@@ -215,6 +215,30 @@ CASES = [
         LockConfigurationError,
         ["task 'bad.add'", f"task_id={TASK_UUID!r} is not valid; allowed: a str"],
         id="signature-apply-async-task-id-a-uuid",
+    ),
+    pytest.param(  # a bare UnicodeEncodeError, naming neither the task nor the task id
+        lambda env: env.task().apply_async((1,), task_id="run\udcff"),
+        LockConfigurationError,
+        ["task 'bad.add'", "task_id='run\\udcff' is not valid; allowed: a str of UTF-8 text"],
+        id="apply-async-task-id-a-lone-surrogate",
+    ),
+    pytest.param(  # ran the task, which failed with a UnicodeEncodeError as its holder was written
+        lambda env: env.task().apply((1,), task_id="run\udcff"),
+        LockConfigurationError,
+        ["task 'bad.add'", "task_id='run\\udcff' is not valid; allowed: a str of UTF-8 text"],
+        id="apply-task-id-a-lone-surrogate",
+    ),
+    pytest.param(  # TypeError: quote_from_bytes() expected bytes
+        lambda env: hold(env.task(), (1,), task_id=TASK_UUID).__enter__(),  # type: ignore[arg-type]
+        LockConfigurationError,
+        ["task 'bad.add'", f"task_id={TASK_UUID!r} is not valid; allowed: a str"],
+        id="hold-task-id-a-uuid",
+    ),
+    pytest.param(
+        lambda env: hold(env.task(), (1,), task_id="run\udcff").__enter__(),
+        LockConfigurationError,
+        ["task 'bad.add'", "task_id='run\\udcff' is not valid; allowed: a str of UTF-8 text"],
+        id="hold-task-id-a-lone-surrogate",
     ),
     # -- connections and permissions, refused at apply_async (redislock_on_error="fail")
     pytest.param(
