@@ -176,12 +176,15 @@ class AppSettings:
 CALL_OPTIONS = frozenset({"lock_in_canvas", "lock_beat", REPUBLISH})
 
 
-def check_task_id(task: Any, task_id: object) -> None:
-    """``LockConfigurationError`` naming a ``task_id`` that no lock's holder can name: no str, or
-    not UTF-8 text."""
+def check_task_id(task: Any, task_id: object) -> str | None:
+    """``task_id``, or ``LockConfigurationError`` naming one that no lock's holder can name:
+    neither ``None`` nor a str, or not UTF-8 text."""
+    if task_id is None or (type(task_id) is str and task_id.isascii()):  # every run's: the common case
+        return task_id
     if not isinstance(task_id, str) or not is_utf8(task_id):
         allowed = "allowed: a str" + (" of UTF-8 text" if isinstance(task_id, str) else "")
         raise LockConfigurationError(f"task {task.name!r}: task_id={task_id!r} is not valid; {allowed}")
+    return task_id
 
 
 def check_call_options(task: Any, task_id: object, options: Mapping[str, Any]) -> None:
@@ -189,8 +192,7 @@ def check_call_options(task: Any, task_id: object, options: Mapping[str, Any]) -
     ``lock_in_canvas`` that is no bool, or a ``lock_*`` option of a call that no call takes (a
     task option, or a misspelt one), which Celery would send among the message's properties,
     unread."""
-    if task_id is not None:
-        check_task_id(task, task_id)
+    check_task_id(task, task_id)
     in_canvas = options.get("lock_in_canvas", False)
     if not isinstance(in_canvas, bool):  # a "no" would opt in
         raise LockConfigurationError(

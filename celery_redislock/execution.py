@@ -46,7 +46,7 @@ from ._process import current_pid
 from ._task_scripts import CLAIM, LET_GO, SETTLE
 from .attempt import hostname, seconds_left
 from .busy import when_busy
-from .config import AppSettings, LockOptions, run_key
+from .config import AppSettings, LockOptions, check_task_id, run_key
 from .connection import ClientUnavailable, client_for
 from .enqueue import checked_delay, enqueue_retry, give_up_ticket, superseded
 from .exceptions import LockKeyError, LockNotReplicated, RedisLockError
@@ -189,7 +189,7 @@ class Execution:
     ) -> None:
         self.task, self.options, self.settings, self.key = task, options, settings, key
         self.request, self.args, self.kwargs = request, args, kwargs
-        self.task_id: str | None = None if request is None else request.id
+        self.task_id = None if request is None else check_task_id(task, request.id)  # send_task's unchecked
         self.retries: int = 0 if request is None else request.retries or 0
         self.node: str = (None if request is None else request.hostname) or hostname()
         self.lock: ExecutionLock | None = None

@@ -30,6 +30,7 @@ from celery_redislock import (
 from celery_redislock import connection as connection_module
 from celery_redislock.testing import RedisServer, hold
 from tests import invariants
+from tests.workers import threads_worker
 
 SECRET = "s3cret-pw"
 TASK_UUID = uuid.UUID("6a1f7a3e-0c1b-4c9e-9f55-3d2b8e1d4c21")
@@ -450,4 +451,20 @@ def test_redis_errors_name_the_url_but_not_its_password(env: Env) -> None:
     assert client.llen(env.queue) == 1
     assert invariants.keys_of(client, env.prefix) == []
     client.delete(env.queue)
+    client.close()
+
+
+@pytest.mark.parametrize("mode", ["while_executing", "until_executed"])
+def test_a_message_whose_task_id_is_no_str_fails_its_run_naming_it(env: Env, mode: str) -> None:
+    """``send_task`` sends the ``task_id`` it is given (no ``apply_async`` checks it), which kombu
+    delivers as a ``uuid.UUID``: the run failed with ``TypeError: quote_from_bytes() expected
+    bytes`` as its holder was written. It fails naming the task and the id, nothing taken."""
+    task = env.task(lock_mode=mode)
+    with threads_worker(task.app, concurrency=1):
+        result = task.app.send_task("bad.add", (1,), task_id=TASK_UUID)
+        with pytest.raises(LockConfigurationError) as raised:
+            result.get(timeout=30)
+    assert f"task 'bad.add': task_id={TASK_UUID!r} is not valid; allowed: a str" in str(raised.value)
+    client = env.server.client()
+    assert invariants.keys_of(client, env.prefix) == []
     client.close()
