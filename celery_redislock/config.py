@@ -340,6 +340,10 @@ def _unknown(problem: _Problem, kind: str, name: str, known: list[str]) -> LockC
     return LockConfigurationError(f"{problem.where}: unknown {kind} {name!r}{hint}")
 
 
+#: The query options of a URL that redis-py reads as seconds.
+_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")
+
+
 def _check_url(problem: _Problem, url: object) -> None:
     """``redislock_url`` as redis-py will read it, or an error showing it with its password masked."""
     allowed = (
@@ -378,6 +382,12 @@ def _check_url(problem: _Problem, url: object) -> None:
     refused = _refused_options(url)
     if refused is not None:
         raise problem("redislock_url", shown, f"{allowed}: {refused}")
+    for option in _TIMEOUTS:  # redis-py sets them on the socket as given, at the first connection
+        if option in parsed and not 0 < parsed[option] <= MAX_TTL:  # NaN, too
+            limits = (
+                f"{option}={parsed[option]!r} must be > 0 and <= {MAX_TTL:.0f} seconds (none: leave it out)"
+            )
+            raise problem("redislock_url", shown, f"{allowed}: {limits}")
     database = urlsplit(url).path.strip("/")
     if scheme != "unix" and database and "db" not in parsed:  # redis-py would quietly use db 0
         raise problem("redislock_url", shown, f"{allowed}: the database {database!r} is not a number")

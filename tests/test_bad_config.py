@@ -181,6 +181,27 @@ def test_the_apps_period_is_the_default_of_its_until_expired_tasks_alone(
             f"redis://:pre;{SECRET}@127.0.0.1:6379/locks",
             ["redislock_url='redis://:**@127.0.0.1:6379/locks'", "'locks' is not a number"],
         ),
+        # timeouts redis-py takes from the query, unchecked: the first apply_async raised a bare
+        # ValueError ("Invalid value NaN", "Timeout value out of range") or OverflowError
+        *(
+            (
+                "redislock_url",
+                f"redis://:{SECRET}@127.0.0.1:6379/0?{query}",
+                [f"redislock_url='redis://:**@127.0.0.1:6379/0?{query}'", f"{query.split('=')[0]}="],
+            )
+            for query in (
+                "socket_timeout=nan",
+                "socket_timeout=-1",
+                "socket_timeout=0",
+                "socket_connect_timeout=inf",
+                "socket_timeout=1e400",
+            )
+        ),
+        (
+            "redislock_url",
+            f"redis-cluster://:{SECRET}@127.0.0.1:7000,127.0.0.1:7001/0?socket_timeout=nan",
+            ["redislock_url='redis-cluster://:**@127.0.0.1:7000,127.0.0.1:7001/0?socket_timeout=nan'"],
+        ),
         ("redislock_prefix", "a{b}", ["redislock_prefix='a{b}' is not valid"]),
         ("redislock_prefix", 5, ["redislock_prefix=5"]),
         # text no Redis key can hold: each failed at the first apply_async with a UnicodeError
