@@ -23,11 +23,10 @@ from urllib.parse import urlsplit
 import redis
 import redis.cluster
 from celery import states
-from redis.connection import parse_url
 
 from ._durations import seconds, to_ms
 from ._permit_scripts import MAX_LIMIT
-from ._urls import cluster_parts, listed, masked
+from ._urls import cluster_parts, listed, masked, url_problem
 from .attempt import MAX_TTL, MIN_WATCHDOG_TTL, companion_key, is_utf8
 from .exceptions import LockConfigurationError
 from .keys import LockOn, call_digest, lock_key
@@ -321,27 +320,10 @@ def _bound_run(task: type[Any]) -> Callable[..., Any]:
     return functools.partial(run, None) if inspect.isfunction(run) else task.run
 
 
-@functools.lru_cache(maxsize=16)
-def _refused_options(url: str) -> str | None:
-    """Why a connection of ``url`` (a ``redis``, ``rediss`` or ``unix`` URL) refuses its query's
-    options (an unknown one: redis-py keeps it, and its first connection raises ``TypeError``;
-    a bad value: a ``RedisError``), or ``None``. Cached: making the pool and connection (nothing
-    is sent) costs about 0.6 ms, and the settings are read for every task bound."""
-    try:
-        redis.Redis.from_url(url).connection_pool.make_connection()
-    except (TypeError, ValueError, redis.RedisError) as exc:  # a RedisError: protocol=4, say
-        return str(exc)
-    return None
-
-
 def _unknown(problem: _Problem, kind: str, name: str, known: list[str]) -> LockConfigurationError:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
     return LockConfigurationError(f"{problem.where}: unknown {kind} {name!r}{hint}")
-
-
-#: The query options of a URL that redis-py reads as seconds.
-_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")
 
 
 def _check_url(problem: _Problem, url: object) -> None:
@@ -375,22 +357,9 @@ def _check_url(problem: _Problem, url: object) -> None:
         return
     if scheme in ("redis-cluster", "rediss-cluster"):  # its nodes: read by connection.redis_client
         url = cluster_parts(url)[0]  # what redis-py reads of the rest: as for one server
-    try:
-        parsed = parse_url(url)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
-        raise problem("redislock_url", shown, f"{allowed}: {exc}") from None
-    refused = _refused_options(url)
-    if refused is not None:
-        raise problem("redislock_url", shown, f"{allowed}: {refused}")
-    for option in _TIMEOUTS:  # redis-py sets them on the socket as given, at the first connection
-        if option in parsed and not 0 < parsed[option] <= MAX_TTL:  # NaN, too
-            limits = (
-                f"{option}={parsed[option]!r} must be > 0 and <= {MAX_TTL:.0f} seconds (none: leave it out)"
-            )
-            raise problem("redislock_url", shown, f"{allowed}: {limits}")
-    database = urlsplit(url).path.strip("/")
-    if scheme != "unix" and database and "db" not in parsed:  # redis-py would quietly use db 0
-        raise problem("redislock_url", shown, f"{allowed}: the database {database!r} is not a number")
+    unusable = url_problem(url)
+    if unusable is not None:
+        raise problem("redislock_url", shown, f"{allowed}: {unusable}")
 
 
 def _key_secret(problem: _Problem, value: object) -> bytes | None:

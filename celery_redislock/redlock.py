@@ -42,14 +42,13 @@ import time as mod_time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 
 from ._durations import Duration, to_ms
 from ._redis import FAILURES, checkout
 from ._scripts import ACQUIRE, RELEASE, RENEW, Script, bulks
-from ._urls import masked
+from ._urls import masked, url_problem
 from .attempt import Attempt, flag, lease_seconds, owns
 from .exceptions import LockConfigurationError
 from .primitive import LeaseLock
@@ -76,14 +75,10 @@ def _clients(servers: object, timeout: float) -> list[redis.Redis]:
     clients: list[redis.Redis] = []
     for server in servers:
         if isinstance(server, str):
-            database = urlsplit(server).path.strip("/")
-            if not server.startswith("unix:") and database and not database.isdigit():  # redis-py: db 0
-                problem = f"the database {database!r} is not a number"
+            problem = url_problem(server)
+            if problem is not None:
                 raise LockConfigurationError(f"client: bad Redis URL {masked(server)!r}: {problem}")
-            try:
-                server = redis.Redis.from_url(server, socket_timeout=timeout, socket_connect_timeout=timeout)
-            except ValueError as exc:
-                raise LockConfigurationError(f"client: bad Redis URL {masked(server)!r}: {exc}") from None
+            server = redis.Redis.from_url(server, socket_timeout=timeout, socket_connect_timeout=timeout)
         if type(server) is not redis.Redis:
             raise LockConfigurationError(
                 f"client: each server must be a redis.Redis or a redis:// URL, got {type(server).__name__}"

@@ -111,6 +111,12 @@ def async_client(env: Env) -> redis.asyncio.Redis:
     return redis.asyncio.Redis(host="127.0.0.1", port=env.server.port)
 
 
+def redlock_of(env: Env, query: str) -> RedisLock:
+    """A Redlock of the test's server, by a URL with a password and ``query``, and of db 1 there."""
+    url = env.server.url.replace("redis://", f"redis://:{SECRET}@")
+    return RedisLock([f"{url}?{query}", env.server.url.replace("/0", "/1")], f"{env.prefix}:k")
+
+
 def raising_lock_on(a: Any, b: Any = 2) -> Any:
     raise KeyError("tenant")
 
@@ -383,6 +389,26 @@ CASES = [
         LockConfigurationError,
         ["task 'bad.add'", "lock_in_canvas='no' is not valid; allowed: True or False"],
         id="lock-in-canvas-a-string",
+    ),
+    # a Redlock's URL that redis-py takes, and whose first connection fails (an app's redislock_url
+    # is checked so when the task is bound)
+    pytest.param(  # TypeError: AbstractConnection.__init__() got an unexpected keyword argument
+        lambda env: redlock_of(env, "colour=red").acquire(blocking=False),
+        LockConfigurationError,
+        ["client: bad Redis URL 'redis://:**@127.0.0.1", "?colour=red'", "'colour'"],
+        id="redlock-url-an-unknown-option",
+    ),
+    pytest.param(  # ValueError: Timeout value out of range
+        lambda env: redlock_of(env, "socket_timeout=-1").acquire(blocking=False),
+        LockConfigurationError,
+        ["client: bad Redis URL 'redis://:**@127.0.0.1", "socket_timeout=-1.0 must be > 0"],
+        id="redlock-url-a-timeout-out-of-range",
+    ),
+    pytest.param(  # the server counted as refusing, each time: False, or a blocking acquire forever
+        lambda env: redlock_of(env, "protocol=4").acquire(blocking=False),
+        LockConfigurationError,
+        ["client: bad Redis URL 'redis://:**@127.0.0.1", "?protocol=4'", "protocol"],
+        id="redlock-url-a-protocol-redis-py-refuses",
     ),
     pytest.param(
         lambda env: RedisLock(env.server.url, f"{env.prefix}:k"),
