@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_REPLICAS",
     "MAX_TTL",
     "MIN_WATCHDOG_TTL",
     "SHORTEST_PAUSE",
@@ -58,6 +59,9 @@ __all__ = [
 MIN_WATCHDOG_TTL = 0.3
 #: Longest lease accepted (Redis refuses expiry times past its range).
 MAX_TTL = 365 * 24 * 3600.0
+
+#: Most replicas an acquisition may wait for: the largest count Redis's ``WAIT`` takes.
+MAX_REPLICAS = 2**63 - 1
 
 #: (holder description, its TTL in seconds) of a lock an attempt found busy; (None, None) before.
 Busy = tuple[str | None, float | None]

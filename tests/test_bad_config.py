@@ -202,6 +202,12 @@ def test_the_apps_period_is_the_default_of_its_until_expired_tasks_alone(
             f"redis-cluster://:{SECRET}@127.0.0.1:7000,127.0.0.1:7001/0?socket_timeout=nan",
             ["redislock_url='redis-cluster://:**@127.0.0.1:7000,127.0.0.1:7001/0?socket_timeout=nan'"],
         ),
+        # past what Redis's WAIT takes: every acquisition failed ("value is not an integer or out of range")
+        (
+            "redislock_replicas",
+            2**63,
+            [f"redislock_replicas={2**63} is not valid; allowed: an int from 0 to"],
+        ),
         ("redislock_prefix", "a{b}", ["redislock_prefix='a{b}' is not valid"]),
         ("redislock_prefix", 5, ["redislock_prefix=5"]),
         # text no Redis key can hold: each failed at the first apply_async with a UnicodeError

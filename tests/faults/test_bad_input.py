@@ -410,6 +410,12 @@ CASES = [
         ["client: bad Redis URL 'redis://:**@127.0.0.1", "?protocol=4'", "protocol"],
         id="redlock-url-a-protocol-redis-py-refuses",
     ),
+    pytest.param(  # past what Redis's WAIT takes: a bare ResponseError at each acquire
+        lambda env: RedisLock(env.server.client(), f"{env.prefix}:k", replicas=2**63).acquire(),
+        LockConfigurationError,
+        [f"replicas must be an int from 0 to {2**63 - 1}, got {2**63}"],
+        id="lock-replicas-out-of-range",
+    ),
     pytest.param(
         lambda env: RedisLock(env.server.url, f"{env.prefix}:k"),
         LockConfigurationError,
