@@ -499,7 +499,7 @@ class _AsyncWatchdog(LeaseSet):
         self.drop(lease)
         lock = mark_lost(lease)
         if lock is not None:
-            announce_loss(lock, lease, reason)
+            announce_loss(lock, reason)
 
 
 def _being_cancelled(task: asyncio.Task[Any]) -> bool:

@@ -13,7 +13,8 @@ a receiver is logged by Celery and never reaches the lock or the task.
 * ``lock_released(sender=task, key, task_id, held, fence)``: a task's lock was released,
   ``held`` seconds after it was taken; ``fence`` is the hold's.
 * ``lock_lost(sender=lock, key, reason)``: the watchdog found a held lock
-  gone or owned by another token (``sender`` is the ``RedisLock``; ``reason``
+  gone or owned by another token (``sender`` is the ``RedisLock``; ``key`` its name, a
+  semaphore's too, not its permit's: the key ``lock_acquired`` names; ``reason``
   is ``"not owned"`` or ``"expired"``, the latter when renewals failed until
   the lease ran out).
 * ``task_deduplicated(sender=task, key, existing_task_id)``: an enqueue was

@@ -238,8 +238,8 @@ class Watchdog(LeaseSet):
         self.pid = current_pid()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        #: losses to log and signal (lock, lease, reason), and the thread doing it
-        self._reports: deque[tuple[Any, Lease, str]] = deque()
+        #: losses to log and signal (lock, reason), and the thread doing it
+        self._reports: deque[tuple[Any, str]] = deque()
         self._reporter: threading.Thread | None = None
         #: the thread's own connections: (id of client or Cluster node, timeout)
         #: -> (that client, connection, monotonic time of last use)
@@ -472,7 +472,7 @@ class Watchdog(LeaseSet):
         if lock is None:
             return
         with self._cond:
-            self._reports.append((lock, lease, reason))
+            self._reports.append((lock, reason))
             if self._reporter is None:  # as in ``add``: none recorded if it could not start
                 self._reporter = _started(self._announce, "celery-redislock-loss-reports")
 
@@ -483,9 +483,9 @@ class Watchdog(LeaseSet):
                 if not self._reports:
                     self._reporter = None
                     return
-                lock, lease, reason = self._reports.popleft()
+                lock, reason = self._reports.popleft()
             try:
-                announce_loss(lock, lease, reason)
+                announce_loss(lock, reason)
             # the thread must survive what a receiver raises, its sys.exit() too; not an exit
             # thrown into it (gevent's GreenletExit, killing the greenlet it is under gevent)
             except (Exception, SystemExit):
@@ -512,17 +512,19 @@ def mark_lost(lease: Lease) -> Any:
     return lock if lock is not None and lock.lease_lost(lease) else None
 
 
-def announce_loss(lock: Any, lease: Lease, reason: str) -> None:
-    """The ERROR log and the ``lock_lost`` signal of ``lock``'s loss of ``lease``."""
+def announce_loss(lock: Any, reason: str) -> None:
+    """The ERROR log and the ``lock_lost`` signal of ``lock``'s loss of its hold, both naming the
+    lock (``lock.name``, the key its other signals name), not the key its lease renewed (a
+    semaphore's permit)."""
     logger.error(
         "lock %r lost (%s): it is no longer held by this owner",
-        lease.key,
+        lock.name,
         reason,
-        extra=telemetry.log_fields(lease.key, holder=getattr(lock, "holder", None), outcome=reason),
+        extra=telemetry.log_fields(lock.name, holder=getattr(lock, "holder", None), outcome=reason),
     )
     # an execution lock names its task; a lock of no task counts as ""
     telemetry.lost(getattr(lock, "task_name", ""), reason)
-    signals.lock_lost.send(sender=lock, key=lease.key, reason=reason)
+    signals.lock_lost.send(sender=lock, key=lock.name, reason=reason)
 
 
 def renewal_answered(

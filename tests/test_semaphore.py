@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -21,6 +22,7 @@ from redis.crc import key_slot
 from celery_redislock import LockConfigurationError, LockNotAcquired, LockNotOwned, RedisLock, RedisSemaphore
 from celery_redislock.lock import companion_key
 from celery_redislock.semaphore import release_permit_held_by
+from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisClusterServers, RedisServer
 from tests import invariants
 from tests.conftest import calls_since, command_calls
@@ -565,3 +567,24 @@ def test_a_woken_waiter_that_gives_up_passes_the_wake_on(client: redis.Redis, pr
     assert isinstance(ACQUIRE_PERMIT(client, [name], [members[second], "again", 1]), bytes)
     assert RELEASE_PERMIT(client, [name], [second, "", 1]) == 1
     assert invariants.keys_of(client, prefix) == []
+
+
+def test_a_lost_permit_is_signalled_under_the_semaphores_name(client: redis.Redis, prefix: str) -> None:
+    """``lock_lost``'s ``key`` is the semaphore's name (the ``key`` its holders know it by), not
+    the key of the permit it held, which is the package's own layout."""
+    name = f"{prefix}:s"
+    reports: list[dict[str, Any]] = []
+
+    def receiver(sender: Any = None, **kwargs: Any) -> None:
+        if sender is semaphore:
+            reports.append(kwargs)
+
+    semaphore = RedisSemaphore(client, name, 2, ttl=0.6)
+    lock_lost.connect(receiver, weak=False)
+    try:
+        assert semaphore.acquire()
+        client.delete(permit(name, 1))  # as if its lease ran out unrenewed
+        wait_for(lambda: reports, 10, "the loss to be reported")
+    finally:
+        lock_lost.disconnect(receiver)
+    assert [(report["key"], report["reason"]) for report in reports] == [(name, "not owned")]

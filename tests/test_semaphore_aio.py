@@ -21,6 +21,7 @@ from celery_redislock import (
 from celery_redislock._permit_scripts import RELEASE_PERMIT
 from celery_redislock._scripts import RELEASE, Script
 from celery_redislock.lock import companion_key
+from celery_redislock.signals import lock_lost
 from celery_redislock.testing import RedisServer
 from tests import invariants
 from tests.conftest import calls_since, command_calls
@@ -203,3 +204,30 @@ def test_a_resent_release_does_not_raise_lock_not_owned(
     run(redis_server, body)
     with redis_server.client() as client:
         assert invariants.keys_of(client, prefix) == []
+
+
+def test_a_lost_permit_is_signalled_under_the_semaphores_name(redis_server: RedisServer, prefix: str) -> None:
+    """As the sync semaphore's: ``lock_lost``'s ``key`` is the semaphore's name, not its permit's."""
+    name = f"{prefix}:s"
+    reports: list[dict[str, Any]] = []
+
+    def receiver(sender: Any = None, **kwargs: Any) -> None:
+        if isinstance(sender, AsyncRedisSemaphore) and sender.name == name:
+            reports.append(kwargs)
+
+    async def body(client: redis.asyncio.Redis) -> None:
+        semaphore = AsyncRedisSemaphore(client, name, 2, ttl=0.6)
+        assert await semaphore.acquire()
+        await client.delete(companion_key(name, "permit:1"))  # as if its lease ran out unrenewed
+
+        async def reported() -> bool:
+            return bool(reports)
+
+        await until(reported, "the loss to be reported")
+
+    lock_lost.connect(receiver, weak=False)
+    try:
+        run(redis_server, body)
+    finally:
+        lock_lost.disconnect(receiver)
+    assert [(report["key"], report["reason"]) for report in reports] == [(name, "not owned")]

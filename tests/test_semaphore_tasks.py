@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any, cast
@@ -12,13 +13,13 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redislock import LockConfigurationError, task_lock_key
+from celery_redislock import LockConfigurationError, signals, task_lock_key
 from celery_redislock.lock import companion_key
 from celery_redislock.testing import RedisServer
 from tests import invariants
 from tests.taskapp import Recorder, make_app
 from tests.test_task_config import define, new_app, nothing_under
-from tests.workers import WorkerProcess, wait_for
+from tests.workers import WorkerProcess, threads_worker, wait_for
 
 RESULT_TIMEOUT = 30
 LIMIT = 3
@@ -212,3 +213,43 @@ def _queued(client: redis.Redis, key: str, task_id: str) -> bool:
     """Whether the run of ``task_id`` waits in the lock's queue (a member names its holder)."""
     members = cast("list[bytes]", client.zrange(companion_key(key, "queue"), 0, -1))
     return any(f"task={task_id} ".encode() in member for member in members)
+
+
+def test_a_lost_permit_is_signalled_under_the_runs_lock_key(redis_server: RedisServer, prefix: str) -> None:
+    """A run of a ``lock_limit`` task whose permit is lost: ``lock_lost`` names the key its
+    ``lock_acquired`` named (``task_lock_key``), not the permit's."""
+    app = new_app(redis_server.url, prefix)
+    lost = threading.Event()
+    acquired: list[str] = []
+    reports: list[dict[str, Any]] = []
+
+    def body(self: Any, x: str) -> bool:
+        return lost.wait(RESULT_TIMEOUT)  # until the loss is reported
+
+    task = define(app, body, bind=True, lock_limit=2, lock_ttl=0.6)
+    key = task_lock_key(task, ("x",))
+
+    def on_acquired(sender: Any = None, **fields: Any) -> None:
+        if sender is task:
+            acquired.append(fields["key"])
+
+    def on_lost(sender: Any = None, **fields: Any) -> None:
+        if getattr(sender, "task_name", None) == task.name:
+            reports.append(fields)
+            lost.set()
+
+    signals.lock_acquired.connect(on_acquired, weak=False)
+    signals.lock_lost.connect(on_lost, weak=False)
+    try:
+        with threads_worker(app):
+            result = task.delay("x")
+            wait_for(lambda: acquired, what="the run to take a permit")
+            with redis_server.client() as client:
+                client.delete(*(companion_key(key, f"permit:{i}") for i in (1, 2)))
+            assert result.get(timeout=RESULT_TIMEOUT) is True
+    finally:
+        signals.lock_acquired.disconnect(on_acquired)
+        signals.lock_lost.disconnect(on_lost)
+        app.close()
+    assert acquired == [key]
+    assert [(report["key"], report["reason"]) for report in reports] == [(key, "not owned")]
