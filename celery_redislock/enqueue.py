@@ -78,7 +78,7 @@ from .protocol import (
 )
 from .telemetry import counted, log_fields
 
-__all__ = ["checked_delay", "duplicate", "enqueue", "enqueue_retry", "superseded"]
+__all__ = ["checked_delay", "dropped_as_superseded", "duplicate", "enqueue", "enqueue_retry", "superseded"]
 
 logger = logging.getLogger(__name__)
 
@@ -384,6 +384,11 @@ def duplicate(task: Any, key: str, holder: str | None, ttl: float | None, *, dis
     raise DuplicateTask(key, existing, holder, ttl)
 
 
+def dropped_as_superseded(request: Any) -> bool:
+    """Whether ``superseded`` found the worker's message ``request`` superseded (it is dropped)."""
+    return bool(getattr(request, "lock_superseded", False))
+
+
 def superseded(task: Any, client: Any, request: Any, *, free: bool = False, count: bool = True) -> bool:
     """Whether the worker's message ``request`` was superseded by a later replacing call (its
     first attempt's enqueue lock taken over): then it is dropped, logged and signalled.
@@ -395,7 +400,8 @@ def superseded(task: Any, client: Any, request: Any, *, free: bool = False, coun
     message is the same first attempt, its body not run yet: it is. The mark
     stays, as dropped, as long as the lock could have lived: a copy of the
     message delivered again (``acks_late``) is dropped too. ``count``: record
-    the outcome ``superseded`` (not where the caller records the run's own).
+    the outcome ``superseded`` (not where the caller records the run's own:
+    ``dropped_as_superseded`` then tells it).
     """
     ticket = None if request is None else request_ticket(request)
     if ticket is None:
@@ -416,6 +422,7 @@ def superseded(task: Any, client: Any, request: Any, *, free: bool = False, coun
         ticket[0],
         extra=log_fields(ticket[0], request.id, outcome="superseded"),
     )
+    request.lock_superseded = True
     if count:
         counted(task.name, task.lock_options.mode, "superseded")
     signals.task_deduplicated.send(

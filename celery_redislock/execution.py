@@ -48,7 +48,7 @@ from .attempt import hostname, seconds_left
 from .busy import when_busy
 from .config import AppSettings, LockOptions, check_task_id, run_key
 from .connection import ClientUnavailable, client_for
-from .enqueue import checked_delay, enqueue_retry, give_up_ticket, superseded
+from .enqueue import checked_delay, dropped_as_superseded, enqueue_retry, give_up_ticket, superseded
 from .exceptions import LockKeyError, LockNotReplicated, RedisLockError
 from .found import Found
 from .inventory import release_token
@@ -273,7 +273,7 @@ class Execution:
         # frees it then if the message is acknowledged for good (``LockedRequest``).
         ticket_to_free = self.ticket if self.options.rules.frees_ticket else None
         try:
-            taken = self.lock is None or self.take(self.lock)
+            taken = self.lock is None or self.take(self.lock, ticket_to_free)
         except (Retry, Ignore):
             raise
         except BaseException as exc:
@@ -287,10 +287,8 @@ class Execution:
                     else:
                         self._free_unadopted_hold(exc)
             raise
-        if ticket_to_free is not None and self._free_message_lock(ticket_to_free, self.lock):
-            if taken and self.lock is not None:  # superseded since the check above: dropped
-                release(self.task, self.lock, self.task_id)
-            return False
+        if self.lock is None and ticket_to_free is not None and self._free_message_lock(ticket_to_free, None):
+            return False  # superseded since the check above: dropped
         return taken
 
     def _free_unadopted_hold(self, failure: BaseException) -> None:
@@ -318,12 +316,22 @@ class Execution:
         why = f"task {self.task.name}[{self.task_id}] failed before adopting its hold"
         give_up_ticket(self.client, ticket, request_continues_hold(self.request), self.options, why)
 
-    def take(self, lock: ExecutionLock) -> bool:
-        """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it):
-        ``False`` to skip the body; raises for ``raise``, ``retry``, a timed-out ``wait``."""
+    def take(self, lock: ExecutionLock, ticket_to_free: tuple[str, str] | None) -> bool:
+        """Take ``lock`` (adopting the message's enqueue lock where the mode keeps it), then free
+        ``ticket_to_free`` (the message's enqueue lock, where the mode frees it): ``False`` to skip
+        the body; raises for ``raise``, ``retry``, a timed-out ``wait``. The acquisition's outcome
+        is the run's one: ``superseded`` where the message was dropped as superseded, found so at
+        any step here (its lock let go of at once), not also ``acquired`` or ``busy-skip``."""
         spans = self.settings.spans
         with telemetry.Acquisition(self.task.name, self.options.mode, lock, spans) as acquisition:
-            acquisition.taken = self._take(lock, acquisition)
+            taken = self._take(lock, acquisition)
+            if ticket_to_free is not None and self._free_message_lock(ticket_to_free, lock):
+                if taken:  # superseded since the check in ``_begin``: dropped
+                    release(self.task, lock, self.task_id)
+                taken = False
+            acquisition.taken = taken
+            if dropped_as_superseded(self.request):
+                acquisition.outcome = "superseded"
         return acquisition.taken
 
     def _take(self, lock: ExecutionLock, acquisition: telemetry.Acquisition) -> bool:
@@ -334,8 +342,7 @@ class Execution:
                 # Refused: a replacing call took the lock over, or did and gave it back since (its
                 # send failed: UNREPLACE). Dropped if still superseded (DROP marks it dropped, so
                 # the lock cannot come back to it), else the lock may be this message's again.
-                if superseded(self.task, self.client, self.request, count=False):
-                    acquisition.busy = True  # counted once, as the acquisition's (as ``busy._dropped``)
+                if superseded(self.task, self.client, self.request, count=False):  # counted by ``take``
                     return False
                 busy = adopt(lock, ticket[1])
             if busy is None:
@@ -620,7 +627,8 @@ class Execution:
         """
         try:
             if self.options.duplicate == "replace":  # checked and freed in one step
-                return superseded(self.task, self.client, self.request, free=True)
+                # counted here only for a run without an execution lock: else by its acquisition
+                return superseded(self.task, self.client, self.request, free=True, count=self.lock is None)
             if not release_token(self.client, *ticket):
                 logger.debug(
                     "task %s[%s]: its enqueue lock had already gone",

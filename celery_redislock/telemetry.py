@@ -492,20 +492,24 @@ class Acquisition(_Step):
     ``redislock.lock.acquisitions``.
 
     The block sets ``busy`` once the lock was found held and ``taken`` to what it
-    decided; a busy policy's exception is an outcome too (``_RAISED``), any other
+    decided, or ``outcome`` to one these do not tell (``superseded``: the message dropped);
+    a busy policy's exception is an outcome too (``_RAISED``), any other
     exception records none and fails the step.
     """
 
     NAME = "redislock.acquire"
     SECONDS = "waited"
-    __slots__ = ("busy", "taken")
+    __slots__ = ("busy", "outcome", "taken")
 
     def __init__(self, task: str, mode: str, lock: Any, spans: str) -> None:
         super().__init__(task, mode, lock, spans)
         self.busy = self.taken = False
+        self.outcome: str | None = None
 
     def _outcome_of(self, kind: type[BaseException] | None) -> str | None:
         if kind is None:
+            if self.outcome is not None:
+                return self.outcome
             return ("busy-wait" if self.busy else "acquired") if self.taken else "busy-skip"
         return next((name for raised, name in _RAISED.items() if issubclass(kind, raised)), None)
 

@@ -744,7 +744,8 @@ def test_a_message_superseded_after_its_check_counts_one_outcome(
     otel: Otel,
 ) -> None:
     """until_executed: a replacing call lands between the run's check and its adoption of the lock;
-    the run, dropped, counts one outcome (its acquisition's), not also ``superseded``."""
+    the run, dropped, counts one outcome, its acquisition's: ``superseded`` (as a message dropped
+    at its check, and as its ``lock_busy`` says where it finds the lock busy), not ``busy-skip``."""
     task = define(app, "counted_once", lock_mode="until_executed", lock_duplicate="replace")
     later: list[AsyncResult[Any]] = []
     adopt = run_lock.adopt
@@ -766,7 +767,39 @@ def test_a_message_superseded_after_its_check_counts_one_outcome(
         )
         for outcome in ("acquired", "busy-skip", "superseded")
     }
-    assert outcomes == {"acquired": 1, "busy-skip": 1, "superseded": 0}
+    assert outcomes == {"acquired": 1, "busy-skip": 0, "superseded": 1}
+
+
+def test_a_message_superseded_once_it_took_its_execution_lock_counts_one_outcome(
+    app: Celery, otel: Otel, dropped: list[dict[str, Any]]
+) -> None:
+    """until_and_while_executing: a replacing call lands after the run took its execution lock,
+    before it freed its enqueue lock; the run, dropped, counts one outcome, ``superseded``, not
+    also ``acquired``, and no hold (its lock was let go of at once); the later call's run counts
+    ``acquired``."""
+    mode = "until_and_while_executing"
+    task = define(app, "superseded_holding", lock_mode=mode, lock_duplicate="replace")
+    later: list[AsyncResult[Any]] = []
+
+    def replace_now(sender: Any = None, **_: Any) -> None:
+        if sender.name == task.name and not later:
+            later.append(task.apply_async(("x", 2)))
+
+    signals.lock_acquired.connect(replace_now, weak=False)
+    try:
+        first = task.apply_async(("x", 1))
+        with threads_worker(app):
+            assert first.get(timeout=RESULT_TIMEOUT) is None
+            assert later[0].get(timeout=RESULT_TIMEOUT) == 2
+    finally:
+        signals.lock_acquired.disconnect(replace_now)
+    assert [fields["superseded_task_id"] for fields in dropped] == [first.id]
+    outcomes = {
+        outcome: otel.count("redislock.lock.acquisitions", task=task.name, mode=mode, outcome=outcome)
+        for outcome in ("acquired", "busy-skip", "superseded")
+    }
+    assert outcomes == {"acquired": 1, "busy-skip": 0, "superseded": 1}
+    assert otel.count("redislock.lock.held", task=task.name, mode=mode) == 1
 
 
 def test_a_replacing_call_whose_send_fails_as_the_queued_message_starts_leaves_that_message_to_run(
