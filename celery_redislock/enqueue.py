@@ -85,6 +85,9 @@ logger = logging.getLogger(__name__)
 
 #: (holder, seconds left) of an enqueue lock found held and not taken over.
 _Busy = tuple[str | None, float | None]
+#: What a take of an enqueue lock came to: ``None``, taken (free); an outcome to count once the
+#: message is sent (``"duplicate-replaced"``: taken over from a queued message); or ``_Busy``.
+_Taken = _Busy | str | None
 
 
 def enqueue(
@@ -163,10 +166,6 @@ def _send_locked(
     lock_options: LockOptions = task.lock_options
     retries, depth = sent_attempt(options)
     holder = holder_for(task_id, retries, hostname(), current_pid(), "queued", depth)
-    # Celery's Task.apply_async adds the task's own ``expires`` (``@app.task(expires=...)``, or
-    # task_annotations) under the call's: the message expires then, and so must its lock.
-    if "expires" not in options and getattr(task, "expires", None) is not None:
-        options = {**options, "expires": task.expires}
     ttl = _queue_ttl(task, lock_options, options)
     if lock_options.duplicate == "replace" and canvas_member(options):
         raise LockConfigurationError(
@@ -179,11 +178,12 @@ def _send_locked(
     try:
         client, url = client_for(task.app)
         undo = _undo_for(lock_options, client, key, token)
-        busy = take(task, client, key, ttl, holder, task_id, token)
-        if busy is None:
-            headers[HEADER] = {"key": key, "token": token, FRESH: True}  # no run held it
-            sending = True
-            return send(task_id), None
+        taken = take(task, client, key, ttl, holder, task_id, token)
+        if isinstance(taken, tuple):
+            return None, taken
+        headers[HEADER] = {"key": key, "token": token, FRESH: True}  # no run held it
+        sending = True
+        sent = send(task_id)
     except BaseException as exc:
         failed = not sending and isinstance(exc, (redis.RedisError, LockNotReplicated))
         if undo is not None and not failed:  # a failed take gave back what it may have taken itself
@@ -195,7 +195,9 @@ def _send_locked(
         # the ticket all the same, so that its worker adopts or frees what it left, owner-checked.
         headers[HEADER] = {"key": key, "token": token, FRESH: True}
         return send(task_id), None
-    return None, busy
+    if taken is not None:  # counted once sent: the take of a call left unsent was undone
+        counted(task.name, lock_options.mode, taken)
+    return sent, None
 
 
 def _take_failed(task: Any, key: str, task_id: str, url: str, exc: BaseException) -> None:
@@ -244,6 +246,10 @@ _TIMING = {
 def _queue_ttl(task: Any, lock_options: LockOptions, options: Mapping[str, Any]) -> float:
     """How long the enqueue lock of a message sent with ``options`` lives: while it waits. A
     ``countdown``, ``eta`` or ``expires`` that is no time raises ``LockConfigurationError`` naming it."""
+    # Celery's Task.apply_async adds the task's own ``expires`` (``@app.task(expires=...)``, or
+    # task_annotations) under the call's: the message expires then, and so must its lock.
+    if "expires" not in options and getattr(task, "expires", None) is not None:
+        options = {**options, "expires": task.expires}
     ttl = lock_options.queue_ttl + checked_delay(task, options)
     if options.get("expires") is not None:
         ttl = min(ttl, max(seconds_until(options["expires"]), 0.001))
@@ -290,9 +296,7 @@ def _undo_for(lock_options: LockOptions, client: Any, key: str, token: str) -> C
     return partial(release_token, client, key, token)
 
 
-def _acquire(
-    task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str, token: str
-) -> _Busy | None:
+def _acquire(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str, token: str) -> _Taken:
     """Take ``key`` for ``token`` if it is free (``lock_duplicate`` ``"return"`` or ``"raise"``):
     ``None`` once taken, else who holds it. A take that raises a Redis error or
     ``LockNotReplicated`` was given back (by ``RedisLock``)."""
@@ -305,12 +309,10 @@ def _acquire(
     return None
 
 
-def _replace(
-    task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str, token: str
-) -> _Busy | None:
+def _replace(task: Any, client: Any, key: str, ttl: float, holder: str, task_id: str, token: str) -> _Taken:
     """Take ``key`` for ``token``, free or from the queued message holding it
-    (``lock_duplicate="replace"``): ``None`` once taken, else who holds it. A take that raises a
-    Redis error was given back."""
+    (``lock_duplicate="replace"``): ``None`` once taken free, ``"duplicate-replaced"`` once taken
+    over, else who holds it. A take that raises a Redis error was given back."""
     try:
         reply = REPLACE(client, [key], [token, holder, to_ms(ttl), task_id])
     except redis.RedisError:  # the script may have run (a lost reply): undo it
@@ -331,7 +333,7 @@ def _replace(
             parse_holder(old_holder).get("task"),
             extra=log_fields(key, task_id, old_holder, outcome="duplicate-replaced"),
         )
-        counted(task.name, task.lock_options.mode, "duplicate-replaced")
+        return "duplicate-replaced"
     return None
 
 

@@ -231,6 +231,23 @@ def test_a_replacing_call_that_cannot_be_sent_gives_the_lock_back(app: Celery, m
     client.delete(key)  # until_expired keeps it for its period
 
 
+def test_a_replacing_call_that_cannot_be_sent_counts_no_replacement(app: Celery, otel: Otel) -> None:
+    """``duplicate-replaced`` counts a call that took the lock over and was sent: one whose send
+    failed gave the lock back and replaced nothing; the next one that is sent counts."""
+    task = define(app, "unsent_counted", lock_mode="until_executed", lock_duplicate="replace")
+    attributes = {"task": task.name, "mode": "until_executed", "outcome": "duplicate-replaced"}
+    queued = task.apply_async(("x", 1))
+    with pytest.raises(EncodeError):
+        task.apply_async(("x", object()))  # the key is made of x alone: only sending fails
+    assert otel.count("redislock.lock.acquisitions", **attributes) == 0
+    later = task.apply_async(("x", 2))
+    assert otel.count("redislock.lock.acquisitions", **attributes) == 1
+    with threads_worker(app):
+        assert later.get(timeout=RESULT_TIMEOUT) == 2
+        assert queued.get(timeout=RESULT_TIMEOUT) is None  # superseded by the later call: dropped
+    assert [event[0] for event in runs(app, "x")] == ["start@2"]
+
+
 QUEUED = holder_for("a", 0, "node", 1, "queued")
 TOKENS = ["a" * 32, "b" * 32, "c" * 32]
 
