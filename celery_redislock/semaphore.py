@@ -70,7 +70,8 @@ class PermitBook:
 
 
 def release_permit_held_by(client: Any, name: str, limit: int, holder: str) -> bool:
-    """Release the permit of ``name`` that ``holder`` holds (two round trips); whether one was.
+    """Release the permit of ``name`` that ``holder`` holds (two round trips); whether one was
+    (also when the client's retry policy sent the release again after its first send freed it).
 
     For a process that cleans up after another (the worker's main process after
     a pool child died), as ``inventory.release_held_by`` for a lock: the token
@@ -79,7 +80,7 @@ def release_permit_held_by(client: Any, name: str, limit: int, holder: str) -> b
     for value in client.mget(PermitBook(name, limit).keys):
         found = parse_value(value)
         if found is not None and found.holder == holder:
-            return bool(int(RELEASE_PERMIT(client, [name], [found.token, "", limit])))
+            return RELEASE_PERMIT.freed(client, [name], [found.token, "", limit])
     return False
 
 

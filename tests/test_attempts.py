@@ -25,13 +25,15 @@ from celery.exceptions import Reject
 from celery.signals import task_postrun, task_rejected, task_revoked
 from redis.connection import AbstractConnection
 
-from celery_redislock import LockedTask, RedisLock, task_lock_key
+from celery_redislock import LockedTask, RedisLock, RedisSemaphore, task_lock_key
+from celery_redislock._permit_scripts import RELEASE_PERMIT
 from celery_redislock._scripts import RELEASE, RENEW, Script
 from celery_redislock._task_scripts import ADOPT, CLAIM, DECLINE, PARK, SETTLE
 from celery_redislock.enqueue import give_up_ticket
 from celery_redislock.inventory import read_lock, release_token
 from celery_redislock.lock import companion_key
 from celery_redislock.protocol import BEAT_HEADER, FRESH, HEADER, holder_for, parse_holder, parse_value
+from celery_redislock.semaphore import release_permit_held_by
 from celery_redislock.state import LockClient, app_state
 from celery_redislock.testing import RedisServer
 from tests.invariants import stored
@@ -1180,6 +1182,28 @@ def test_a_message_lock_release_sent_again_after_a_lost_reply_is_reported_releas
         with first_reply_lost(RELEASE) as lost:
             assert give_up_ticket(retrying, (key, token), False, None, "a test") == "released"
         assert lost == [1] and not retrying.exists(key)
+    finally:
+        retrying.close()
+
+
+def test_a_dead_childs_permit_release_sent_again_after_a_lost_reply_is_reported_released(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The worker's main process frees the permit of a pool child that died
+    (``release_permit_held_by``, a ``lock_limit`` run's); the release's reply is lost and the
+    client's retry policy sends it again, whose run finds the permit gone, as its first run left
+    it. Reported released (``crash_released``: ``redislock.lock.crash_releases`` and its WARNING),
+    as ``release_held_by`` reports a lock's; before, not released."""
+    retrying = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    assert (retry := retrying.get_retry()) is not None and retry.get_retries() > 0
+    name, holder = f"{prefix}:dead-child", holder_for("t", 0, "node", 1)
+    dead = RedisSemaphore(retrying, name, 2, ttl=30, watchdog=False, holder=holder)
+    assert dead.acquire(blocking=False)
+    retrying.script_load(RELEASE_PERMIT.source)  # its first send runs it (no NOSCRIPT reply to lose)
+    try:
+        with first_reply_lost(RELEASE_PERMIT) as lost:
+            assert release_permit_held_by(retrying, name, 2, holder)
+        assert lost == [1] and not retrying.exists(companion_key(name, "permit:1"))
     finally:
         retrying.close()
 
