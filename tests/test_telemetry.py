@@ -285,6 +285,49 @@ def test_busy_and_duplicate_outcomes_are_counted_and_signalled(
     app.close()
 
 
+def test_receivers_that_raise_change_no_outcome_and_leave_no_lock(
+    fresh_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver of each of the package's signals raises: Celery logs it, and each run, refusal
+    and release goes on as without it; no lock is left in Redis (the invariants, at teardown)."""
+    app = make_app(fresh_server.url, prefix, f"q-{prefix}")
+    skip, until = app.tasks["taskapp.hold_skip"], app.tasks["taskapp.until_executed"]
+    raised: list[str] = []
+
+    def raising(name: str) -> Any:
+        def receive(sender: Any = None, **_: Any) -> None:
+            raised.append(name)
+            raise RuntimeError(f"a {name} receiver fails")
+
+        return receive
+
+    receivers = {name: raising(name) for name in signals.__all__}
+    for name, receive in receivers.items():
+        getattr(signals, name).connect(receive, weak=False)
+    try:
+        with threads_worker(app):
+            first = skip.delay("y", gate=True)
+            wait_for(lambda: recorder(app).events(), what="the first run to start")
+            assert skip.delay("y", gate=True).get(timeout=30) is None  # skipped: the lock is held
+            queued = until.delay("z", gate=True)
+            assert until.delay("z", gate=True).id == queued.id  # refused: returns the queued one
+            recorder(app).open_gate("y")
+            recorder(app).open_gate("z")
+            assert first.get(timeout=30) == "y" and queued.get(timeout=30) == "z"
+            wait_for(lambda: raised.count("lock_released") == 2, what="both releases announced")
+        with fresh_server.client() as client:
+            lock = RedisLock(client, f"{prefix}:lost", ttl=0.6)
+            assert lock.acquire()
+            client.delete(lock.name)
+            wait_for(lambda: "lock_lost" in raised, what="the loss reported")
+    finally:
+        for name, receive in receivers.items():
+            getattr(signals, name).disconnect(receive)
+        app.close()
+    assert sorted(set(raised)) == sorted(signals.__all__)
+    assert any("a lock_released receiver fails" in record.getMessage() for record in caplog.records)
+
+
 @pytest.mark.parametrize(
     ("spans", "instrumented"),
     [pytest.param("auto", False, id="auto-without-a-task-span"), pytest.param("never", True, id="never")],
