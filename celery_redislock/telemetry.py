@@ -20,7 +20,7 @@ the API's proxies would drop it), and until it sets a ``TracerProvider`` they
 make no span (``"always"``): see ``_meter_provider_set``. A process that exits
 without a last collection (a prefork pool child, which the SDK does not shut
 down) loses what it recorded since its last one, buffered or not, as the SDK
-would. A forked child hands over only the values it recorded itself.
+would. A forked child reports only the counts and values it recorded itself.
 
 A run's acquisition and release are traced as ``redislock_spans`` says, in
 the span current when the step began (a run's release may be over later,
@@ -142,17 +142,19 @@ class Counts:
     """The cumulative sums of a counter, by attributes: ``add`` costs a dict update, and the
     SDK reads them at each collection (``observe``, the asynchronous counter's callback).
 
-    A forked child starts from its parent's sums, as the SDK's own aggregations do, with a
-    new lock (the parent's may have been held by another thread at the fork).
+    Each process reports what it counted itself: a forked child starts from no sums (a prefork
+    pool child forked after the main process counted crash releases would serve them too, and
+    every scrape summing the worker's processes count them again), with a new lock (the
+    parent's may have been held by another thread at the fork).
     """
 
     def __init__(self) -> None:
         self._sums: dict[tuple[tuple[str, str], ...], int] = {}
         self._lock = threading.Lock()  # watchdog and pool threads add too
-        _in_forked_child(self._new_lock)
+        _in_forked_child(self._forget)
 
-    def _new_lock(self) -> None:
-        self._lock = threading.Lock()
+    def _forget(self) -> None:
+        self._sums, self._lock = {}, threading.Lock()
 
     def add(self, amount: int, attributes: tuple[tuple[str, str], ...]) -> None:
         """Add ``amount`` at ``attributes`` (name, value pairs, the same order each time)."""

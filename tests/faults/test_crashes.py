@@ -240,6 +240,50 @@ def test_a_crash_release_is_counted_by_the_main_process(
     worker.wait_for_line("released its lock", what="the release logged")
 
 
+def two_free_ports() -> int:
+    """A port P such that P and P + 1 are free on 127.0.0.1 now (not ``examples.prometheus_worker``'s
+    ``free_ports``: importing the example here would connect its ``worker_init`` receiver, which
+    sets the global MeterProvider, in the test process)."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port: int = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:  # taken: try another pair
+                continue
+            return port
+
+
+def test_a_pool_child_forked_after_a_crash_release_does_not_report_it_as_its_own(
+    stage: Stage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each process reports what it counted itself: a pool child the main process forks once it
+    counted a crash release (here, the replacement of a child killed after that) serves none of
+    it; else each child forked since counted it again, as a scrape of all the worker's ports
+    (``examples/prometheus_worker.py``) sums them."""
+    port = two_free_ports()  # the main process's, and its one pool child's (index 0)
+    monkeypatch.setenv("METRICS_PORT", str(port))  # the worker's tests.taskapp loads the example
+    worker = stage.worker("prefork", "prefork", 1, redislock_ttl=LONG_TTL)
+    x, task = fresh(), stage.task("hold_wait")
+    first = task.delay(x, gate=True)
+    os.kill(int(stage.wait_events("start", x)[0][4]), signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        first.get(timeout=RESULT_TIMEOUT)
+    wait_for(lambda: crash_releases(port, task.name) == 1, what="the crash release to be counted")
+    worker.wait_for_line("released its lock", what="the release logged")
+    # The child that replaced the killed one may have been forked before the count: kill it, idle.
+    y = fresh()
+    assert task.delay(y).get(timeout=RESULT_TIMEOUT) == y
+    replaced = int(stage.wait_events("start", y)[0][4])
+    os.kill(replaced, signal.SIGKILL)
+    z = fresh()
+    assert task.delay(z).get(timeout=RESULT_TIMEOUT) == z
+    assert int(stage.wait_events("start", z)[0][4]) != replaced  # run by a child forked since
+    assert crash_releases(port + 1, task.name) == 0
+    assert crash_releases(port, task.name) == 1
+
+
 def test_until_expired_keeps_the_hold_of_a_run_that_ended_before_its_child_died_and_its_message_came_back(
     stage: Stage,
 ) -> None:
