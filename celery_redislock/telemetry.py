@@ -100,7 +100,7 @@ logger = logging.getLogger(__name__)
 #: (held: skipped, or ignored as a redelivered or stale copy), ``busy-retry`` (held: retried
 #: later), ``busy-raise`` (held: ``LockNotAcquired``, also a wait that timed out),
 #: ``busy-reject`` (held: the message rejected), ``duplicate-refused`` (an enqueue refused),
-#: ``duplicate-replaced`` (an enqueue that took the lock over from the queued message),
+#: ``duplicate-replaced`` (an enqueue, once sent, that took the lock over from the queued message),
 #: ``superseded`` (that message dropped by a worker), ``slot-dropped`` (a beat slot's
 #: duplicate message dropped).
 OUTCOMES = (
