@@ -52,11 +52,21 @@ def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
         "1",
         "-subj",
         "/CN=redislock test CA",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
     )
     _openssl(
         directory, "req", *curve, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"
     )
-    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    # what Python 3.13's strict verification (ssl.VERIFY_X509_STRICT) asks of a server certificate
+    (directory / "san.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+        "basicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
+        "subjectKeyIdentifier=hash\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+    )
     _openssl(
         directory,
         "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
