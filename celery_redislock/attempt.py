@@ -109,11 +109,11 @@ def lease_seconds(ttl: object, watchdog: bool) -> float:
 
 
 def flag(value: object, what: str) -> bool:
-    """``value`` if it is a bool, else ``LockConfigurationError`` naming ``what`` (a str such as
-    ``"no"`` or ``"false"`` would be taken as true)."""
-    if not isinstance(value, bool):
+    """``value``'s truth (``blocking=1``, as ``threading.Lock`` takes it), but for a str or bytes:
+    ``LockConfigurationError`` naming ``what`` (a ``"no"`` or ``"false"`` would be true)."""
+    if isinstance(value, (str, bytes)):
         raise LockConfigurationError(f"{what} must be True or False, got {value!r}")
-    return value
+    return bool(value)
 
 
 def lock_name(name: object) -> str:

