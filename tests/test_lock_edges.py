@@ -835,6 +835,24 @@ def waiting_run(own: RedisLock) -> Found:
     return Found(None, options, own, None, (), {}, RUN, LEASE, now, now, now)  # type: ignore[arg-type]
 
 
+def interrupted_as_the_run_lets_go(
+    client: redis.Redis, name: str, run: RedisLock, wait: Callable[[], Any]
+) -> None:
+    """``wait`` (a waiter's wait for ``run``'s hold of ``name``) is cut short by ``Interrupt``
+    once ``run`` released, handing the hold over: nothing is left of that hold."""
+
+    def release_once_waited_for() -> None:
+        wait_until_queued(client, name)
+        run.release()
+
+    ended = threading.Thread(target=release_once_waited_for)
+    ended.start()
+    with pytest.raises(Interrupt):
+        wait()
+    ended.join()
+    assert not client.exists(name), "the hold handed over stayed with a token nobody knows"
+
+
 def copy_or_later(kind: str, client: redis.Redis, name: str) -> tuple[RedisLock, Callable[[Found], object]]:
     """The waiter of ``kind`` for the run's hold of ``name``, and how it waits: a redelivered copy
     (``redelivery.watch_until``) or a later attempt (``busy``'s earlier-run wait)."""
@@ -914,16 +932,7 @@ def test_a_watcher_interrupted_as_its_wait_returns_the_hold_handed_to_it_gives_i
 
     monkeypatch.setattr(module, "watch_end", interrupted)
 
-    def release_once_waited_for() -> None:
-        wait_until_queued(client, name)
-        run.release()
-
-    ended = threading.Thread(target=release_once_waited_for)
-    ended.start()
-    with pytest.raises(Interrupt):
-        wait(waiting_run(waiter))
-    ended.join()
-    assert not client.exists(name), "the hold handed over stayed with a token nobody knows"
+    interrupted_as_the_run_lets_go(client, name, run, lambda: wait(waiting_run(waiter)))
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 
@@ -975,16 +984,7 @@ def test_a_hold_handed_to_a_watcher_as_an_interrupt_lands_is_given_back(
     else:
         monkeypatch.setattr(busy, "adopt", interrupted)
 
-    def release_once_waited_for() -> None:
-        wait_until_queued(client, name)
-        run.release()
-
-    ended = threading.Thread(target=release_once_waited_for)
-    ended.start()
-    with pytest.raises(Interrupt):
-        wait(waiting_run(waiter))
-    ended.join()
-    assert not client.exists(name), "the hold handed over stayed with a token nobody knows"
+    interrupted_as_the_run_lets_go(client, name, run, lambda: wait(waiting_run(waiter)))
     assert sorted(client.scan_iter(match=f"*{prefix}*")) == []
 
 

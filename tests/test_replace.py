@@ -382,16 +382,13 @@ def test_an_interrupted_replace_is_undone(app: Celery, interrupt_read: Arm) -> N
     assert [event[0] for event in runs(app, "x")] == ["start@1"]
 
 
-def test_a_message_taken_over_after_its_check_but_before_its_enqueue_lock_went_is_dropped(
-    app: Celery, dropped: list[dict[str, Any]]
-) -> None:
-    """until_and_while_executing: a replacing call lands after the run checked for being superseded,
-    before it freed its enqueue lock: the run is dropped (its execution lock released), and the
-    replacing call's message runs, once."""
-    task = define(app, "late_replace", lock_mode="until_and_while_executing", lock_duplicate="replace")
+def replaced_once_its_run_took_its_lock(app: Celery, task: Task[Any, Any]) -> AsyncResult[Any]:
+    """Sends ``task("x", 1)``, whose run, once it took its lock (``lock_acquired``), is replaced
+    by a call ``task("x", 2)``; runs both on a worker: the first ends with ``None``, the call
+    with 2. The first's result."""
     later: list[AsyncResult[Any]] = []
 
-    def replace_now(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    def replace_now(sender: Any = None, **_: Any) -> None:
         if sender.name == task.name and not later:
             later.append(task.apply_async(("x", 2)))
 
@@ -403,6 +400,17 @@ def test_a_message_taken_over_after_its_check_but_before_its_enqueue_lock_went_i
             assert later[0].get(timeout=RESULT_TIMEOUT) == 2
     finally:
         signals.lock_acquired.disconnect(replace_now)
+    return first
+
+
+def test_a_message_taken_over_after_its_check_but_before_its_enqueue_lock_went_is_dropped(
+    app: Celery, dropped: list[dict[str, Any]]
+) -> None:
+    """until_and_while_executing: a replacing call lands after the run checked for being superseded,
+    before it freed its enqueue lock: the run is dropped (its execution lock released), and the
+    replacing call's message runs, once."""
+    task = define(app, "late_replace", lock_mode="until_and_while_executing", lock_duplicate="replace")
+    first = replaced_once_its_run_took_its_lock(app, task)
     assert [fields["superseded_task_id"] for fields in dropped] == [first.id]
     assert [event[0] for event in runs(app, "x")] == ["start@2"]
 
@@ -796,20 +804,7 @@ def test_a_message_superseded_once_it_took_its_execution_lock_counts_one_outcome
     ``acquired``."""
     mode = "until_and_while_executing"
     task = define(app, "superseded_holding", lock_mode=mode, lock_duplicate="replace")
-    later: list[AsyncResult[Any]] = []
-
-    def replace_now(sender: Any = None, **_: Any) -> None:
-        if sender.name == task.name and not later:
-            later.append(task.apply_async(("x", 2)))
-
-    signals.lock_acquired.connect(replace_now, weak=False)
-    try:
-        first = task.apply_async(("x", 1))
-        with threads_worker(app):
-            assert first.get(timeout=RESULT_TIMEOUT) is None
-            assert later[0].get(timeout=RESULT_TIMEOUT) == 2
-    finally:
-        signals.lock_acquired.disconnect(replace_now)
+    first = replaced_once_its_run_took_its_lock(app, task)
     assert [fields["superseded_task_id"] for fields in dropped] == [first.id]
     outcomes = {
         outcome: otel.count("redislock.lock.acquisitions", task=task.name, mode=mode, outcome=outcome)

@@ -255,6 +255,21 @@ def test_a_busy_outcome_is_noted_on_the_task_span(
     app.close()
 
 
+def skipped_and_refused(app: Any) -> None:
+    """On ``app``'s running worker: a run of ``taskapp.hold_skip`` skipped (its lock held), and a
+    call of ``taskapp.until_executed`` refused as a duplicate of the queued one; both first calls
+    then end."""
+    skip, until = app.tasks["taskapp.hold_skip"], app.tasks["taskapp.until_executed"]
+    first = skip.delay("y", gate=True)
+    wait_for(lambda: recorder(app).events(), what="the first run to start")
+    assert skip.delay("y", gate=True).get(timeout=30) is None  # skipped: the lock is held
+    queued = until.delay("z", gate=True)
+    assert until.delay("z", gate=True).id == queued.id  # refused: returns the queued one
+    recorder(app).open_gate("y")
+    recorder(app).open_gate("z")
+    assert first.get(timeout=30) == "y" and queued.get(timeout=30) == "z"
+
+
 def test_busy_and_duplicate_outcomes_are_counted_and_signalled(
     otel: Otel, sent: Signals, fresh_server: RedisServer, prefix: str
 ) -> None:
@@ -268,14 +283,7 @@ def test_busy_and_duplicate_outcomes_are_counted_and_signalled(
         otel.count("redislock.lock.acquisitions", **refused),
     )
     with threads_worker(app):
-        first = skip.delay("y", gate=True)
-        wait_for(lambda: recorder(app).events(), what="the first run to start")
-        assert skip.delay("y", gate=True).get(timeout=30) is None  # skipped: the lock is held
-        queued = until.delay("z", gate=True)
-        assert until.delay("z", gate=True).id == queued.id  # refused: returns the queued one
-        recorder(app).open_gate("y")
-        recorder(app).open_gate("z")
-        assert first.get(timeout=30) == "y" and queued.get(timeout=30) == "z"
+        skipped_and_refused(app)
     assert otel.count("redislock.lock.acquisitions", **skipped) == skips + 1
     assert otel.count("redislock.lock.acquisitions", **refused) == refusals + 1
     assert [busy["outcome"] for busy in sent.of("lock_busy")] == ["busy-skip"]
@@ -291,7 +299,6 @@ def test_receivers_that_raise_change_no_outcome_and_leave_no_lock(
     """A receiver of each of the package's signals raises: Celery logs it, and each run, refusal
     and release goes on as without it; no lock is left in Redis (the invariants, at teardown)."""
     app = make_app(fresh_server.url, prefix, f"q-{prefix}")
-    skip, until = app.tasks["taskapp.hold_skip"], app.tasks["taskapp.until_executed"]
     raised: list[str] = []
 
     def raising(name: str) -> Any:
@@ -306,14 +313,7 @@ def test_receivers_that_raise_change_no_outcome_and_leave_no_lock(
         getattr(signals, name).connect(receive, weak=False)
     try:
         with threads_worker(app):
-            first = skip.delay("y", gate=True)
-            wait_for(lambda: recorder(app).events(), what="the first run to start")
-            assert skip.delay("y", gate=True).get(timeout=30) is None  # skipped: the lock is held
-            queued = until.delay("z", gate=True)
-            assert until.delay("z", gate=True).id == queued.id  # refused: returns the queued one
-            recorder(app).open_gate("y")
-            recorder(app).open_gate("z")
-            assert first.get(timeout=30) == "y" and queued.get(timeout=30) == "z"
+            skipped_and_refused(app)
             wait_for(lambda: raised.count("lock_released") == 2, what="both releases announced")
         with fresh_server.client() as client:
             lock = RedisLock(client, f"{prefix}:lost", ttl=0.6)
