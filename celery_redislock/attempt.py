@@ -47,6 +47,7 @@ __all__ = [
     "companion_key",
     "flag",
     "hostname",
+    "is_replica_count",
     "is_utf8",
     "lease_seconds",
     "lock_name",
@@ -62,6 +63,13 @@ MAX_TTL = 365 * 24 * 3600.0
 
 #: Most replicas an acquisition may wait for: the largest count Redis's ``WAIT`` takes.
 MAX_REPLICAS = 2**63 - 1
+
+
+def is_replica_count(value: object) -> bool:
+    """Whether ``value`` is a count of replicas an acquisition can wait for: an int (not a bool)
+    from 0 to ``MAX_REPLICAS``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_REPLICAS
+
 
 #: (holder description, its TTL in seconds) of a lock an attempt found busy; (None, None) before.
 Busy = tuple[str | None, float | None]

@@ -27,7 +27,7 @@ from celery import states
 from ._durations import seconds, to_ms
 from ._permit_scripts import MAX_LIMIT
 from ._urls import cluster_parts, listed, masked, url_problem
-from .attempt import MAX_REPLICAS, MAX_TTL, MIN_WATCHDOG_TTL, companion_key, is_utf8
+from .attempt import MAX_REPLICAS, MAX_TTL, MIN_WATCHDOG_TTL, companion_key, is_replica_count, is_utf8
 from .exceptions import LockConfigurationError
 from .keys import LockOn, call_digest, lock_key
 from .modes import MODE_RULES, UNLOCKED, ModeRules
@@ -451,7 +451,7 @@ def app_settings(app: Any) -> AppSettings:
         allowed = "allowed: a dict, e.g. {'master_name': ...}"  # the value may hold a password
         raise problem.of_type("redislock_transport_options", transport_options, allowed)
     replicas = setting("replicas")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= MAX_REPLICAS:
+    if not is_replica_count(replicas):
         raise problem("redislock_replicas", replicas, f"allowed: an int from 0 to {MAX_REPLICAS}")
     return AppSettings(
         url=url,

@@ -150,14 +150,15 @@ def _sentinel(url: str, transport_options: Mapping[str, Any], options: dict[str,
             "e.g. redislock_transport_options={'master_name': 'mymaster'}"
         )
     sentinels: list[tuple[str, int]] = []
-    for part in listed(url):
+    parts = listed(url)
+    for part in parts:
         parsed = urlsplit(part.strip())
         if parsed.scheme != "sentinel" or not parsed.hostname:
             raise LockConfigurationError(
                 f"{masked(url)!r}: {masked(part.strip())!r} is not a sentinel://host:port URL"
             )
         sentinels.append((parsed.hostname, parsed.port or 26379))
-    first = urlsplit(listed(url)[0].strip())  # the primary's credentials and db, as kombu reads them
+    first = urlsplit(parts[0].strip())  # the primary's credentials and db, as kombu reads them
     master: dict[str, Any] = {"db": int(first.path.strip("/") or 0)}
     if first.username:
         master["username"] = unquote(first.username)

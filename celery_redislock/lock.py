@@ -27,7 +27,7 @@ import redis.cluster
 from ._durations import Duration, seconds, to_ms
 from ._redis import FAILURES, PooledConnection, call_with_timeout, node_client, reply_grace, send_later
 from ._scripts import ACQUIRE, RELEASE, RENEW, bulk, plain_client
-from .attempt import MAX_REPLICAS, MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, owns
+from .attempt import MAX_REPLICAS, MAX_TTL, MIN_WATCHDOG_TTL, Attempt, companion_key, is_replica_count, owns
 from .exceptions import LockConfigurationError, LockNotReplicated
 from .primitive import LeaseLock
 from .redlock import Redlock
@@ -103,7 +103,7 @@ class RedisLock(LeaseLock, metaclass=abc.ABCMeta):
                 f"client must be a redis.Redis or redis.cluster.RedisCluster, got {type(client).__name__}"
             )
         super().__init__(name, ttl, watchdog=watchdog, fair=fair, timeout=timeout, holder=holder)
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= MAX_REPLICAS:
+        if not is_replica_count(replicas):
             raise LockConfigurationError(
                 f"replicas must be an int from 0 to {MAX_REPLICAS}, got {replicas!r}"
             )
