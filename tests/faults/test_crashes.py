@@ -227,6 +227,13 @@ def test_a_crash_release_is_counted_by_the_main_process(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    crash_release_counted(stage, monkeypatch, port)
+
+
+def crash_release_counted(stage: Stage, monkeypatch: pytest.MonkeyPatch, port: int) -> Any:
+    """A prefork worker of one pool child serving its metrics from ``port`` on
+    (``METRICS_PORT``); the child killed as it runs ``hold_wait``: the main process released
+    its lock and counted it, none counted before. The task."""
     monkeypatch.setenv("METRICS_PORT", str(port))  # the worker's tests.taskapp loads the example
     worker = stage.worker("prefork", "prefork", 1, redislock_ttl=LONG_TTL)
     x, task = fresh(), stage.task("hold_wait")
@@ -238,6 +245,7 @@ def test_a_crash_release_is_counted_by_the_main_process(
     wait_for(lambda: crash_releases(port, task.name) == 1, what="the crash release to be counted")
     # logged once the main process is done with the dead run's locks: maybe after it counted the release
     worker.wait_for_line("released its lock", what="the release logged")
+    return task
 
 
 def two_free_ports() -> int:
@@ -263,15 +271,7 @@ def test_a_pool_child_forked_after_a_crash_release_does_not_report_it_as_its_own
     it; else each child forked since counted it again, as a scrape of all the worker's ports
     (``examples/prometheus_worker.py``) sums them."""
     port = two_free_ports()  # the main process's, and its one pool child's (index 0)
-    monkeypatch.setenv("METRICS_PORT", str(port))  # the worker's tests.taskapp loads the example
-    worker = stage.worker("prefork", "prefork", 1, redislock_ttl=LONG_TTL)
-    x, task = fresh(), stage.task("hold_wait")
-    first = task.delay(x, gate=True)
-    os.kill(int(stage.wait_events("start", x)[0][4]), signal.SIGKILL)
-    with pytest.raises(WorkerLostError):
-        first.get(timeout=RESULT_TIMEOUT)
-    wait_for(lambda: crash_releases(port, task.name) == 1, what="the crash release to be counted")
-    worker.wait_for_line("released its lock", what="the release logged")
+    task = crash_release_counted(stage, monkeypatch, port)
     # The child that replaced the killed one may have been forked before the count: kill it, idle.
     y = fresh()
     assert task.delay(y).get(timeout=RESULT_TIMEOUT) == y
